@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; set TORCH= to another requirement (or keep an installed torch).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.psar-installed
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# --system-site-packages: a torch already importable here (a CUDA build, say) is kept.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
+	$(PIP) -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/psar compare quickstart --workers 2 --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/psar bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

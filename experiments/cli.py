@@ -1,0 +1,123 @@
+"""`psar`: the command line. Thin: the library does the work, errors become one line."""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import click
+
+from . import presets
+from .config import RunConfig, resolve
+from .engines import ENGINES
+from .overrides import OverrideError
+
+
+def _friendly(fn):
+    """Library errors reach the user as one line naming the problem, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except (OverrideError, ValueError, RuntimeError, OSError) as err:
+            raise click.ClickException(str(err)) from None
+
+    return wrapper
+
+
+def run_options(fn):
+    """Options shared by every command that resolves a run's config."""
+    options = [
+        click.option("--engine", type=click.Choice(list(ENGINES)), default=None,
+                     help="Gradient synchronisation engine."),
+        click.option("--steps", type=int, default=None, help="Optimizer steps (default: the experiment's)."),
+        click.option("--seed", type=int, default=None, help="Seed of model, data and shards."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Override any config key, e.g. --set allreduce.algorithm=ring."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def build_config(experiment: str, overrides=(), **fields) -> RunConfig:
+    return resolve(presets.get_preset(experiment), overrides, **fields)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.experiment}-{cfg.engine}-w{cfg.workers}-{stamp}"
+
+
+@click.group()
+def main() -> None:
+    """psar: parameter server or ring all-reduce? Train the same model both ways and compare."""
+
+
+@main.command("list")
+def list_cmd() -> None:
+    """List the named experiments and the engines."""
+    click.echo("experiments:")
+    for name in presets.PRESETS:
+        click.echo(f"  {name:15s} {presets.describe(name)}")
+    click.echo("engines:")
+    for spec in ENGINES.values():
+        click.echo(f"  {spec.name:15s} {spec.summary}")
+
+
+@main.command()
+@click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
+@click.option("--workers", type=int, default=None, help="Number of workers (data shards).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
+@run_options
+@_friendly
+def run(experiment, workers, out, engine, steps, seed, device, overrides) -> None:
+    """Train EXPERIMENT with one engine on this machine and write a run directory."""
+    from .launcher import launch
+
+    cfg = build_config(experiment, overrides, engine=engine, workers=workers, steps=steps,
+                       seed=seed, device=device)
+    run_dir = out or default_run_dir(cfg)
+    summary = launch(cfg, run_dir)
+    ev = ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items())
+    click.echo(f"{cfg.experiment}/{cfg.engine} x{cfg.workers}: final loss {summary['final_loss']:.4f}, "
+               f"eval {ev}, {summary['samples_per_sec']:.0f} samples/s")
+    click.echo(f"run directory: {run_dir}")
+
+
+@main.command()
+@click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
+@click.option("--rank", type=int, default=None, help="This worker's rank (default: $RANK).")
+@click.option("--world", type=int, default=None, help="Number of workers (default: $WORLD_SIZE).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Run directory (shared, or one per host; rank 0 writes the summary).")
+@run_options
+@_friendly
+def worker(experiment, rank, world, out, engine, steps, seed, device, overrides) -> None:
+    """Run one worker of a multi-node job (torchrun, Slurm or by hand).
+
+    All-reduce and ddp meet through torch.distributed's env:// rendezvous (MASTER_ADDR,
+    MASTER_PORT), e.g. `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:PORT
+    $(which psar) worker quickstart --engine allreduce --out runs/x`.
+    """
+    from .distenv import DistEnv
+    from .train import prepare_run_dir
+    from .worker import run_worker
+
+    env = DistEnv.from_environ(rank, world)
+    cfg = build_config(experiment, overrides, engine=engine, workers=env.world, steps=steps,
+                       seed=seed, device=device)
+    prepare_run_dir(cfg, out)
+    code = run_worker(out, env)
+    if code:
+        raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

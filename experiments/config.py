@@ -1,0 +1,142 @@
+"""The fully resolved configuration of one run: small frozen dataclasses, saved with every run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from allreduce.config import AllReduceConfig
+from ps.config import PSConfig
+
+from . import data, models
+from .overrides import OverrideError, apply_overrides, dumps, from_dict
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer every engine runs: locally (all-reduce, ddp, local) or on the server (ps-*)."""
+
+    name: str = "sgd"
+    """'sgd' (with optional momentum), 'adam' or 'adamw'."""
+    lr: float = 0.05
+    """Learning rate."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 penalty (decoupled for adamw)."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.999
+    """Adam's second-moment decay."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"optim.name={self.name!r}: expected sgd, adam or adamw")
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr}: must be > 0")
+
+    def build(self, params) -> torch.optim.Optimizer:
+        params = list(params)
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                                   weight_decay=self.weight_decay)
+        cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
+        return cls(params, lr=self.lr, betas=(self.beta1, self.beta2),
+                   weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: experiment, engine, and everything the workers need to repeat it."""
+
+    experiment: str
+    """Name of the preset this run started from."""
+    model: Any
+    """Model section (an experiments.models config)."""
+    data: Any
+    """Data section (an experiments.data config)."""
+    steps: int = 100
+    """Optimizer steps per worker."""
+    batch_size: int = 32
+    """Examples per worker per step (the global batch is workers x batch_size)."""
+    engine: str = "allreduce"
+    """Gradient synchronisation: local, ddp, allreduce, ps-sync, ps-async or ps-ssp."""
+    workers: int = 2
+    """Number of workers (data shards)."""
+    servers: int = 1
+    """Parameter-server shards (ps-* engines)."""
+    seed: int = 0
+    """Seeds the model's initial weights, the data and the shards' order."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32 or float64."""
+    device: str = "cpu"
+    """'cpu' (Gloo) or 'cuda' (NCCL)."""
+    threads: int = 0
+    """Torch intra-op threads per process; 0 shares the machine's cores among the local processes."""
+    timeout_s: float = 60.0
+    """Longest wait on any peer (rendezvous, collective, server reply) before the run fails."""
+    eval_batch_size: int = 512
+    """Batch size of the final evaluation on the test split."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer section."""
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    """All-reduce engine section."""
+    ps: PSConfig = field(default_factory=PSConfig)
+    """Parameter-server section."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "workers", "servers", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: expected cpu or cuda")
+        if self.threads < 0 or not self.timeout_s > 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 and timeout_s={self.timeout_s} > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _section_types() -> dict[str, type]:
+    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig]
+    classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
+    classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]
+    return {c.__name__: c for c in classes if isinstance(c, type)}
+
+
+def save(config: RunConfig, path: Path) -> None:
+    Path(path).write_text(dumps(config) + "\n")
+
+
+def load(path: Path) -> RunConfig:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise OverrideError(f"cannot read config {path}: {err}") from None
+    if not isinstance(raw, dict):
+        raise OverrideError(f"config {path} is not a JSON object")
+    try:
+        return from_dict(RunConfig, raw, _section_types())
+    except TypeError as err:
+        raise OverrideError(f"config {path}: {err}") from None
+
+
+def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
+    """Apply CLI fields (engine, workers, ...) then `--set` overrides, strictly."""
+    import dataclasses
+
+    try:
+        config = dataclasses.replace(base, **{k: v for k, v in fields.items() if v is not None})
+        return apply_overrides(config, overrides)
+    except (TypeError, ValueError) as err:
+        raise OverrideError(str(err)) from None

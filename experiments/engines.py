@@ -1,0 +1,80 @@
+"""The engine protocol the training loop is written against, and the engines by name.
+
+The loop never asks which engine it runs; an engine satisfies this protocol by shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
+
+import torch
+
+from .config import RunConfig
+from .distenv import DistEnv
+
+MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class Engine(Protocol):
+    shards: Sequence[int]
+    """The data shards this process trains on each step: [rank], or all of them for `local`."""
+
+    def attach(self, model: torch.nn.Module, make_optimizer: MakeOptimizer) -> torch.nn.Module:
+        """Agree on initial parameters, install hooks; return the module to call forward on."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run backward for one shard's loss; communication may start inside it."""
+
+    def step(self) -> Mapping[str, float]:
+        """Finish communication and update parameters; return this step's metrics
+        (comm_s, bytes_sent, bytes_recv, and engine-specific ones such as staleness)."""
+
+    def close(self) -> None:
+        """Leave the job once every worker is done."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    summary: str
+    processes_per_worker: bool
+    """False when one process plays every worker (local)."""
+    uses_servers: bool
+    build: Callable[[RunConfig, DistEnv, torch.device], Engine]
+
+
+def _local(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+    from .local_engine import LocalEngine
+
+    return LocalEngine(cfg.workers)
+
+
+def _allreduce(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+    from allreduce.engine import AllReduceEngine
+
+    return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
+
+
+def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+    from allreduce.ddp import DDPEngine
+
+    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
+
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in [
+        EngineSpec("local", "one process accumulates every shard's gradient: the reference",
+                   False, False, _local),
+        EngineSpec("ddp", "torch DistributedDataParallel", True, False, _ddp),
+        EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
+                   True, False, _allreduce),
+    ]
+}
+
+
+def get_engine(name: str) -> EngineSpec:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(ENGINES)}")
+    return ENGINES[name]

@@ -1,0 +1,105 @@
+"""Starts the processes of a run on this machine and watches them until they end."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import RunConfig
+from .engines import get_engine
+from .train import prepare_run_dir
+
+
+class LaunchError(RuntimeError):
+    """A process of the run failed; the message names it and quotes its last words."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def launch(cfg: RunConfig, run_dir: Path, deadline_s: float | None = None,
+           quiet: bool = False) -> dict:
+    """Run `cfg` on loopback, one process per worker; return summary.json's contents.
+
+    deadline_s bounds the whole run (tests use it so that a hang fails fast); without it,
+    each process's own timeouts (cfg.timeout_s) bound every wait on a peer.
+    """
+    return launch_batch([(cfg, run_dir)], deadline_s, quiet)[0]
+
+
+def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = None,
+                 quiet: bool = False) -> list[dict]:
+    """Run several configs one after another in the same worker processes.
+
+    Each process imports torch once for all of them, which is most of a short run's cost.
+    Every job must need the same number of processes.
+    """
+    counts = {cfg.workers if get_engine(cfg.engine).processes_per_worker else 1 for cfg, _ in jobs}
+    if len(counts) != 1:
+        raise ValueError(f"jobs of one batch need the same number of processes, got {sorted(counts)}")
+    nprocs = counts.pop()
+    run_dirs = [prepare_run_dir(cfg, run_dir) for cfg, run_dir in jobs]
+    logs = run_dirs[0] / "logs"
+    logs.mkdir(exist_ok=True)
+    ports = ",".join(str(free_port()) for _ in jobs)
+    show_progress = not quiet and sys.stderr.isatty()
+    procs: list[tuple[int, subprocess.Popen, Path]] = []
+    try:
+        for rank in range(nprocs):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=ports.split(",")[0], PSAR_MASTER_PORTS=ports,
+                       PYTHONUNBUFFERED="1")
+            log_path = logs / f"rank{rank}.log"
+            with open(log_path, "w") as log:
+                stderr = None if (rank == 0 and show_progress) else log
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "experiments.worker", *map(str, run_dirs)],
+                    env=env, stdout=log, stderr=stderr)
+            procs.append((rank, proc, log_path))
+        _watch(procs, deadline_s)
+    finally:
+        for _, proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
+
+
+def _watch(procs, deadline_s: float | None, grace_s: float = 10.0) -> None:
+    start = time.monotonic()
+    failed_at = None
+    failure = None
+    while True:
+        codes = [(rank, proc.poll(), log) for rank, proc, log in procs]
+        if all(code == 0 for _, code, _ in codes):
+            return
+        bad = [(rank, code, log) for rank, code, log in codes if code not in (None, 0)]
+        if bad and failure is None:
+            rank, code, log = bad[0]
+            failure = f"rank {rank} exited with code {code}: {_tail(log)} (log: {log})"
+            failed_at = time.monotonic()
+        if failure and (all(code is not None for _, code, _ in codes)
+                        or time.monotonic() - failed_at > grace_s):
+            raise LaunchError(failure)
+        if deadline_s is not None and time.monotonic() - start > deadline_s:
+            running = [rank for rank, code, _ in codes if code is None]
+            raise LaunchError(f"run exceeded its {deadline_s:.0f} s deadline; ranks {running} "
+                              "were still running and have been killed")
+        time.sleep(0.05)

@@ -1,0 +1,90 @@
+"""Run directories: per-rank step records and the summary every analysis reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WARMUP_STEPS = 1
+"""Steps left out of throughput: the first step pays for allocation and connection set-up."""
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to metrics/rank<r>.jsonl, flushed at once."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        folder = Path(run_dir) / "metrics"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank{rank}.jsonl"
+        self._file = open(self.path, "w", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(run_dir: Path) -> dict[int, list[dict]]:
+    """Every rank's records, by rank."""
+    out = {}
+    for path in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
+        rank = int(path.stem[4:])
+        out[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def param_sha256(model: torch.nn.Module) -> str:
+    """Hash of every parameter's name, dtype, shape and bytes: equal only for identical runs."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sha: str) -> dict:
+    """Summary of a finished run from its metrics files.
+
+    samples_per_sec: samples of all ranks after the warm-up step, over rank 0's time for them.
+    final_loss: mean training loss of the last 10% of steps (at least one) over every rank.
+    bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged.
+    """
+    per_rank = read_metrics(run_dir)
+    steps = len(per_rank.get(0, []))
+    tail = max(1, steps // 10)
+    losses = [r["loss"] for recs in per_rank.values() for r in recs[-tail:]]
+    rank0 = per_rank.get(0, [])
+    samples_per_sec = None
+    if rank0:
+        first = WARMUP_STEPS if steps > WARMUP_STEPS else 0
+        span = rank0[-1]["time"] - (rank0[first - 1]["time"] if first else 0.0)
+        samples = sum(r["samples"] for recs in per_rank.values() for r in recs[first:])
+        samples_per_sec = samples / span if span > 0 else None
+    traffic = [r["bytes_sent"] + r["bytes_recv"] for recs in per_rank.values() for r in recs]
+    return {
+        "experiment": config["experiment"],
+        "engine": config["engine"],
+        "workers": config["workers"],
+        "servers": config.get("servers", 1),
+        "steps": steps,
+        "seed": config["seed"],
+        "final_loss": sum(losses) / len(losses) if losses else None,
+        "eval": eval_metrics,
+        "samples_per_sec": samples_per_sec,
+        "wall_s": wall_s,
+        "bytes_per_worker_per_step": sum(traffic) / len(traffic) if traffic else 0,
+        "param_sha256": sha,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+

@@ -1,0 +1,216 @@
+"""Reference models, each made by a frozen config's build().
+
+build() returns float32 parameters on the CPU; the caller converts dtype and device. Every
+forward takes the data's inputs positionally (`model(*inputs)`) and returns logits, and every
+parameter gets a gradient on every step, so engines never wait on a gradient that never comes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.data import VOCAB_SIZE
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """Flatten, then Linear/ReLU layers, then a Linear to the classes."""
+
+    inputs: int = 64
+    """Input features after flattening (64 for 8x8 images, 784 for 28x28)."""
+    hidden: tuple[int, ...] = (128,)
+    """Widths of the hidden layers, in order; empty gives a linear classifier."""
+    classes: int = 10
+    """Number of output logits."""
+
+    def __post_init__(self) -> None:
+        # A config read back from JSON carries a list; keep the field hashable.
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        _check_positive(self, "inputs", "classes")
+        if any(h < 1 for h in self.hidden):
+            raise ValueError(f"MLPConfig.hidden widths must all be positive, got {self.hidden}")
+
+    def build(self) -> nn.Module:
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = self.inputs
+        for h in self.hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, self.classes))
+        return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class CNNConfig:
+    """Two conv/batch-norm/ReLU/max-pool stages and a Linear, on (B, 1, 28, 28) images."""
+
+    classes: int = 10
+    """Number of output logits."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "classes")
+
+    def build(self) -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=5, padding=2),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, kernel_size=5, padding=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(7 * 7 * 32, self.classes),
+        )
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A nanoGPT-style character transformer with pre-norm blocks."""
+
+    vocab_size: int = VOCAB_SIZE
+    """Number of token ids (the data's fixed character vocabulary by default)."""
+    block_size: int = 64
+    """Longest sequence the learned position embedding covers."""
+    n_layer: int = 2
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention and residual branches (0 keeps runs deterministic)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"choose n_embd a multiple of n_head (e.g. {self.n_head * max(1, self.n_embd // self.n_head)})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def build(self) -> nn.Module:
+        return GPT(self)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) int64 -> next-token logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        # Untied from wte so that every parameter is a distinct tensor for the engines' buckets and keys.
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: keeps the residual stream's variance flat as depth grows.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@dataclass(frozen=True)
+class LogRegConfig:
+    """Logistic regression on sparse (indices, values) features, as in the Hogwild! paper."""
+
+    features: int = 2**15
+    """Dimension of the sparse feature space."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "features")
+
+    def build(self) -> nn.Module:
+        return SparseLogReg(self.features)
+
+
+class SparseLogReg(nn.Module):
+    """(indices (B, k) int64, values (B, k) float) -> logits (B,)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        # sparse=False: the engines reduce and push dense tensors, and optimizers like Adam reject sparse grads.
+        self.weight = nn.EmbeddingBag(features, 1, mode="sum", sparse=False)
+        self.bias = nn.Parameter(torch.zeros(()))
+        # The problem is convex, so the conventional zero start loses nothing and is easy to reason about.
+        nn.init.zeros_(self.weight.weight)
+
+    def forward(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self.weight(indices, per_sample_weights=values).squeeze(-1) + self.bias

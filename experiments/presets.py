@@ -1,0 +1,63 @@
+"""Named experiments: plain functions that return a RunConfig."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .config import OptimConfig, RunConfig
+from .data import CharCorpusConfig, DigitsConfig, SparseConfig
+from .models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
+
+
+def quickstart() -> RunConfig:
+    """MLP 64-128-10 on scikit-learn's 8x8 digits: a whole comparison in under a minute."""
+    return RunConfig(experiment="quickstart", model=MLPConfig(64, (128,), 10),
+                     data=DigitsConfig(size=8), steps=150, batch_size=32,
+                     optim=OptimConfig("sgd", lr=0.1, momentum=0.9))
+
+
+def mlp_wide() -> RunConfig:
+    """784-4096-4096-10 (about 20 M parameters, 80 MB of float32 gradients per step): the
+    communication-bound case."""
+    return RunConfig(experiment="mlp-wide", model=MLPConfig(784, (4096, 4096), 10),
+                     data=DigitsConfig(size=28), steps=30, batch_size=64,
+                     optim=OptimConfig("sgd", lr=0.05, momentum=0.9))
+
+
+def cnn() -> RunConfig:
+    """Two conv layers with BatchNorm on digits upsampled to 28x28; BatchNorm statistics
+    follow rank 0 (broadcast every step), its batch statistics stay per worker."""
+    return RunConfig(experiment="cnn", model=CNNConfig(), data=DigitsConfig(size=28),
+                     steps=100, batch_size=32, optim=OptimConfig("sgd", lr=0.05, momentum=0.9))
+
+
+def gpt_char() -> RunConfig:
+    """A 2-block pre-norm character transformer on the Python standard library's own source."""
+    return RunConfig(experiment="gpt-char", model=GPTConfig(), data=CharCorpusConfig(),
+                     steps=200, batch_size=16, optim=OptimConfig("adamw", lr=1e-3))
+
+
+def logreg_sparse() -> RunConfig:
+    """Logistic regression on 32768 sparse features, 16 per example: Hogwild!'s setting."""
+    return RunConfig(experiment="logreg-sparse", model=LogRegConfig(2**15), data=SparseConfig(),
+                     steps=300, batch_size=32, optim=OptimConfig("sgd", lr=0.5))
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "quickstart": quickstart,
+    "mlp-wide": mlp_wide,
+    "cnn": cnn,
+    "gpt-char": gpt_char,
+    "logreg-sparse": logreg_sparse,
+}
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown experiment {name!r}: expected one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def describe(name: str) -> str:
+    doc = PRESETS[name].__doc__ or ""
+    return " ".join(doc.split())

@@ -1,0 +1,111 @@
+"""The training loop, written once for every engine.
+
+    module = engine.attach(model, optim.build)
+    for each step:
+        for each shard this process trains on:   # one, or all of them for `local`
+            engine.backward(loss(module(x), y))
+        engine.step()
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from . import config as config_mod
+from .config import RunConfig
+from .data import BatchFeeder
+from .distenv import DistEnv
+from .engines import get_engine
+from .metrics import MetricsWriter, param_sha256, read_metrics, summarize, write_json
+from .progress import Progress
+from .tasks import get_task
+
+
+def pick_device(cfg: RunConfig, env: DistEnv) -> torch.device:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def set_threads(cfg: RunConfig, env: DistEnv) -> None:
+    # Workers on one host share its cores; oversubscribing them slows every engine alike.
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world))
+    torch.set_num_threads(threads)
+
+
+def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
+    """Run `cfg` as worker `env.rank`; rank 0 also writes model.pt and summary.json."""
+    run_dir = Path(run_dir)
+    set_threads(cfg, env)
+    device = pick_device(cfg, env)
+    dtype = cfg.torch_dtype
+    dataset = cfg.data.build(cfg.seed)
+    task = get_task(dataset.task)
+    torch.manual_seed(cfg.seed)  # every rank builds the identical initial model
+    model = cfg.model.build().to(device=device, dtype=dtype)
+    torch.manual_seed(cfg.seed + 1 + env.rank)  # runtime randomness (dropout) differs by rank
+
+    engine = get_engine(cfg.engine).build(cfg, env, device)
+    module = engine.attach(model, cfg.optim.build)
+    feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, device)
+               for shard in engine.shards]
+    writer = MetricsWriter(run_dir, env.rank)
+    progress = Progress(cfg.steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
+
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        losses = []
+        for feeder in feeders:
+            inputs, targets = feeder.batch(step)
+            loss = task.loss(module(*inputs), targets)
+            engine.backward(loss)
+            losses.append(loss.detach())
+        t1 = time.perf_counter()
+        stats = dict(engine.step())
+        t2 = time.perf_counter()
+        loss_value = torch.stack(losses).mean().item()
+        writer.write({
+            "step": step, "time": t2 - start, "loss": loss_value,
+            "samples": cfg.batch_size * len(feeders), "compute_s": t1 - t0,
+            "comm_s": stats.pop("comm_s", 0.0), "step_s": t2 - t0,
+            "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),
+            **stats,
+        })
+        progress.update(step + 1, loss_value)
+    wall_s = time.perf_counter() - start
+    writer.close()
+    engine.close()
+
+    if env.rank != 0:
+        return None
+    model_cpu = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save(model_cpu, run_dir / "model.pt")
+    eval_metrics = task.evaluate(model, dataset, cfg.eval_batch_size, dtype, device)
+    summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model))
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def _config_dict(cfg: RunConfig) -> dict:
+    return {"experiment": cfg.experiment, "engine": cfg.engine, "workers": cfg.workers,
+            "servers": cfg.servers, "seed": cfg.seed}
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    config_mod.save(cfg, run_dir / "config.json")
+    return run_dir
+
+
+__all__ = ["train", "prepare_run_dir", "read_metrics"]

@@ -1,0 +1,55 @@
+"""Entry point of one worker process: `python -m experiments.worker RUN_DIR [RUN_DIR ...]`.
+
+Reads RUN_DIR/config.json and the launcher's RANK / WORLD_SIZE variables; several run
+directories are trained one after another, each meeting its peers on its own port from
+PSAR_MASTER_PORTS. A failure prints
+one line naming the rank and the error; the traceback goes to RUN_DIR/logs/rank<r>.log.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from . import config as config_mod
+from .distenv import DistEnv
+from .train import train
+
+
+def run_worker(run_dir: Path, env: DistEnv | None = None) -> int:
+    run_dir = Path(run_dir)
+    env = env or DistEnv.from_environ()
+    try:
+        cfg = config_mod.load(run_dir / "config.json")
+        train(cfg, env, run_dir)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # one clear line for the user; the traceback for the record
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"rank{env.rank}.log", "a") as log:
+            traceback.print_exc(file=log)
+        print(f"psar: rank {env.rank} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        return "usage: python -m experiments.worker RUN_DIR [RUN_DIR ...]"
+    ports = [p for p in os.environ.get("PSAR_MASTER_PORTS", "").split(",") if p]
+    if ports and len(ports) != len(argv):
+        return f"PSAR_MASTER_PORTS names {len(ports)} ports for {len(argv)} run directories"
+    for i, run_dir in enumerate(argv):
+        if ports:
+            os.environ["MASTER_PORT"] = ports[i]  # torch's env:// rendezvous reads it
+        code = run_worker(Path(run_dir))
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,60 @@
+"""Configuration of the parameter server: one small frozen dataclass, validated on creation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WORKER_LOSS_POLICIES = ("drop", "abort")
+ASYNC_SCALES = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """Settings shared by the parameter-server shards and their clients."""
+
+    staleness: int = 2
+    """ps-ssp bound s: a worker may run at most s clocks ahead of the slowest live worker."""
+
+    chunk_mb: float = 4.0
+    """Tensors larger than this many MiB are split into chunks (keys) spread over the shards."""
+
+    timeout_s: float = 60.0
+    """Longest single wait on a peer (a reply, a deferred pull) before it is an error."""
+
+    heartbeat_s: float = 1.0
+    """Interval between a client's heartbeats to each shard."""
+
+    worker_timeout_s: float = 30.0
+    """A worker not heard from for this long is lost."""
+
+    on_worker_loss: str = "abort"
+    """What a shard does when a worker is lost: "drop" it from the barrier, or "abort" the run."""
+
+    async_scale: str = "mean"
+    """Async/ssp pushes: "mean" scales each by 1/N (a round of N pushes moves as far as one
+    sync step), "sum" applies it as is."""
+
+    max_message_mb: float = 1024.0
+    """Largest inbound message part in MiB; the socket refuses bigger ones (ZMQ_MAXMSGSIZE)."""
+
+    def __post_init__(self) -> None:
+        if type(self.staleness) is not int or self.staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        for name in ("chunk_mb", "timeout_s", "heartbeat_s", "worker_timeout_s", "max_message_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.on_worker_loss not in WORKER_LOSS_POLICIES:
+            raise ValueError(f"on_worker_loss must be one of {WORKER_LOSS_POLICIES}, got {self.on_worker_loss!r}")
+        if self.async_scale not in ASYNC_SCALES:
+            raise ValueError(f"async_scale must be one of {ASYNC_SCALES}, got {self.async_scale!r}")
+        if self.heartbeat_s >= self.worker_timeout_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) must be smaller than worker_timeout_s "
+                f"({self.worker_timeout_s}), or live workers would be declared lost")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """max_message_mb in bytes, as the socket option wants it."""
+        return int(self.max_message_mb * (1 << 20))

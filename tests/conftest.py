@@ -1,0 +1,62 @@
+"""Shared helpers: run a real psar job on loopback and read back its final parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.cli import build_config
+from experiments.launcher import launch, launch_batch
+
+RUN_DEADLINE_S = 180
+
+
+def run_job(tmp_path: Path, experiment: str, engine: str, workers: int = 2, steps: int = 20,
+            overrides=(), name: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Launch a run (bounded by a deadline so a hang fails fast); return summary and state."""
+    cfg = build_config(experiment, overrides, engine=engine, workers=workers, steps=steps)
+    run_dir = tmp_path / (name or f"{experiment}-{engine}-{workers}-{abs(hash(tuple(overrides)))}")
+    summary = launch(cfg, run_dir, deadline_s=RUN_DEADLINE_S, quiet=True)
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    return summary, state
+
+
+def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dict]]:
+    """Run named jobs (kwargs of build_config plus `experiment`), batched by process count."""
+    batches: dict[int, list[tuple[str, object, Path]]] = {}
+    for name, job in jobs.items():
+        job = dict(job)
+        experiment, overrides = job.pop("experiment"), job.pop("overrides", ())
+        job.setdefault("steps", 20)
+        cfg = build_config(experiment, overrides, **job)
+        nprocs = cfg.workers if cfg.engine != "local" else 1
+        batches.setdefault(nprocs, []).append((name, cfg, tmp_path / name))
+    results = {}
+    for batch in batches.values():
+        summaries = launch_batch([(cfg, d) for _, cfg, d in batch],
+                                 deadline_s=RUN_DEADLINE_S * len(batch), quiet=True)
+        for (name, _, run_dir), summary in zip(batch, summaries):
+            results[name] = (summary, torch.load(run_dir / "model.pt", weights_only=True))
+    return results
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        if a[k].is_floating_point():
+            scale = a[k].double().abs().max().item() or 1.0
+            worst = max(worst, (a[k].double() - b[k].double()).abs().max().item() / scale)
+    return worst
+
+
+@pytest.fixture(scope="session")
+def runs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
