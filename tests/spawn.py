@@ -1,0 +1,62 @@
+"""Run a function on N real processes joined by a Gloo process group, with a deadline."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+        result = fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, timeout_s: float = 60.0) -> list:
+    """Call fn(rank, world, *args) on `world` spawned processes; return results by rank.
+
+    fn must be importable (a module-level function) and return plain Python data (no tensors). A rank that fails or a run that passes
+    the deadline raises AssertionError with the rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=timeout_s)
+            except Exception:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not "
+                                     f"finish within {timeout_s} s") from None
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

@@ -1,0 +1,78 @@
+"""Our ring all-reduce equals the elementwise sum, for any world size and tensor length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from allreduce.ring import chunk_bounds, ring_allreduce
+from spawn import run_ranks
+
+LENGTHS = (0, 1, 2, 3, 5, 7, 1000, 1001, 4099)
+
+
+@pytest.mark.parametrize("numel,world", [(10, 3), (0, 2), (2, 4), (7, 7), (1001, 4), (5, 1)])
+def test_chunk_bounds_cover_evenly(numel, world):
+    bounds = chunk_bounds(numel, world)
+    assert len(bounds) == world
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def _values(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + numel),
+                       dtype=torch.float64)
+
+
+def _ring_ranks(rank, world, wire):
+    out = {}
+    for numel in LENGTHS:
+        flat = _values(rank, numel)
+        sent, received = ring_allreduce(flat, rank, world, wire)
+        out[numel] = (flat.tolist(), sent, received)  # plain data crosses the queue
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_equals_elementwise_sum(world):
+    results = run_ranks(_ring_ranks, world, None)
+    for numel in LENGTHS:
+        expected = sum(_values(r, numel) for r in range(world))
+        for rank in range(world):
+            flat, sent, received = results[rank][numel]
+            flat = torch.tensor(flat, dtype=torch.float64)
+            torch.testing.assert_close(flat, expected, rtol=1e-14, atol=1e-14)
+            # Bandwidth-optimal: every rank moves 2(N-1) chunks of about numel/N elements.
+            assert abs(sent - 2 * (world - 1) * numel * 8 / world) <= 2 * (world - 1) * 8
+        assert sum(results[r][numel][1] for r in range(world)) == sum(
+            results[r][numel][2] for r in range(world))
+        # Every rank ends with bit-identical values.
+        assert all(results[0][numel][0] == results[r][numel][0] for r in range(world))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ring_with_fp16_wire_is_identical_on_every_rank():
+    world = 3
+    results = run_ranks(_ring_ranks, world, torch.float16)
+    for numel in LENGTHS:
+        expected = sum(_values(r, numel) for r in range(world))
+        flats = [torch.tensor(results[r][numel][0], dtype=torch.float64) for r in range(world)]
+        assert all(torch.equal(flats[0], f) for f in flats)
+        torch.testing.assert_close(flats[0], expected, rtol=1e-2, atol=1e-2)
+        assert results[0][numel][1] <= 2 * (world - 1) * (numel // world + 1) * 2
+
+
+def test_ring_on_one_rank_is_identity():
+    flat = torch.arange(5, dtype=torch.float64)
+    assert ring_allreduce(flat, 0, 1) == (0, 0)
+    assert torch.equal(flat, torch.arange(5, dtype=torch.float64))
+
+
+def test_ring_rejects_non_flat_tensor():
+    with pytest.raises(ValueError, match="1-D"):
+        ring_allreduce(torch.zeros(2, 2), 0, 2)
