@@ -9,9 +9,10 @@ from pathlib import Path
 import click
 
 from . import presets
-from .config import RunConfig, resolve
+from .config import RunConfig
 from .engines import ENGINES
 from .overrides import OverrideError
+from .presets import build_config
 
 
 def _friendly(fn):
@@ -43,10 +44,6 @@ def run_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
-
-
-def build_config(experiment: str, overrides=(), **fields) -> RunConfig:
-    return resolve(presets.get_preset(experiment), overrides, **fields)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -117,6 +114,62 @@ def worker(experiment, rank, world, out, engine, steps, seed, device, overrides)
     code = run_worker(out, env)
     if code:
         raise SystemExit(code)
+
+
+@main.command()
+@click.option("--steps", type=int, default=15, show_default=True, help="Steps per throughput run.")
+@click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved rounds per engine.")
+@click.option("--workers", type=int, default=2, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
+@_friendly
+def bench(steps, rounds, workers, out) -> None:
+    """Measure: all-reduce busbw (ring vs library) and mlp-wide samples/s (allreduce vs ddp)."""
+    from . import bench as bench_mod
+
+    bench_mod.run(click.echo, steps=steps, rounds=rounds, workers=workers, out=out)
+
+
+def _csv(kind):
+    def parse(ctx, param, value):
+        try:
+            return [kind(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+    return parse
+
+
+@main.command()
+@click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
+@click.option("--engines", default="local,ddp,allreduce", show_default=True,
+              callback=_csv(str), help="Comma-separated engines to compare.")
+@click.option("--workers", "worker_counts", default="1,2", show_default=True, callback=_csv(int),
+              help="Comma-separated worker counts.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output directory (default: runs/compare-EXPERIMENT-TIME).")
+@run_options
+@_friendly
+def compare(experiment, engines, worker_counts, out, engine, steps, seed, device, overrides) -> None:
+    """Run EXPERIMENT with every engine and worker count; write summary.csv and summary.md."""
+    from analysis.results import load_runs
+    from analysis.table import markdown, rows, write
+
+    from .compare import run_grid
+
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise click.BadParameter(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}",
+                                 param_hint="--engines")
+    if engine:
+        raise click.UsageError("compare takes --engines (a list), not --engine")
+    out = out or Path("runs") / f"compare-{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dirs = run_grid(experiment, engines, worker_counts, out, overrides, steps, seed, device,
+                        echo=click.echo)
+    table = rows(load_runs(run_dirs))
+    csv_path, md_path = write(table, out)
+    click.echo("")
+    click.echo(markdown(table))
+    click.echo(f"table: {md_path} and {csv_path}")
+    click.echo(f"runs: {out / 'runs'}")
 
 
 if __name__ == "__main__":

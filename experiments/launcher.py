@@ -55,23 +55,34 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         raise ValueError(f"jobs of one batch need the same number of processes, got {sorted(counts)}")
     nprocs = counts.pop()
     run_dirs = [prepare_run_dir(cfg, run_dir) for cfg, run_dir in jobs]
-    logs = run_dirs[0] / "logs"
-    logs.mkdir(exist_ok=True)
-    ports = ",".join(str(free_port()) for _ in jobs)
-    show_progress = not quiet and sys.stderr.isatty()
+    ports = [free_port() for _ in jobs]
+    run_ranks([sys.executable, "-m", "experiments.worker", *map(str, run_dirs)], nprocs,
+              run_dirs[0] / "logs", deadline_s, show_progress=not quiet,
+              env={"PSAR_MASTER_PORTS": ",".join(map(str, ports)), "MASTER_PORT": str(ports[0])})
+    return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
+
+
+def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | None = None,
+              show_progress: bool = False, env: dict[str, str] | None = None) -> None:
+    """Start `argv` as ranks 0..nprocs-1 of a loopback job and wait until all exit 0.
+
+    Each rank's output goes to log_dir/rank<r>.log (rank 0's stderr stays on the terminal
+    when it is one, for the progress bar). A failing rank fails the job, naming the rank.
+    """
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
+    base.setdefault("MASTER_PORT", str(free_port()))
+    base.update(env or {})
+    tty = show_progress and sys.stderr.isatty()
     procs: list[tuple[int, subprocess.Popen, Path]] = []
     try:
         for rank in range(nprocs):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=ports.split(",")[0], PSAR_MASTER_PORTS=ports,
-                       PYTHONUNBUFFERED="1")
-            log_path = logs / f"rank{rank}.log"
+            log_path = log_dir / f"rank{rank}.log"
             with open(log_path, "w") as log:
-                stderr = None if (rank == 0 and show_progress) else log
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "experiments.worker", *map(str, run_dirs)],
-                    env=env, stdout=log, stderr=stderr)
+                proc = subprocess.Popen(argv, env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                        stdout=log, stderr=None if (rank == 0 and tty) else log)
             procs.append((rank, proc, log_path))
         _watch(procs, deadline_s)
     finally:
@@ -79,7 +90,6 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
 
 
 def _watch(procs, deadline_s: float | None, grace_s: float = 10.0) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import OptimConfig, RunConfig
+from .config import OptimConfig, RunConfig, resolve
 from .data import CharCorpusConfig, DigitsConfig, SparseConfig
 from .models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
 
@@ -61,3 +61,8 @@ def get_preset(name: str) -> RunConfig:
 def describe(name: str) -> str:
     doc = PRESETS[name].__doc__ or ""
     return " ".join(doc.split())
+
+
+def build_config(experiment: str, overrides=(), **fields) -> RunConfig:
+    """The preset, then CLI fields (engine, workers, ...), then `--set` overrides, strictly."""
+    return resolve(get_preset(experiment), overrides, **fields)

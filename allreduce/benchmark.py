@@ -1,0 +1,81 @@
+"""All-reduce bandwidth in the style of nccl-tests: run on every rank, `python -m allreduce.benchmark OUT`.
+
+For each size, the backend's all-reduce and our ring run alternately on the same buffers,
+so both see the same machine load. algbw = bytes / time; busbw = algbw * 2(N-1)/N, the
+bandwidth each link carries, comparable across world sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .ring import ring_allreduce
+
+SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
+ALGORITHMS = ("library", "ring")
+
+
+def _once(algorithm: str, buf: torch.Tensor, rank: int, world: int) -> None:
+    if algorithm == "library":
+        dist.all_reduce(buf)
+    else:
+        ring_allreduce(buf, rank, world)
+
+
+def _iterations(nbytes: int) -> int:
+    # Enough repetitions that small sizes are not dominated by timer noise, few for large ones.
+    return max(3, min(200, (64 * 2**20) // max(nbytes, 1) // 16))
+
+
+def measure(rank: int, world: int, sizes=SIZES, device: str = "cpu", rounds: int = 3) -> list[dict]:
+    """Median time per all-reduce of each size and algorithm; rows as nccl-tests prints them."""
+    rows = []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        iters = _iterations(nbytes)
+        times: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
+        for algorithm in ALGORITHMS:
+            _once(algorithm, buf, rank, world)  # warm-up: connections, allocations
+        for _ in range(rounds):
+            for algorithm in ALGORITHMS:
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    _once(algorithm, buf, rank, world)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the time
+                times[algorithm].append(elapsed.item())
+        for algorithm in ALGORITHMS:
+            t = sorted(times[algorithm])[len(times[algorithm]) // 2]
+            algbw = nbytes / t / 1e9
+            rows.append({"bytes": nbytes, "algorithm": algorithm, "time_us": t * 1e6,
+                         "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (world - 1) / world})
+    return rows
+
+
+def main(out_path: str) -> None:
+    device = "cuda" if torch.cuda.is_available() and "--cuda" in sys.argv else "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    rows = measure(rank, world, device=device)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"world": world, "backend": backend, "rows": rows}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,58 @@
+"""Reading run directories: the only input of every table and plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    config: dict
+    summary: dict
+    metrics: dict[int, list[dict]]
+
+    @property
+    def engine(self) -> str:
+        return self.summary["engine"]
+
+    @property
+    def label(self) -> str:
+        """Engine plus the setting that distinguishes variants of one engine."""
+        algo = self.config.get("allreduce", {}).get("algorithm", "library")
+        return f"allreduce/{algo}" if self.engine == "allreduce" else self.engine
+
+    def records(self) -> list[dict]:
+        return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]
+
+
+def load_run(path: Path) -> Run:
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a finished run directory: {err}") from None
+    metrics = {}
+    for file in sorted((path / "metrics").glob("rank*.jsonl")):
+        lines = file.read_text().splitlines()
+        metrics[int(file.stem[4:])] = [json.loads(line) for line in lines if line.strip()]
+    return Run(path, config, summary, metrics)
+
+
+def load_runs(paths) -> list[Run]:
+    return [load_run(p) for p in paths]
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
