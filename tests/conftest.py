@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.cli import build_config
+from experiments.presets import build_config
 from experiments.launcher import launch, launch_batch
 
 RUN_DEADLINE_S = 180

@@ -1,0 +1,316 @@
+"""Worker side: ps-lite's Push / Pull / Wait over one DEALER per server shard.
+
+push and pull send at once to every shard involved and return a Handle; wait(handle) takes
+replies from any shard as they come (matching them by request id), so pushes and pulls to
+different shards are in flight together. A PSClient is used from one thread; its heartbeat
+thread has its own sockets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ps.layout import TORCH_DTYPES, Layout
+from ps.protocol import Limits, Message, ProtocolError, decode, encode
+from ps.transport import ClientTransport, PeerTimeout, TransportError, poll_many
+
+log = logging.getLogger("psar.ps.client")
+
+__all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "PullResult"]
+
+
+class PSError(RuntimeError):
+    """A server answered with an error, or sent something that does not fit the protocol."""
+
+
+@dataclass
+class Handle:
+    """An operation in flight on one or more shards; pass it to PSClient.wait."""
+
+    kind: str
+    pending: dict[int, int] = field(default_factory=dict)  # request id -> shard
+    replies: dict[int, Message] = field(default_factory=dict)  # shard -> reply
+    error: Exception | None = None
+    timeout_s: float = 60.0
+    keep: list = field(default_factory=list, repr=False)  # sent tensors stay alive until the replies
+
+    @property
+    def done(self) -> bool:
+        return not self.pending or self.error is not None
+
+
+@dataclass
+class PullResult:
+    version: int
+    """The smallest version over the shards that answered."""
+    versions: dict[int, int]
+    """shard -> version of the values it sent."""
+    values: dict[int, torch.Tensor]
+    """key id -> flat chunk (built on the received frame, no copy)."""
+
+
+class PSClient:
+    """Client of worker `worker` towards the server shards at `addresses` (shard order).
+
+    Args:
+        addresses: one endpoint per shard, e.g. ["tcp://127.0.0.1:5555", ...].
+        worker: this worker's id, 0..num_workers-1.
+        timeout_s: longest wait for any reply (default 60). A pull that waits on a condition
+            gets a little longer, so that the server's own deadline error arrives first.
+        heartbeat_s: heartbeat interval once joined (default 1).
+        context: zmq context; share the server's for inproc:// (default: the process-wide one).
+        max_message_mb: inbound message parts above this are refused (default 1024).
+    """
+
+    def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float = 60.0, heartbeat_s: float = 1.0,
+                 context: Any = None, max_message_mb: float = 1024.0):
+        if not addresses:
+            raise ValueError("PSClient needs at least one server address")
+        self.addresses, self.worker = list(addresses), worker
+        self.timeout_s, self.heartbeat_s, self._context = timeout_s, heartbeat_s, context
+        self._max_bytes = int(max_message_mb * (1 << 20))
+        self._limits = Limits(max_header_bytes=self._max_bytes, max_keys=1 << 22, max_map_len=1 << 16,
+                              max_tensor_bytes=self._max_bytes)
+        self._transports = [self._transport(a) for a in self.addresses]
+        self._inflight: dict[int, Handle] = {}
+        self._reqs = itertools.count(1)
+        self.layout: Layout | None = None
+        self.versions: dict[int, int] = {}
+        self.bytes_sent = self.bytes_recv = 0
+        self.heartbeat_error: str | None = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    def _transport(self, address: str, send_timeout_s: float | None = None) -> ClientTransport:
+        return ClientTransport(address, self._max_bytes, send_timeout_s or self.timeout_s, self._context)
+
+    # -- ps-lite calls -------------------------------------------------------------------------
+
+    def join(self) -> tuple[Layout, int, dict[int, torch.Tensor]]:
+        """Register with every shard: (layout, smallest version, {key id: initial values}).
+        Blocks (at most timeout_s); starts the heartbeat thread."""
+        h = self._start("join", {s: ({"op": "join"}, None) for s in range(len(self.addresses))})
+        self._wait_replies(h, self.timeout_s)
+        layouts = {}
+        for s, msg in h.replies.items():
+            body = msg.get("body") or {}
+            if body.get("shard") != s:
+                raise PSError(f"{self.addresses[s]} says it is shard {body.get('shard')!r}, expected shard {s}")
+            try:
+                layouts[s] = Layout.from_wire(body.get("layout"))
+            except ValueError as e:
+                raise PSError(f"{self.addresses[s]} sent an invalid layout: {e}") from e
+        layout = layouts[0]
+        for s, other in layouts.items():
+            if other != layout:
+                raise PSError(f"{self.addresses[s]} (shard {s}) has layout {other.fingerprint[:12]}, "
+                              f"shard 0 has {layout.fingerprint[:12]}: servers disagree on the layout")
+        if layout.num_shards != len(self.addresses):
+            raise PSError(f"layout has {layout.num_shards} shards but {len(self.addresses)} addresses were given")
+        self.layout = layout
+        values = {}
+        for s, msg in h.replies.items():
+            expected = [k.id for k in layout.shard_keys(s)]
+            if msg.keys != expected:
+                raise PSError(f"{self.addresses[s]} sent values for keys {msg.keys[:8]}..., expected its keys {expected[:8]}...")
+            for k, t in zip(msg.keys, msg.tensors):
+                if t.dtype != TORCH_DTYPES[layout.dtype(k)] or t.shape != layout.keys[k].shape:
+                    raise PSError(f"{self.addresses[s]} sent key {k} as {t.dtype} {tuple(t.shape)}, "
+                                  f"the layout says {layout.dtype(k)} {layout.keys[k].shape}")
+                values[k] = t
+            self.versions[s] = msg.get("version")
+        self._start_heartbeat()
+        return layout, min(self.versions.values()), values
+
+    def push(self, step: int, version: int | None, grads: dict[int, torch.Tensor]) -> Handle:
+        """Send gradients {key id: chunk} computed for `step` on parameters of `version`
+        (None: the version last received from each shard). Non-blocking; the tensors must not
+        change until wait(handle) returns (they leave without a copy). wait gives the largest
+        staleness reported by the shards."""
+        layout = self._need_layout()
+        by_shard: dict[int, tuple[list[int], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+        for k, g in grads.items():
+            if not (type(k) is int and 0 <= k < len(layout.keys)):
+                raise ValueError(f"push: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
+            key = layout.keys[k]
+            g = g.detach()
+            if g.device.type != "cpu":
+                g = g.cpu()
+            if g.numel() != key.numel or g.dtype != TORCH_DTYPES[layout.dtype(key)]:
+                raise ValueError(f"push: key {k} needs {key.numel} {layout.dtype(key)} values, got {g.numel()} {g.dtype}")
+            keys, tensors = by_shard[key.shard]
+            keys.append(k)
+            tensors.append(g.contiguous().reshape(-1))
+        per_shard = {}
+        for s, (keys, tensors) in by_shard.items():
+            v = version if version is not None else self.versions.get(s, 0)
+            per_shard[s] = ({"op": "push", "step": step, "version": v, "keys": keys}, tensors)
+        return self._start("push", per_shard)
+
+    def pull(self, keys: Sequence[int] | None = None, min_version: int | None = None,
+             clock: int | None = None) -> Handle:
+        """Ask for the current values of keys (default all). The server answers once its
+        version >= min_version (sync) and, under ssp, once clock is within the staleness bound
+        of the slowest worker. Non-blocking; wait gives a PullResult."""
+        layout = self._need_layout()
+        by_shard: dict[int, list[int]] = defaultdict(list)
+        for k in range(len(layout.keys)) if keys is None else keys:
+            if not (type(k) is int and 0 <= k < len(layout.keys)):
+                raise ValueError(f"pull: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
+            by_shard[layout.keys[k].shard].append(k)
+        cond = {n: v for n, v in (("min_version", min_version), ("clock", clock)) if v is not None}
+        return self._start("pull", {s: ({"op": "pull", "keys": ks, **cond}, None) for s, ks in by_shard.items()},
+                           conditional=bool(cond))
+
+    def wait(self, handle: Handle, timeout_s: float | None = None) -> Any:
+        """Block until every shard of handle has answered; its result (see push / pull).
+        Raises PSError on an error reply, PeerTimeout naming the silent shard's address (the
+        handle then stays pending: waiting again is allowed)."""
+        self._wait_replies(handle, timeout_s if timeout_s is not None else handle.timeout_s)
+        if handle.kind == "push":
+            stale = [m.get("staleness") for m in handle.replies.values() if m.get("staleness") is not None]
+            return max(stale, default=0)
+        if handle.kind == "pull":
+            versions = {s: m.get("version") for s, m in handle.replies.items()}
+            self.versions.update(versions)
+            values = {k: t for m in handle.replies.values() for k, t in zip(m.keys, m.tensors)}
+            return PullResult(min(versions.values(), default=0), versions, values)
+        return handle.replies
+
+    def ready(self, handle: Handle) -> bool:
+        """Take whatever replies have arrived, without blocking; True once handle is done."""
+        self._progress(0.0)
+        return handle.done
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each shard's counters (blocking)."""
+        h = self._start("stats", {s: ({"op": "stats"}, None) for s in range(len(self.addresses))})
+        return [m.get("body") for _, m in sorted(self.wait(h).items())]
+
+    def checkpoint(self) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
+        """({shard: version}, {key id: values}) snapshot of every shard (blocking)."""
+        h = self._start("checkpoint", {s: ({"op": "checkpoint"}, None) for s in range(len(self.addresses))})
+        replies = self.wait(h)
+        values = {k: t for m in replies.values() for k, t in zip(m.keys, m.tensors)}
+        return {s: m.get("version") for s, m in replies.items()}, values
+
+    def shutdown(self) -> None:
+        """Ask every shard to stop serving (blocking)."""
+        self.wait(self._start("shutdown", {s: ({"op": "shutdown"}, None) for s in range(len(self.addresses))}))
+
+    def close(self) -> None:
+        """Stop heartbeats and close the sockets; pending handles are abandoned."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=max(1.0, 2 * self.heartbeat_s))
+        for t in self._transports:
+            t.close()
+        self._transports = []
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- machinery -----------------------------------------------------------------------------
+
+    def _need_layout(self) -> Layout:
+        if self.layout is None:
+            raise RuntimeError("call join() before push or pull: the client has no layout yet")
+        return self.layout
+
+    def _start(self, kind: str, per_shard: dict[int, tuple[dict, list | None]], conditional: bool = False) -> Handle:
+        h = Handle(kind, timeout_s=self.timeout_s + (min(self.timeout_s, 5.0) if conditional else 0.0))
+        for s, (header, tensors) in per_shard.items():
+            req = next(self._reqs)
+            frames = encode({**header, "worker": self.worker, "req": req}, tensors)
+            self._transports[s].send(frames)
+            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            h.pending[req] = s
+            h.keep.append(tensors)
+            self._inflight[req] = h
+        return h
+
+    def _wait_replies(self, h: Handle, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not h.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(h.pending.values()))
+                where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in missing)
+                hint = f"; last heartbeat error: {self.heartbeat_error}" if self.heartbeat_error else ""
+                raise PeerTimeout(f"worker {self.worker}: no reply from {where} within {timeout_s:g} s "
+                                  f"to {h.kind} (req {sorted(h.pending)}){hint}")
+            self._progress(left)
+        h.keep.clear()
+        if h.error is not None:
+            raise h.error
+
+    def _progress(self, timeout_s: float) -> None:
+        """Wait at most timeout_s for replies on the shards with requests in flight; file them."""
+        shards = sorted(set(s for h in self._inflight.values() for s in h.pending.values()))
+        transports = [self._transports[s] for s in shards]
+        for t in poll_many(transports, timeout_s):
+            s = self._transports.index(t)
+            while t.readable(0):
+                self._file(s, t.recv(0))
+
+    def _file(self, s: int, frames: list) -> None:
+        self.bytes_recv += sum(f.nbytes for f in frames)
+        try:
+            msg = decode(frames, self.layout, None, self._limits, shard=s)
+        except ProtocolError as e:
+            raise PSError(f"malformed reply from {self.addresses[s]} (shard {s}): {e}") from e
+        h = self._inflight.pop(msg.req, None)
+        if h is None:
+            if msg.op == "error" and msg.req == -1:  # the server could not even read our request id
+                raise PSError(f"{self.addresses[s]} (shard {s}) refused a message: {msg.get('error')}")
+            log.debug("worker %d: late reply %d from shard %d ignored", self.worker, msg.req, s)
+            return
+        h.pending.pop(msg.req, None)
+        if msg.op == "error":
+            h.error = PSError(f"{self.addresses[s]} (shard {s}) refused {h.kind} (req {msg.req}): {msg.get('error')}")
+            for req in h.pending:  # the handle has failed: its other replies are not awaited
+                self._inflight.pop(req, None)
+            h.pending.clear()
+        else:
+            h.replies[s] = msg
+
+    # -- heartbeats ----------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        if self._hb_thread is None:
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"ps-heartbeat-{self.worker}",
+                                               daemon=True)
+            self._hb_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        transports = [self._transport(a, send_timeout_s=self.heartbeat_s) for a in self.addresses]
+        header = encode({"op": "heartbeat", "worker": self.worker, "req": 0})
+        try:
+            while not self._hb_stop.wait(self.heartbeat_s):
+                for t in transports:
+                    while t.readable(0):  # replies: only errors matter
+                        try:
+                            msg = decode(t.recv(0), None, None, self._limits)
+                        except ProtocolError as e:
+                            msg = None
+                            self.heartbeat_error = f"{t.address}: malformed heartbeat reply: {e}"
+                        if msg is not None and msg.op == "error":
+                            self.heartbeat_error = f"{t.address}: {msg.get('error')}"
+                    try:
+                        t.send(header)
+                    except TransportError as e:
+                        self.heartbeat_error = str(e)
+        finally:
+            for t in transports:
+                t.close()

@@ -1,0 +1,257 @@
+"""Which server shard holds which chunk of which parameter: a pure, deterministic function.
+
+A parameter is flattened and cut into contiguous chunks ("keys"); big tensors are split so
+that every shard carries about the same number of bytes (as BytePS and ps-lite do), small
+ones stay whole so they cost one frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterable, Sequence
+
+import torch
+
+WIRE_VERSION = 1
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+TORCH_DTYPES = {name: getattr(torch, name) for name in ITEMSIZE}
+MIN_CHUNK_ELEMS = 1 << 16
+"""Tensors are spread over shards only down to chunks of this many elements: below it a
+split costs more in per-frame overhead than it gains in balance."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32; ValueError for a dtype the server cannot carry."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ValueError(f"dtype {dtype} is not supported; expected one of {sorted(ITEMSIZE)}")
+    return name
+
+
+def chunk_elems_from_mb(chunk_mb: float, itemsize: int = 4) -> int:
+    """Elements in a chunk of chunk_mb MiB of items of itemsize bytes (at least 1)."""
+    return max(1, int(chunk_mb * (1 << 20)) // itemsize)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter as the layout sees it: name, shape and dtype name ('float32', ...)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"parameter name must be a str, got {self.name!r}")
+        shape = tuple(self.shape)
+        if any(type(d) is not int or d < 0 for d in shape):
+            raise ValueError(f"parameter {self.name!r}: shape must be ints >= 0, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"parameter {self.name!r}: dtype {self.dtype!r} not one of {sorted(ITEMSIZE)}")
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "ParamSpec":
+        return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Key:
+    """A contiguous chunk [offset, offset + numel) of the flattened parameter specs[param]."""
+
+    id: int
+    param: int
+    offset: int
+    numel: int
+    shard: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Chunks travel flat."""
+        return (self.numel,)
+
+
+class Layout:
+    """Parameters, their keys and the shard of each key. Build with build_layout or from_wire."""
+
+    def __init__(self, specs: Sequence[ParamSpec], keys: Sequence[Key], num_shards: int, chunk_elems: int):
+        self.specs = tuple(specs)
+        self.keys = tuple(keys)
+        self.num_shards = num_shards
+        self.chunk_elems = chunk_elems
+        self._by_shard: list[list[Key]] = [[] for _ in range(num_shards)]
+        self._by_param: list[list[Key]] = [[] for _ in self.specs]
+        for key in self.keys:
+            self._by_shard[key.shard].append(key)
+            self._by_param[key.param].append(key)
+
+    def shard_keys(self, shard: int) -> list[Key]:
+        """Keys held by shard, by id."""
+        return list(self._by_shard[shard])
+
+    def param_keys(self, param: int) -> list[Key]:
+        """Keys of parameter specs[param], by offset."""
+        return list(self._by_param[param])
+
+    def dtype(self, key: Key | int) -> str:
+        return self.specs[(self.keys[key] if isinstance(key, int) else key).param].dtype
+
+    def nbytes(self, key: Key | int) -> int:
+        key = self.keys[key] if isinstance(key, int) else key
+        return key.numel * self.specs[key.param].itemsize
+
+    def bytes_per_shard(self) -> list[int]:
+        return [sum(self.nbytes(k) for k in keys) for keys in self._by_shard]
+
+    def to_wire(self) -> dict[str, Any]:
+        """A plain dict (str, int, list) that msgpack and json can carry."""
+        return {
+            "v": WIRE_VERSION,
+            "num_shards": self.num_shards,
+            "chunk_elems": self.chunk_elems,
+            "params": [[s.name, list(s.shape), s.dtype] for s in self.specs],
+            "keys": [[k.id, k.param, k.offset, k.numel, k.shard] for k in self.keys],
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "Layout":
+        """Rebuild and check a layout: ValueError naming the first thing that is wrong."""
+        if not isinstance(wire, dict) or set(wire) != {"v", "num_shards", "chunk_elems", "params", "keys"}:
+            raise ValueError(f"layout must be a dict with fields v, num_shards, chunk_elems, params, keys; got {_short(wire)}")
+        if wire["v"] != WIRE_VERSION:
+            raise ValueError(f"layout version {wire['v']!r}, expected {WIRE_VERSION}")
+        num_shards, chunk_elems = wire["num_shards"], wire["chunk_elems"]
+        if not _is_int(num_shards) or num_shards < 1 or not _is_int(chunk_elems) or chunk_elems < 1:
+            raise ValueError(f"layout num_shards and chunk_elems must be ints >= 1, got {num_shards!r}, {chunk_elems!r}")
+        if not isinstance(wire["params"], list) or not isinstance(wire["keys"], list):
+            raise ValueError("layout params and keys must be lists")
+        specs = []
+        for i, p in enumerate(wire["params"]):
+            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[1], list)):
+                raise ValueError(f"layout param {i} must be [name, shape, dtype], got {_short(p)}")
+            specs.append(ParamSpec(p[0], tuple(p[1]), p[2]))
+        keys = []
+        for i, k in enumerate(wire["keys"]):
+            if not (isinstance(k, list) and len(k) == 5 and all(_is_int(x) and x >= 0 for x in k)):
+                raise ValueError(f"layout key {i} must be [id, param, offset, numel, shard] ints >= 0, got {_short(k)}")
+            key = Key(*k)
+            if key.id != i or key.param >= len(specs) or key.shard >= num_shards:
+                raise ValueError(f"layout key {i} = {k}: id must be {i}, param < {len(specs)}, shard < {num_shards}")
+            keys.append(key)
+        layout = cls(specs, keys, num_shards, chunk_elems)
+        for p, spec in enumerate(specs):  # every element of every parameter exactly once
+            end = 0
+            for key in layout.param_keys(p):
+                if key.offset != end:
+                    raise ValueError(f"layout: parameter {spec.name!r} key {key.id} starts at {key.offset}, expected {end}")
+                end += key.numel
+            if end != spec.numel or not layout.param_keys(p):
+                raise ValueError(f"layout: keys of parameter {spec.name!r} cover {end} of {spec.numel} elements")
+        return layout
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the canonical wire form: equal layouts, equal fingerprints."""
+        text = json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.fingerprint == other.fingerprint
+
+    __hash__ = None  # mutable-looking; compare by fingerprint
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.specs)} params, {len(self.keys)} keys, {self.num_shards} shards)"
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _short(x: Any, n: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _chunk_sizes(numel: int, num_shards: int, chunk_elems: int) -> list[int]:
+    """Near-equal chunk sizes for one flattened parameter."""
+    if numel == 0:
+        return [0]
+    size = max(1, min(chunk_elems, max(math.ceil(numel / num_shards), MIN_CHUNK_ELEMS)))
+    n = math.ceil(numel / size)
+    rounded = math.ceil(n / num_shards) * num_shards  # every shard gets the same share of it
+    if n > 1 and numel // rounded >= min(MIN_CHUNK_ELEMS, chunk_elems):
+        n = rounded
+    base, extra = divmod(numel, n)
+    return [base + 1] * extra + [base] * (n - extra)
+
+
+def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int) -> Layout:
+    """Cut parameters into keys and assign them to shards.
+
+    Args:
+        specs: the parameters, in model order (key ids follow this order).
+        num_shards: number of server shards (>= 1).
+        chunk_elems: no key has more elements than this (>= 1). A parameter bigger than
+            MIN_CHUNK_ELEMS is also cut into a multiple of num_shards near-equal pieces (as
+            long as pieces stay >= MIN_CHUNK_ELEMS) so that it spreads evenly over all
+            shards; smaller ones stay whole.
+
+    Chunks are then placed largest first (ties by key id) on the shard with the fewest bytes
+    (ties by shard index), so max - min shard bytes <= the largest chunk. Deterministic.
+    """
+    specs = list(specs)
+    if not _is_int(num_shards) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    if not _is_int(chunk_elems) or chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be an int >= 1, got {chunk_elems!r}")
+    pieces = []  # (id, param, offset, numel)
+    for p, spec in enumerate(specs):
+        offset = 0
+        for size in _chunk_sizes(spec.numel, num_shards, chunk_elems):
+            pieces.append((len(pieces), p, offset, size))
+            offset += size
+    heap = [(0, s) for s in range(num_shards)]  # (bytes, shard): least loaded first, ties by index
+    shard_of = {}
+    for kid, p, _, numel in sorted(pieces, key=lambda x: (-x[3] * specs[x[1]].itemsize, x[0])):
+        load, shard = heapq.heappop(heap)
+        shard_of[kid] = shard
+        heapq.heappush(heap, (load + numel * specs[p].itemsize, shard))
+    keys = [Key(kid, p, off, numel, shard_of[kid]) for kid, p, off, numel in pieces]
+    return Layout(specs, keys, num_shards, chunk_elems)
+
+
+def split_values(layout: Layout, params: Sequence[torch.Tensor], shard: int | None = None) -> dict[int, torch.Tensor]:
+    """Flat chunk views {key id: tensor} of params (in spec order), for one shard or all."""
+    if len(params) != len(layout.specs):
+        raise ValueError(f"got {len(params)} tensors for a layout of {len(layout.specs)} parameters")
+    out = {}
+    for key in layout.keys if shard is None else layout.shard_keys(shard):
+        flat = params[key.param].detach().reshape(-1)
+        out[key.id] = flat[key.offset:key.offset + key.numel]
+    return out
+
+
+def join_values(layout: Layout, values: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """Parameters (in spec order, new tensors) assembled from the chunks of every key."""
+    out = []
+    for p, spec in enumerate(layout.specs):
+        flat = torch.empty(spec.numel, dtype=TORCH_DTYPES[spec.dtype])
+        for key in layout.param_keys(p):
+            flat[key.offset:key.offset + key.numel] = values[key.id].reshape(-1)
+        out.append(flat.reshape(spec.shape))
+    return out

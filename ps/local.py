@@ -1,0 +1,99 @@
+"""Server shards served by threads of this process: for tests, demos and one-host runs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ps.client import PSClient
+from ps.config import PSConfig
+from ps.layout import Layout, split_values
+from ps.server import ShardServer
+from ps.transport import ServerTransport
+
+log = logging.getLogger("psar.ps.local")
+_names = itertools.count()
+
+
+class LocalCluster:
+    """One ShardServer per shard of layout, each serving in its own thread.
+
+    Args:
+        layout: the layout; one shard per layout.num_shards.
+        params: initial parameter tensors in layout.specs order (copied by the servers).
+        make_optimizer, mode, num_workers, config: as for ShardServer.
+        address: "inproc" (unique inproc:// names) or "tcp" (127.0.0.1, ephemeral ports).
+        addresses: explicit bind endpoints, one per shard (overrides address).
+        context: zmq context to share with inproc clients (default: the process-wide one).
+    """
+
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor],
+                 make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], mode: str,
+                 num_workers: int, config: PSConfig = PSConfig(), address: str = "inproc",
+                 addresses: Sequence[str] | None = None, context: Any = None):
+        if addresses is None:
+            if address not in ("inproc", "tcp"):
+                raise ValueError(f"address must be 'inproc' or 'tcp' (or give addresses), got {address!r}")
+            name = f"psar-{os.getpid()}-{next(_names)}"
+            addresses = [f"inproc://{name}-shard{s}" if address == "inproc" else "tcp://127.0.0.1:*"
+                         for s in range(layout.num_shards)]
+        if len(addresses) != layout.num_shards:
+            raise ValueError(f"{len(addresses)} addresses for {layout.num_shards} shards")
+        self.config, self.context = config, context
+        self.servers = [ShardServer(s, layout, split_values(layout, params, s), make_optimizer, mode, num_workers,
+                                    config) for s in range(layout.num_shards)]
+        self.transports: list[ServerTransport] = []
+        try:
+            for a in addresses:
+                self.transports.append(ServerTransport(a, config.max_message_bytes, config.timeout_s, context))
+        except Exception:
+            self._close_transports()
+            raise
+        self.addresses = [t.address for t in self.transports]
+        self.results: dict[int, str] = {}
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._serve, args=(s,), name=f"ps-shard-{s}", daemon=True)
+                        for s in range(layout.num_shards)]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, s: int) -> None:
+        try:
+            self.results[s] = self.servers[s].serve(self.transports[s], self._stop)
+        except BaseException as e:  # recorded so that a test sees it rather than a silent thread
+            log.exception("shard %d: serve loop failed", s)
+            self.results[s] = f"crashed: {type(e).__name__}: {e}"
+
+    def client(self, worker: int, **kwargs: Any) -> PSClient:
+        """A PSClient for worker, with the cluster's timeouts unless given."""
+        kwargs.setdefault("timeout_s", self.config.timeout_s)
+        kwargs.setdefault("heartbeat_s", self.config.heartbeat_s)
+        kwargs.setdefault("context", self.context)
+        return PSClient(self.addresses, worker, **kwargs)
+
+    def join(self, timeout_s: float = 10.0) -> bool:
+        """Wait for every serve loop to end on its own; True if they all did."""
+        for t in self.threads:
+            t.join(timeout_s)
+        return not any(t.is_alive() for t in self.threads)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the serve loops and close the sockets."""
+        self._stop.set()
+        self.join(timeout_s)
+        self._close_transports()
+
+    def _close_transports(self) -> None:
+        for t in self.transports:
+            t.close()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,267 @@
+"""Wire format: one msgpack header frame, then one raw frame per tensor. No zmq here.
+
+Everything in a message is validated against the layout before any tensor is built, so a
+malformed or hostile message raises ProtocolError and touches nothing. Tensors are then
+built on the received frames without a copy (torch.frombuffer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Collection, Sequence
+
+import msgpack
+import torch
+
+from ps.layout import ITEMSIZE, TORCH_DTYPES, Layout, dtype_name
+
+PROTOCOL_VERSION = 1
+REQUESTS = ("join", "push", "pull", "heartbeat", "stats", "checkpoint", "shutdown")
+REPLIES = ("ok", "error")
+OPS = REQUESTS + REPLIES
+
+# op -> (required fields beyond op/v/worker/req, optional fields)
+_TENSORS = {"keys", "dtypes", "shapes"}
+OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
+    "join": (set(), set()),
+    "push": ({"step", "version"} | _TENSORS, set()),
+    "pull": ({"keys"}, {"min_version", "clock"}),
+    "heartbeat": (set(), set()),
+    "stats": (set(), set()),
+    "checkpoint": (set(), set()),
+    "shutdown": (set(), set()),
+    "ok": (set(), {"step", "version", "staleness", "body"} | _TENSORS),
+    "error": ({"error"}, set()),
+}
+BASE_FIELDS = ("op", "v", "worker", "req")
+_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness")
+_MAX_INT = 1 << 62
+
+
+class ProtocolError(ValueError):
+    """A message that does not fit the protocol or the layout; the text names the field."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied while decoding, before anything is allocated from the message."""
+
+    max_header_bytes: int = 1 << 20
+    max_keys: int = 1 << 16
+    max_str_len: int = 1 << 16
+    max_map_len: int = 1 << 12
+    max_tensor_bytes: int = 1 << 30
+
+
+@dataclass
+class Message:
+    """A decoded message: the header dict and one tensor per entry of header['keys'] (if any)."""
+
+    header: dict[str, Any]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def op(self) -> str:
+        return self.header["op"]
+
+    @property
+    def worker(self) -> int:
+        return self.header["worker"]
+
+    @property
+    def req(self) -> int:
+        return self.header["req"]
+
+    @property
+    def keys(self) -> list[int]:
+        return self.header.get("keys", [])
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.header.get(name, default)
+
+
+def tensor_frame(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU contiguous tensor, as a view (no copy)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor on {t.device} must be moved to the CPU before it is sent")
+    if not t.is_contiguous():
+        raise ValueError(f"tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous() first")
+    dtype_name(t.dtype)
+    t = t.detach().reshape(-1)
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> list[bytes | memoryview]:
+    """[msgpack header, raw tensor frames...]. With tensors (even none), header['keys'] must
+    name one key per tensor; 'dtypes' and 'shapes' are filled in from the tensors."""
+    header = {"v": PROTOCOL_VERSION, **header}
+    frames = [tensor_frame(t) for t in tensors or ()]
+    if tensors is not None:
+        if len(header.get("keys", ())) != len(tensors):
+            raise ValueError(f"header names {len(header.get('keys', ()))} keys for {len(tensors)} tensors")
+        header["dtypes"] = [dtype_name(t.dtype) for t in tensors]
+        header["shapes"] = [list(t.shape) for t in tensors]
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def error_reply(worker: int, req: int, message: str) -> list[bytes]:
+    return encode({"op": "error", "worker": worker, "req": req, "error": message})
+
+
+def peek_ids(frames: Sequence[Any]) -> tuple[int, int]:
+    """(worker, req) of a message that failed to decode, best effort, -1 where unknown:
+    so that an error reply can still be matched to its request."""
+    try:
+        h = msgpack.unpackb(frames[0], raw=False, max_bin_len=0, max_ext_len=0)
+        ids = tuple(h.get(f) for f in ("worker", "req"))
+        return tuple(x if type(x) is int and 0 <= x < _MAX_INT else -1 for x in ids)
+    except Exception:
+        return -1, -1
+
+
+def _fail(msg: str) -> None:
+    raise ProtocolError(msg)
+
+
+def _check_int(h: dict, name: str, low: int) -> None:
+    value = h[name]
+    if type(value) is not int or not low <= value < _MAX_INT:
+        _fail(f"header field {name!r} is {value!r}; expected an int >= {low}")
+
+
+def _check_int_list(h: dict, name: str, limit: int) -> list:
+    value = h[name]
+    if not isinstance(value, list):
+        _fail(f"header field {name!r} is {type(value).__name__}; expected a list")
+    if len(value) > limit:
+        _fail(f"header field {name!r} has {len(value)} entries; at most {limit} allowed")
+    return value
+
+
+def _frame_view(f: Any) -> memoryview:
+    mv = f.buffer if hasattr(f, "buffer") else memoryview(f)  # zmq.Frame or any buffer
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: Collection[int] | None = None,
+           limits: Limits = Limits(), *, shard: int | None = None) -> Message:
+    """Validate a message completely, then build its tensors on the frames (zero copy).
+
+    Args:
+        frames: header frame then tensor frames (bytes, memoryview or zmq.Frame).
+        layout: keys, dtypes and shapes are checked against it; None checks only that they
+            are self-consistent (a client reading the join reply, before it has a layout).
+        known_workers: worker ids accepted; None accepts any.
+        limits: size bounds.
+        shard: if given, every key must belong to this shard.
+    Raises ProtocolError naming the field, its value and what was expected.
+    """
+    if not frames:
+        _fail("empty message: expected a header frame")
+    try:
+        views = [_frame_view(f) for f in frames]
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"message frames must be byte buffers: {e}") from e
+    head = views[0]
+    if head.nbytes > limits.max_header_bytes:
+        _fail(f"header frame is {head.nbytes} bytes; at most {limits.max_header_bytes} allowed")
+    try:
+        h = msgpack.unpackb(
+            head, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=limits.max_str_len, max_bin_len=0, max_ext_len=0,
+            max_array_len=limits.max_keys, max_map_len=limits.max_map_len)
+    except Exception as e:
+        _fail(f"header frame is not valid msgpack within limits: {type(e).__name__}: {e}")
+    if not isinstance(h, dict):
+        _fail(f"header is a {type(h).__name__}; expected a dict (msgpack map)")
+    missing = [f for f in BASE_FIELDS if f not in h]
+    if missing:
+        _fail(f"header lacks field(s) {missing}; every message needs {list(BASE_FIELDS)}")
+    if h["v"] != PROTOCOL_VERSION or type(h["v"]) is not int:
+        _fail(f"header field 'v' (protocol version) is {h['v']!r}; expected {PROTOCOL_VERSION}")
+    op = h["op"]
+    if op not in OPS:
+        _fail(f"header field 'op' is {op!r}; expected one of {list(OPS)}")
+    required, optional = OP_FIELDS[op]
+    allowed = set(BASE_FIELDS) | required | optional
+    extra, lacking = sorted(set(h) - allowed, key=repr), sorted(required - set(h))
+    if extra:
+        _fail(f"header field(s) {extra} not allowed in a {op!r} message; allowed: {sorted(allowed)}")
+    if lacking:
+        _fail(f"a {op!r} message needs header field(s) {lacking}")
+    for name in _INT_FIELDS:
+        if name in h:
+            _check_int(h, name, -1 if op == "error" and name in ("worker", "req") else 0)
+    if known_workers is not None and h["worker"] not in known_workers and not (op == "error" and h["worker"] == -1):
+        _fail(f"header field 'worker' is {h['worker']}; not a known worker (known: {_ids(known_workers)})")
+    if "error" in h and not isinstance(h["error"], str):
+        _fail(f"header field 'error' is {type(h['error']).__name__}; expected a str")
+    if "body" in h and not isinstance(h["body"], dict):
+        _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
+
+    keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
+    seen = set()
+    for k in keys:
+        if type(k) is not int:
+            _fail(f"header field 'keys' holds {k!r}; expected int key ids")
+        if k in seen:
+            _fail(f"header field 'keys' names key {k} twice")
+        seen.add(k)
+        if layout is not None:
+            if not 0 <= k < len(layout.keys):
+                _fail(f"key {k} is not in the layout (keys 0..{len(layout.keys) - 1})")
+            if shard is not None and layout.keys[k].shard != shard:
+                _fail(f"key {k} belongs to shard {layout.keys[k].shard}, not to this shard {shard}")
+    has_tensors = "dtypes" in h or "shapes" in h
+    if has_tensors and not _TENSORS <= set(h):
+        _fail("tensor frames need header fields 'keys', 'dtypes' and 'shapes' together")
+    if not has_tensors:
+        if len(frames) != 1:
+            _fail(f"a {op!r} message without tensors has {len(frames) - 1} extra frame(s)")
+        return Message(h)
+
+    dtypes, shapes = _check_int_list(h, "dtypes", limits.max_keys), _check_int_list(h, "shapes", limits.max_keys)
+    if not len(keys) == len(dtypes) == len(shapes):
+        _fail(f"header has {len(keys)} keys, {len(dtypes)} dtypes, {len(shapes)} shapes; expected equal counts")
+    if len(frames) - 1 != len(keys):
+        _fail(f"message has {len(frames) - 1} tensor frame(s) for {len(keys)} key(s)")
+    sizes = []
+    for k, dtype, shape in zip(keys, dtypes, shapes):
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            _fail(f"key {k}: dtype {dtype!r} is not one of {sorted(ITEMSIZE)}")
+        if not isinstance(shape, list) or any(type(d) is not int or not 0 <= d < _MAX_INT for d in shape):
+            _fail(f"key {k}: shape {shape!r} must be a list of ints >= 0")
+        if layout is not None:
+            key = layout.keys[k]
+            if dtype != layout.dtype(key):
+                _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.dtype(key)!r}")
+            if tuple(shape) != key.shape:
+                _fail(f"key {k}: shape {shape} does not match the layout's {list(key.shape)}")
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if nbytes > limits.max_tensor_bytes:
+            _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
+        sizes.append(nbytes)
+    views = views[1:]
+    for k, nbytes, view in zip(keys, sizes, views):
+        if view.nbytes != nbytes:
+            _fail(f"key {k}: tensor frame is {view.nbytes} bytes; expected {nbytes} (numel * itemsize)")
+    tensors = [_tensor(v, TORCH_DTYPES[d], s) for v, d, s in zip(views, dtypes, shapes)]
+    return Message(h, tensors)
+
+
+def _tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if view.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if view.readonly:  # zmq frames are writable; only plain bytes (tests) get here
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=dtype).reshape(shape)
+
+
+def _ids(ids: Collection[int]) -> str:
+    ids = sorted(ids)
+    if ids and ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 3:
+        return f"{ids[0]}..{ids[-1]}"
+    return str(ids)

@@ -1,0 +1,374 @@
+"""One server shard: the parameters of its keys, the experiment's optimizer, one handler.
+
+ShardServer.handle(peer, frames) is the whole protocol and touches no socket, so it is
+tested directly; serve(transport) is the loop around it. Modes:
+
+- sync (BSP): gradients of a step are summed per key; when every live worker has pushed
+  every key of this shard, each key's grad is the mean over the workers that pushed it, the
+  optimizer steps once and the version goes up by one.
+- async (Hogwild-style): every push is applied on arrival (grad scaled by 1/N under
+  async_scale="mean"); the version counts completed worker-steps on this shard.
+- ssp: async, and a pull with clock c waits until c - (slowest live worker's clock) <= s.
+
+A worker's clock on a shard is 1 + the last step whose keys it has all pushed there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ps.config import PSConfig
+from ps.layout import TORCH_DTYPES, Layout
+from ps.protocol import REPLIES, Limits, Message, ProtocolError, decode, encode, error_reply, peek_ids
+
+log = logging.getLogger("psar.ps.server")
+
+MODES = ("sync", "async", "ssp")
+PARTIAL_STEPS = 64
+"""Incomplete steps remembered per worker (async/ssp); older ones are forgotten."""
+Reply = tuple[bytes, list]
+
+
+def _nbytes(frames: Sequence[Any]) -> int:
+    try:
+        return sum(memoryview(f).nbytes for f in frames)
+    except TypeError:
+        return 0
+
+
+class _Reject(Exception):
+    """A well-formed request that cannot be served now; becomes an error reply."""
+
+
+@dataclass
+class _Deferred:
+    peer: bytes
+    msg: Message
+    since: float
+    deadline: float
+
+
+class ShardServer:
+    """Server shard `shard` of `layout`.
+
+    Args:
+        shard: index of this shard in the layout.
+        layout: the agreed layout; this shard holds layout.shard_keys(shard).
+        values: {key id: initial values} for exactly this shard's keys (copied).
+        make_optimizer: builds the experiment's optimizer over a list of tensors (one per key).
+        mode: "sync", "async" or "ssp".
+        num_workers: workers 0..num_workers-1 take part.
+        config: PSConfig (timeouts, staleness bound, loss policy, async scaling).
+        clock: time source, injectable for tests (default time.monotonic).
+    """
+
+    def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
+                 make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], mode: str,
+                 num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= shard < layout.num_shards:
+            raise ValueError(f"shard {shard} out of range for a layout of {layout.num_shards} shards")
+        if type(num_workers) is not int or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.shard, self.layout, self.mode, self.num_workers = shard, layout, mode, num_workers
+        self.config, self.clock = config, clock
+        self.keys = [k.id for k in layout.shard_keys(shard)]
+        if set(values) != set(self.keys):
+            raise ValueError(f"shard {shard}: values given for keys {sorted(values)}, expected {self.keys}")
+        self.chunks: dict[int, torch.Tensor] = {}
+        for kid in self.keys:
+            key, t = layout.keys[kid], values[kid]
+            dtype = TORCH_DTYPES[layout.dtype(key)]
+            if t.numel() != key.numel or t.dtype != dtype:
+                raise ValueError(f"shard {shard}: key {kid} needs {key.numel} {dtype} values, got {t.numel()} {t.dtype}")
+            self.chunks[kid] = t.detach().reshape(-1).clone()  # a leaf tensor owned by the server
+        self.optimizer = make_optimizer(list(self.chunks.values())) if self.chunks else None
+        self._limits = Limits(max_tensor_bytes=config.max_message_bytes)
+        self._workers = range(num_workers)
+        self.version = 0
+        self.seen: dict[int, float] = {}  # joined worker -> last heard from
+        self.lost: dict[int, str] = {}  # worker -> why
+        self.clocks = {w: 0 for w in self._workers}
+        self.aborted: str | None = None
+        self.stopped = False
+        self._partial: dict[int, dict[int, set[int]]] = {w: {} for w in self._workers}  # worker -> step -> keys
+        self._sum: dict[int, torch.Tensor] = {}  # sync: key -> sum of the step's gradients
+        self._pushed: dict[int, set[int]] = {}  # sync: key -> workers that pushed it this step
+        self._deferred: list[_Deferred] = []
+        self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0)
+        self.staleness: dict[int, int] = {}
+        self.waits = dict(count=0, total_s=0.0, max_s=0.0)
+        self._snap: dict[int, torch.Tensor] = {}
+        self._snap_updates = 0
+
+    # -- the handler -------------------------------------------------------------------------
+
+    def handle(self, peer: bytes, frames: Sequence[Any]) -> list[Reply]:
+        """Handle one request; return the replies to send (possibly to other, deferred peers)."""
+        self.counters["bytes_in"] += _nbytes(frames)
+        if self.aborted:
+            return [self._error(peer, *peek_ids(frames), self.aborted)]
+        try:
+            msg = decode(frames, self.layout, self._workers, self._limits, shard=self.shard)
+        except Exception as e:  # ProtocolError; anything else is a decoder bug, still not fatal
+            text = str(e) if isinstance(e, ProtocolError) else f"undecodable message: {type(e).__name__}: {e}"
+            self.counters["malformed"] += 1
+            log.warning("shard %d: malformed message from peer %r: %s", self.shard, peer, text)
+            return [self._error(peer, *peek_ids(frames), f"shard {self.shard}: {text}")]
+        try:
+            w = msg.worker
+            if msg.op in REPLIES:
+                raise _Reject(f"expected a request, got a {msg.op!r} message")
+            if w in self.lost:
+                raise _Reject(f"worker {w} was declared lost: {self.lost[w]}")
+            if msg.op != "join" and w not in self.seen:
+                raise _Reject(f"worker {w} has not joined; send join first")
+            self.seen[w] = self.clock()
+            replies = getattr(self, f"_on_{msg.op}")(peer, msg)
+        except _Reject as e:
+            self.counters["rejected"] += 1
+            log.info("shard %d: rejected %s from worker %d: %s", self.shard, msg.op, msg.worker, e)
+            return [self._error(peer, msg.worker, msg.req, f"shard {self.shard}: {e}")]
+        except Exception as e:  # a bug or an optimizer failure must not take the shard down silently
+            self.counters["rejected"] += 1
+            log.exception("shard %d: internal error on %s from worker %d", self.shard, msg.op, msg.worker)
+            return [self._error(peer, msg.worker, msg.req, f"shard {self.shard}: internal error: {type(e).__name__}: {e}")]
+        return replies + self._release()
+
+    def tick(self) -> list[Reply]:
+        """Periodic work: declare silent workers lost, answer pulls now ready or out of time."""
+        now = self.clock()
+        for w, seen in list(self.seen.items()):
+            if not self.aborted and w not in self.lost and now - seen > self.config.worker_timeout_s:
+                self._lose(w, f"worker {w} silent for {now - seen:.2f} s (worker_timeout_s={self.config.worker_timeout_s:g})")
+        replies = self._release()
+        for d in [d for d in self._deferred if now >= d.deadline]:
+            self._deferred.remove(d)
+            replies.append(self._error(d.peer, d.msg.worker, d.msg.req,
+                                       f"shard {self.shard}: pull waited {now - d.since:.2f} s "
+                                       f"(timeout_s={self.config.timeout_s:g}) for {self._wait_reason(d.msg)}"))
+        if self.aborted:
+            replies += [self._error(d.peer, d.msg.worker, d.msg.req, self.aborted) for d in self._deferred]
+            self._deferred.clear()
+        return replies
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def _on_join(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.counters["joins"] += 1
+        body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
+                "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint}
+        return [self._values(peer, msg, self.keys, body=body)]
+
+    def _on_heartbeat(self, peer: bytes, msg: Message) -> list[Reply]:
+        return [self._ok(peer, msg)]
+
+    def _on_stats(self, peer: bytes, msg: Message) -> list[Reply]:
+        return [self._ok(peer, msg, body=self.stats())]
+
+    def _on_checkpoint(self, peer: bytes, msg: Message) -> list[Reply]:
+        return [self._values(peer, msg, self.keys)]
+
+    def _on_shutdown(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.stopped = True
+        log.info("shard %d: shutdown requested by worker %d", self.shard, msg.worker)
+        return [self._ok(peer, msg)]
+
+    def _on_pull(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.counters["pulls"] += 1
+        if self._pull_ready(msg):
+            return [self._values(peer, msg, msg.keys or self.keys)]
+        now = self.clock()
+        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s))
+        return []
+
+    def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
+        w, step, version = msg.worker, msg.get("step"), msg.get("version")
+        if not msg.keys:
+            raise _Reject("push names no keys")
+        if version > self.version:
+            raise _Reject(f"push says its gradient was computed on version {version}, "
+                          f"but this shard is only at version {self.version}")
+        if step < self.clocks[w]:
+            raise _Reject(f"worker {w} already pushed all keys of step {step} (its clock is {self.clocks[w]})")
+        if self.mode == "sync" and step != self.version:
+            raise _Reject(f"sync push for step {step}, but the shard is at step {self.version}; "
+                          f"pull with min_version={step} first")
+        done = self._partial[w].get(step, set())
+        twice = [k for k in msg.keys if k in done]
+        if twice:
+            raise _Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
+        # validated: from here on the push is applied
+        stale = self.version - version
+        self.staleness[stale] = self.staleness.get(stale, 0) + 1
+        self.counters["pushes"] += 1
+        if self.mode == "sync":
+            for k, g in zip(msg.keys, msg.tensors):
+                if k in self._sum:
+                    self._sum[k].add_(g)
+                else:
+                    self._sum[k] = g.clone()  # own the bytes: the frame goes back to zmq
+                self._pushed.setdefault(k, set()).add(w)
+            self._note_keys(w, step, msg.keys)
+            self._maybe_step()
+        else:
+            live = self.num_workers - len(self.lost)
+            scale = 1.0 / live if self.config.async_scale == "mean" else 1.0
+            for k, g in zip(msg.keys, msg.tensors):
+                self.chunks[k].grad = g * scale if scale != 1.0 else g.clone()
+            self._apply()
+            if self._note_keys(w, step, msg.keys):
+                self.version += 1
+        return [self._ok(peer, msg, staleness=stale, version=self.version)]
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _live(self) -> set[int]:
+        return set(self._workers) - set(self.lost)
+
+    def _apply(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.counters["updates"] += 1
+
+    def _note_keys(self, w: int, step: int, keys: list[int]) -> bool:
+        """Record keys pushed by w for step; True when that completes the step on this shard."""
+        partial = self._partial[w]
+        done = partial.setdefault(step, set())
+        done.update(keys)
+        if len(done) < len(self.keys):
+            while len(partial) > PARTIAL_STEPS:  # a worker that never pushes some keys: bounded memory
+                del partial[min(partial)]
+            return False
+        self.clocks[w] = step + 1
+        self._partial[w] = {s: ks for s, ks in self._partial[w].items() if s > step}
+        return True
+
+    def _maybe_step(self) -> None:
+        """sync: apply the step once every live worker has pushed every key."""
+        live = self._live()
+        if not live or len(self._pushed) < len(self.keys):
+            return
+        if not all(live <= self._pushed[k] for k in self.keys):
+            return
+        for k, chunk in self.chunks.items():
+            chunk.grad = self._sum[k].div_(len(self._pushed[k]))
+        self._apply()
+        self._sum.clear()
+        self._pushed.clear()
+        self.version += 1
+
+    def _pull_ready(self, msg: Message) -> bool:
+        min_version, clock = msg.get("min_version"), msg.get("clock")
+        if min_version is not None and self.version < min_version:
+            return False
+        if self.mode == "ssp" and clock is not None:
+            live = self._live()
+            return not live or clock - min(self.clocks[w] for w in live) <= self.config.staleness
+        return True
+
+    def _wait_reason(self, msg: Message) -> str:
+        parts = []
+        if msg.get("min_version") is not None:
+            parts.append(f"version >= {msg.get('min_version')} (shard at version {self.version})")
+        if self.mode == "ssp" and msg.get("clock") is not None:
+            live = self._live()
+            slow = min(live, key=lambda w: (self.clocks[w], w)) if live else None
+            parts.append(f"clock {msg.get('clock')} to be within staleness {self.config.staleness} of the "
+                         f"slowest live worker (worker {slow} at clock {self.clocks.get(slow)})")
+        return " and ".join(parts) or "nothing"
+
+    def _release(self) -> list[Reply]:
+        """Answer the deferred pulls whose condition now holds."""
+        if self.aborted:
+            return []
+        replies, now = [], self.clock()
+        for d in [d for d in self._deferred if self._pull_ready(d.msg)]:
+            self._deferred.remove(d)
+            waited = now - d.since
+            self.waits["count"] += 1
+            self.waits["total_s"] += waited
+            self.waits["max_s"] = max(self.waits["max_s"], waited)
+            replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys))
+        return replies
+
+    def _lose(self, w: int, reason: str) -> None:
+        self.lost[w] = reason
+        if self.config.on_worker_loss == "abort":
+            self.aborted = f"shard {self.shard} aborted: {reason}"
+            log.error("%s", self.aborted)
+            return
+        log.warning("shard %d: dropping %s; continuing with workers %s", self.shard, reason, sorted(self._live()))
+        self._partial[w] = {}
+        if self.mode == "sync":
+            self._maybe_step()
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def _send(self, peer: bytes, frames: list) -> Reply:
+        self.counters["bytes_out"] += _nbytes(frames)
+        return peer, frames
+
+    def _ok(self, peer: bytes, msg: Message, **fields: Any) -> Reply:
+        return self._send(peer, encode({"op": "ok", "worker": msg.worker, "req": msg.req, **fields}))
+
+    def _error(self, peer: bytes, worker: int, req: int, text: str) -> Reply:
+        return self._send(peer, error_reply(worker, req, text))
+
+    def _values(self, peer: bytes, msg: Message, keys: list[int], **fields: Any) -> Reply:
+        tensors = [self._snapshot(k) for k in keys]
+        header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self.version, "keys": list(keys)}
+        return self._send(peer, encode({**header, **fields}, tensors))
+
+    def _snapshot(self, k: int) -> torch.Tensor:
+        """A copy of chunk k as of the last update, shared by every pull until the next one.
+        Replies leave zero-copy and the optimizer updates chunks in place, so replies must
+        never point at a chunk itself; a snapshot is never written after it is made."""
+        if self._snap_updates != self.counters["updates"]:
+            self._snap, self._snap_updates = {}, self.counters["updates"]
+        if k not in self._snap:
+            self._snap[k] = self.chunks[k].clone()
+        return self._snap[k]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters as a plain dict (str keys, msgpack-able)."""
+        return {
+            "shard": self.shard, "mode": self.mode, "version": self.version, **self.counters,
+            "staleness": {str(s): n for s, n in sorted(self.staleness.items())},
+            "queue_wait": dict(self.waits), "deferred": len(self._deferred),
+            "joined_workers": sorted(self.seen), "live_workers": sorted(self._live()),
+            "lost_workers": {str(w): why for w, why in self.lost.items()},
+            "clocks": {str(w): c for w, c in self.clocks.items()}, "aborted": self.aborted,
+        }
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def serve(self, transport: Any, stop_event: threading.Event | None = None) -> str:
+        """Receive, handle, reply until shutdown, abort or stop_event; returns why it ended.
+
+        After an abort it goes on answering errors for a short grace period (so that waiting
+        workers learn why), then ends.
+        """
+        poll_s = min(0.1, self.config.heartbeat_s / 2, self.config.worker_timeout_s / 4)
+        grace_s = min(self.config.timeout_s, max(0.5, 2 * self.config.heartbeat_s))
+        abort_at = None
+        while not (stop_event is not None and stop_event.is_set()):
+            item = transport.recv(poll_s)
+            replies = self.handle(*item) if item is not None else []
+            replies += self.tick()
+            for peer, frames in replies:
+                transport.send(peer, frames)
+            if self.stopped:
+                return "shutdown"
+            if self.aborted:
+                abort_at = abort_at if abort_at is not None else self.clock() + grace_s
+                if self.clock() >= abort_at:
+                    return self.aborted
+        return "stopped"

@@ -1,0 +1,73 @@
+"""Strict overrides and the saved config (validation errors get their own tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from experiments import config as config_mod
+from experiments.presets import build_config
+from experiments.overrides import OverrideError, apply_overrides
+from experiments.presets import PRESETS, get_preset
+
+
+def test_override_nested_keys_and_types():
+    cfg = build_config("quickstart", ["allreduce.algorithm=ring", "allreduce.bucket_cap_mb=0.5",
+                                      "optim.lr=0.2", "dtype=float64", "model.hidden=(32,16)",
+                                      "steps=7"])
+    assert cfg.allreduce.algorithm == "ring" and cfg.allreduce.bucket_cap_mb == 0.5
+    assert cfg.optim.lr == 0.2 and cfg.dtype == "float64" and cfg.steps == 7
+    assert cfg.model.hidden == (32, 16)
+
+
+@pytest.mark.parametrize("assignment,message", [
+    ("nope=1", "unknown key 'nope'"),
+    ("allreduce.nope=1", "unknown key 'allreduce.nope'"),
+    ("steps=abc", "expected an integer"),
+    ("optim.lr=fast", "expected a number"),
+    ("allreduce.algorithm=tree", "expected one of library, ring"),
+    ("allreduce.compression=int8", "expected one of none, fp16, bf16"),
+    ("dtype=float16", "dtype='float16'"),
+    ("allreduce=ring", "is a section"),
+    ("steps", "not of the form key=value"),
+    ("workers=0", "workers=0"),
+    ("steps.x=1", "cannot set a field inside"),
+])
+def test_bad_overrides_name_the_problem(assignment, message):
+    with pytest.raises(OverrideError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_config("quickstart", [assignment])
+
+
+def test_unknown_key_lists_the_known_ones():
+    with pytest.raises(OverrideError) as err:
+        apply_overrides(get_preset("quickstart"), ["optim.learning_rate=1"])
+    assert "lr" in str(err.value) and "momentum" in str(err.value)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_saved_config_round_trips(tmp_path, name):
+    cfg = build_config(name, ["seed=3", "allreduce.algorithm=ring"])
+    config_mod.save(cfg, tmp_path / "config.json")
+    loaded = config_mod.load(tmp_path / "config.json")
+    assert loaded == cfg
+    assert dataclasses.asdict(loaded) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "cannot read config"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"experiment": "x", "model": {"_type": "Nope"}}', "unknown section type"),
+    ('{"experiment": "x", "bogus": 1}', "unknown key 'bogus'"),
+])
+def test_bad_config_files_are_clear_errors(tmp_path, text, message):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(OverrideError, match=message):
+        config_mod.load(path)
+
+
+def test_configs_are_frozen():
+    cfg = get_preset("quickstart")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 3

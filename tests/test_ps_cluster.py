@@ -1,0 +1,262 @@
+"""Server shards serving in threads, clients over inproc:// (and tcp:// on 127.0.0.1)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ps.client import PSClient, PSError, PeerTimeout
+from ps.config import PSConfig
+from ps.layout import ParamSpec, build_layout, join_values, split_values
+from ps.local import LocalCluster
+
+SPECS = [ParamSpec("w", (8, 6), "float64"), ParamSpec("b", (6,), "float64"), ParamSpec("v", (10,), "float64")]
+FAST = dict(timeout_s=5.0, heartbeat_s=0.05, worker_timeout_s=2.0)
+
+
+def setup(num_shards=2, chunk_elems=7, seed=0):
+    layout = build_layout(SPECS, num_shards, chunk_elems)
+    gen = torch.Generator().manual_seed(seed)
+    return layout, [torch.randn(s.shape, dtype=torch.float64, generator=gen) for s in SPECS]
+
+
+def run_workers(fn, n):
+    """fn(worker) in n threads; re-raise the first failure."""
+    errors = []
+
+    def target(w):
+        try:
+            fn(w)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(w,)) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+
+
+def shard_stats(client, key, timeout_s=5.0, until=lambda v: True):
+    """Poll the shards' stats until until(sum of stats[key]) holds; return that sum."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = sum(s[key] for s in client.stats())
+        if until(total) or time.monotonic() > deadline:
+            return total
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+def test_pslite_n_pushes_sum():
+    """ps-lite's test: N pushes of g to an async server with SGD lr=1 and no scaling give init - N*g."""
+    layout, init = setup()
+    workers, rounds = 3, 4
+    g = torch.full((sum(s.numel for s in SPECS),), 0.25, dtype=torch.float64)
+    cfg = PSConfig(async_scale="sum", **FAST)
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "async", workers, cfg) as cluster:
+        def worker(w):
+            with cluster.client(w) as c:
+                c.join()
+                grads = {k.id: g[:k.numel].clone() for k in layout.keys}
+                for step in range(rounds):
+                    assert c.wait(c.push(step, None, grads)) >= 0
+                    c.wait(c.pull())  # versions move on, so staleness is measured from here
+        run_workers(worker, workers)
+        with cluster.client(0) as c:
+            c.join()
+            versions, values = c.checkpoint()
+            stats = c.stats()
+    for got, start in zip(join_values(layout, values), init):
+        assert torch.equal(got, start - workers * rounds * 0.25)
+    assert versions == {0: 12, 1: 12}
+    assert all(sum(s["staleness"].values()) == s["pushes"] == workers * rounds for s in stats)
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=1e-2),
+}
+
+
+def fake_grads(params, worker, step):
+    """A gradient that depends on the parameters, the worker and the step, like a real one."""
+    gen = torch.Generator().manual_seed(1000 * worker + step)
+    return [p * (0.3 + 0.1 * worker) + torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in params]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sync_matches_local_averaged_steps(name):
+    layout, init = setup()
+    steps, workers, make_opt = 20, 2, OPTIMIZERS[name]
+    local = [p.clone() for p in init]
+    opt = make_opt(local)
+    for step in range(steps):
+        per_worker = [fake_grads(local, w, step) for w in range(workers)]
+        for p, *gs in zip(local, *per_worker):
+            p.grad = sum(gs) / workers
+        opt.step()
+    finals = {}
+    with LocalCluster(layout, init, make_opt, "sync", workers, PSConfig(**FAST)) as cluster:
+        def worker(w):
+            with cluster.client(w) as c:
+                _, version, values = c.join()
+                params = join_values(layout, values)
+                for step in range(version, version + steps):
+                    push = c.push(step, step, split_values(layout, fake_grads(params, w, step)))
+                    pull = c.pull(min_version=step + 1)  # in flight together with the push
+                    c.wait(push)
+                    result = c.wait(pull)
+                    assert result.version == step + 1
+                    params = join_values(layout, result.values)
+                finals[w] = params
+        run_workers(worker, workers)
+    for w in range(workers):
+        for got, want in zip(finals[w], local):
+            assert (got - want).abs().max().item() <= 1e-12, (name, w)
+
+
+@pytest.mark.timeout(20)
+def test_pull_with_min_version_waits_for_the_step():
+    layout, init = setup()
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=0.1), "sync", 2, PSConfig(**FAST)) as cluster:
+        with cluster.client(0) as c0, cluster.client(1) as c1:
+            c0.join(), c1.join()
+            grads = split_values(layout, [torch.ones(s.shape, dtype=torch.float64) for s in SPECS])
+            c0.wait(c0.push(0, 0, grads))
+            pull = c0.pull(min_version=1)
+            assert shard_stats(c1, "deferred", until=lambda n: n == 2) == 2  # held on both shards
+            assert not c0.ready(pull)
+            c1.wait(c1.push(0, 0, grads))
+            result = c0.wait(pull)
+            assert result.version == 1 and result.versions == {0: 1, 1: 1}
+            for got, start in zip(join_values(layout, result.values), init):
+                assert torch.allclose(got, start - 0.1, rtol=0, atol=1e-15)
+            assert shard_stats(c1, "deferred") == 0
+            assert all(s["queue_wait"]["count"] == 1 and s["queue_wait"]["max_s"] > 0 for s in c1.stats())
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_ssp_fast_worker_blocks_until_slow_one_catches_up(staleness):
+    layout, init = setup()
+    cfg = PSConfig(staleness=staleness, **FAST)
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=0.1), "ssp", 2, cfg) as cluster:
+        with cluster.client(0) as fast, cluster.client(1) as slow:
+            fast.join(), slow.join()
+            grads = split_values(layout, [torch.ones(s.shape, dtype=torch.float64) for s in SPECS])
+            for clock in range(1, staleness + 2):
+                fast.wait(fast.push(clock - 1, None, grads))
+                pull = fast.pull(clock=clock)
+                if clock <= staleness:  # within the bound: answered at once
+                    fast.wait(pull, timeout_s=2.0)
+                    continue
+                assert shard_stats(slow, "deferred", until=lambda n: n == 2) == 2
+                assert not fast.ready(pull)
+                slow.wait(slow.push(0, None, grads))  # the slow worker reaches clock 1
+                fast.wait(pull)
+                for stats in slow.stats():
+                    clocks = stats["clocks"]
+                    assert clocks == {"0": clock, "1": 1}
+                    assert clock - min(clocks.values()) <= staleness
+
+
+def _lose_worker_1(policy):
+    layout, init = setup(num_shards=1)
+    cfg = PSConfig(on_worker_loss=policy, timeout_s=5.0, heartbeat_s=0.05, worker_timeout_s=0.5)
+    cluster = LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=0.5), "sync", 2, cfg)
+    c0, c1 = cluster.client(0), cluster.client(1)
+    c1.join()
+    c1.close()  # no more heartbeats from worker 1
+    c0.join()
+    grads = split_values(layout, [torch.full(s.shape, 2.0, dtype=torch.float64) for s in SPECS])
+    c0.wait(c0.push(0, 0, grads))
+    return cluster, c0, layout, init
+
+
+@pytest.mark.timeout(20)
+def test_silent_worker_is_dropped():
+    cluster, c0, layout, init = _lose_worker_1("drop")
+    try:
+        result = c0.wait(c0.pull(min_version=1))  # completes once worker 1 is dropped
+        for got, start in zip(join_values(layout, result.values), init):
+            assert torch.equal(got, start - 0.5 * 2.0)
+        time.sleep(0.8)  # longer than worker_timeout_s: heartbeats alone keep worker 0 alive
+        stats, = c0.stats()
+        assert stats["live_workers"] == [0] and list(stats["lost_workers"]) == ["1"]
+        assert "worker 1 silent" in stats["lost_workers"]["1"]
+        with cluster.client(1) as again, pytest.raises(PSError, match="worker 1 was declared lost"):
+            again.join()
+    finally:
+        c0.close()
+        cluster.stop()
+
+
+@pytest.mark.timeout(20)
+def test_silent_worker_aborts_the_run():
+    cluster, c0, _, _ = _lose_worker_1("abort")
+    try:
+        with pytest.raises(PSError, match=r"aborted: worker 1 silent") as info:
+            c0.wait(c0.pull(min_version=1))
+        assert cluster.addresses[0] in str(info.value)
+        assert cluster.join(5.0), "the serve loop should end after an abort"
+        assert cluster.results[0].startswith("shard 0 aborted: worker 1")
+    finally:
+        c0.close()
+        cluster.stop()
+
+
+@pytest.mark.timeout(20)
+def test_tcp_loopback_ephemeral_ports():
+    layout, init = setup()
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "sync", 1, PSConfig(**FAST),
+                      address="tcp") as cluster:
+        assert all(a.startswith("tcp://127.0.0.1:") and not a.endswith("*") for a in cluster.addresses)
+        with cluster.client(0) as c:
+            _, version, values = c.join()
+            assert version == 0 and all(torch.equal(a, b) for a, b in zip(join_values(layout, values), init))
+            grads = split_values(layout, [torch.full(s.shape, 0.5, dtype=torch.float64) for s in SPECS])
+            c.wait(c.push(0, 0, grads))
+            result = c.wait(c.pull(min_version=1))
+            assert all(torch.equal(a, b - 0.5) for a, b in zip(join_values(layout, result.values), init))
+            assert c.bytes_sent > 8 * sum(s.numel for s in SPECS) and c.bytes_recv > c.bytes_sent
+            c.shutdown()
+        assert cluster.join(5.0) and set(cluster.results.values()) == {"shutdown"}
+
+
+@pytest.mark.timeout(20)
+def test_socket_refuses_oversized_message():
+    specs = [ParamSpec("big", (4000,), "float64")]
+    layout = build_layout(specs, 1, 1 << 20)
+    init = [torch.zeros(4000, dtype=torch.float64)]
+    cfg = PSConfig(max_message_mb=0.001, timeout_s=0.5, heartbeat_s=0.05, worker_timeout_s=5.0)
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "async", 1, cfg, address="tcp") as cluster:
+        with cluster.client(0) as c:
+            c.join()  # the reply is big, but only inbound messages are bounded
+            with pytest.raises(PeerTimeout, match=cluster.addresses[0]):
+                c.wait(c.push(0, None, {0: torch.ones(4000, dtype=torch.float64)}))
+            c.timeout_s = 5.0
+            _, values = c.checkpoint()  # the shard still serves, and nothing was applied
+            assert not values[0].any()
+
+
+@pytest.mark.timeout(10)
+def test_timeouts_and_error_replies_name_the_server():
+    with pytest.raises(PeerTimeout, match="inproc://psar-nobody-home"):
+        with PSClient(["inproc://psar-nobody-home"], 0, timeout_s=0.2) as c:
+            c.join()
+    layout, init = setup()
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "sync", 1, PSConfig(**FAST)) as cluster:
+        with cluster.client(0) as c:
+            c.join()
+            grads = split_values(layout, [torch.ones(s.shape, dtype=torch.float64) for s in SPECS])
+            with pytest.raises(PSError, match=r"inproc://psar-.*-shard\d \(shard \d\) refused push .*at step 0"):
+                c.wait(c.push(3, 0, grads))
+            with pytest.raises(ValueError, match="key 99"):
+                c.push(0, 0, {99: torch.ones(1)})

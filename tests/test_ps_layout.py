@@ -1,0 +1,130 @@
+"""Layout (pure) and PSConfig validation: table-driven."""
+
+import math
+
+import pytest
+import torch
+
+from ps.config import PSConfig
+from ps.layout import (MIN_CHUNK_ELEMS, Layout, ParamSpec, build_layout, chunk_elems_from_mb, join_values,
+                       split_values)
+
+MLP_WIDE = [ParamSpec("0.weight", (4096, 784), "float32"), ParamSpec("0.bias", (4096,), "float32"),
+            ParamSpec("2.weight", (4096, 4096), "float32"), ParamSpec("2.bias", (4096,), "float32"),
+            ParamSpec("4.weight", (10, 4096), "float32"), ParamSpec("4.bias", (10,), "float32")]
+CNN = [ParamSpec("c1.w", (16, 1, 5, 5), "float32"), ParamSpec("c1.b", (16,), "float32"),
+       ParamSpec("bn1.w", (16,), "float32"), ParamSpec("c2.w", (32, 16, 5, 5), "float32"),
+       ParamSpec("fc.w", (10, 1568), "float32"), ParamSpec("fc.b", (10,), "float32")]
+MIXED = [ParamSpec("a", (300_000,), "float64"), ParamSpec("b", (70_000,), "float16"),
+         ParamSpec("c", (3, 0), "float32"), ParamSpec("d", (), "bfloat16"), ParamSpec("e", (1000, 1000), "float32")]
+
+# (specs, shards, chunk_mb, bound on max/min shard bytes)
+BALANCE = [(MLP_WIDE, n, mb, 1.02) for n in (1, 2, 3, 4) for mb in (4.0, 1.0, 1024.0)] + [
+    (MLP_WIDE, 8, 4.0, 1.02), (MIXED, 3, 1.0, 1.05)]
+
+
+@pytest.mark.parametrize("specs,shards,chunk_mb,bound", BALANCE)
+def test_balance(specs, shards, chunk_mb, bound):
+    layout = build_layout(specs, shards, chunk_elems_from_mb(chunk_mb))
+    per_shard = layout.bytes_per_shard()
+    assert sum(per_shard) == sum(s.numel * s.itemsize for s in specs)
+    assert max(per_shard) / min(per_shard) <= bound, per_shard
+    assert max(per_shard) - min(per_shard) <= max(layout.nbytes(k) for k in layout.keys)  # greedy's guarantee
+    assert max(k.numel for k in layout.keys) <= chunk_elems_from_mb(chunk_mb)
+
+
+COVERAGE = [(specs, shards, chunk) for specs in (MLP_WIDE, CNN, MIXED)
+            for shards, chunk in [(1, 1 << 20), (2, 1 << 18), (3, 1000), (4, 1 << 16)]] + [(CNN, 5, 7)]
+
+
+@pytest.mark.parametrize("specs,shards,chunk_elems", COVERAGE)
+def test_every_element_exactly_once(specs, shards, chunk_elems):
+    layout = build_layout(specs, shards, chunk_elems)
+    assert [k.id for k in layout.keys] == list(range(len(layout.keys)))
+    for p, spec in enumerate(specs):  # intervals that tile [0, numel) with no gap and no overlap
+        end = 0
+        for key in sorted((k for k in layout.keys if k.param == p), key=lambda k: k.offset):
+            assert 0 <= key.shard < shards and key.numel >= 1 or spec.numel == 0
+            assert key.offset == end, spec.name
+            end += key.numel
+        assert end == spec.numel, spec.name
+    assert sorted(k.id for s in range(shards) for k in layout.shard_keys(s)) == list(range(len(layout.keys)))
+
+
+def test_small_tensors_not_split_big_ones_spread():
+    layout = build_layout(MLP_WIDE, 4, chunk_elems_from_mb(4.0))
+    for p, spec in enumerate(MLP_WIDE):
+        keys = layout.param_keys(p)
+        if spec.numel <= MIN_CHUNK_ELEMS:
+            assert len(keys) == 1, spec.name
+        else:
+            assert {k.shard for k in keys} == set(range(4)), spec.name  # a big matrix reaches every shard
+    assert len(layout.param_keys(2)) == 16  # 16 M floats in <= 4 MiB chunks
+
+
+def test_deterministic_and_wire_round_trip():
+    a, b = build_layout(MIXED, 3, 1000), build_layout(MIXED, 3, 1000)
+    assert a.to_wire() == b.to_wire() and a.fingerprint == b.fingerprint
+    again = Layout.from_wire(a.to_wire())
+    assert again == a and again.keys == a.keys and again.specs == a.specs
+    assert build_layout(MIXED, 2, 1000).fingerprint != a.fingerprint
+
+
+def _wire_with(change):
+    wire = build_layout(CNN, 2, 100).to_wire()
+    change(wire)
+    return wire
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda w: w.update(v=2), "layout version"),
+    (lambda w: w.pop("keys"), "fields"),
+    (lambda w: w.update(num_shards=0), "num_shards"),
+    (lambda w: w["keys"][3].__setitem__(4, 9), "shard < 2"),
+    (lambda w: w["keys"][1].__setitem__(0, 5), "id must be 1"),
+    (lambda w: w["keys"][1].__setitem__(3, w["keys"][1][3] + 1), "starts at"),
+    (lambda w: w["keys"].pop(), "cover"),
+    (lambda w: w["params"][0].__setitem__(2, "int64"), "dtype"),
+    (lambda w: w["params"][0].__setitem__(1, [-1]), "shape"),
+    (lambda w: w["keys"][0].__setitem__(2, "0"), "ints >= 0"),
+])
+def test_from_wire_rejects(change, message):
+    with pytest.raises(ValueError, match=message):
+        Layout.from_wire(_wire_with(change))
+
+
+def test_split_and_join_values():
+    params = [torch.randn(s.shape, dtype=getattr(torch, s.dtype)) for s in CNN]
+    layout = build_layout(CNN, 3, 100)
+    values = split_values(layout, params)
+    assert sum(v.numel() for v in values.values()) == sum(p.numel() for p in params)
+    assert set(split_values(layout, params, 1)) == {k.id for k in layout.shard_keys(1)}
+    for p, q in zip(params, join_values(layout, values)):
+        assert torch.equal(p, q)
+
+
+def test_build_layout_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_shards"):
+        build_layout(CNN, 0, 10)
+    with pytest.raises(ValueError, match="chunk_elems"):
+        build_layout(CNN, 2, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        ParamSpec("x", (2,), "int8")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("staleness", -1, "staleness"), ("staleness", 1.5, "staleness"), ("chunk_mb", 0, "chunk_mb"),
+    ("timeout_s", math.inf, "timeout_s"), ("heartbeat_s", -1, "heartbeat_s"), ("on_worker_loss", "ignore", "drop"),
+    ("async_scale", "median", "mean"), ("max_message_mb", True, "max_message_mb"), ("worker_timeout_s", 0.5, "heartbeat_s"),
+])
+def test_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        PSConfig(**{field: value})
+
+
+def test_config_defaults():
+    cfg = PSConfig()
+    assert (cfg.staleness, cfg.on_worker_loss, cfg.async_scale) == (2, "abort", "mean")
+    assert cfg.max_message_bytes == 1024 << 20
+    with pytest.raises(AttributeError):
+        cfg.staleness = 3  # frozen

@@ -1,0 +1,203 @@
+"""ShardServer.handle / tick without sockets: sync barrier, async scaling, ssp bound,
+deferred pulls, rejections and liveness, driven by a fake clock."""
+
+import pytest
+import torch
+
+from ps.config import PSConfig
+from ps.layout import ParamSpec, build_layout, split_values
+from ps.protocol import decode, encode
+from ps.server import ShardServer
+
+SPECS = [ParamSpec("w", (4, 3), "float64"), ParamSpec("b", (3,), "float64")]
+LAYOUT = build_layout(SPECS, 1, 5)
+KEYS = [k.id for k in LAYOUT.keys]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(mode, workers=2, lr=0.5, clock=None, optimizer=None, **cfg):
+    torch.manual_seed(0)
+    init = [torch.randn(s.shape, dtype=torch.float64) for s in SPECS]
+    opt = optimizer or (lambda p: torch.optim.SGD(p, lr=lr))
+    server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), opt, mode, workers,
+                         PSConfig(**cfg), clock=clock or FakeClock())
+    flat = torch.cat([p.reshape(-1) for p in init])
+    for w in range(workers):
+        assert call(server, w, "join")[0].op == "ok"
+    return server, flat
+
+
+def call(server, worker, op, tensors=None, **fields):
+    """Send one request from peer b'w<worker>'; decoded replies as a list."""
+    replies = server.handle(f"w{worker}".encode(), encode({"op": op, "worker": worker, "req": 1, **fields}, tensors))
+    return [decode(frames) for _, frames in replies]
+
+
+def push(server, worker, step, grads, version=None, keys=KEYS):
+    version = step if version is None else version
+    return call(server, worker, "push", [grads[k] for k in keys], step=step, version=version, keys=list(keys))
+
+
+def grads_of(flat_grad):
+    return {k.id: flat_grad[k.offset + (0 if k.param == 0 else 12):][:k.numel].clone() for k in LAYOUT.keys}
+
+
+def values(server):
+    return torch.cat([server.chunks[k] for k in KEYS])
+
+
+def test_sync_barrier_mean_and_deferred_pull():
+    server, init = make("sync")
+    g0, g1 = torch.arange(15.0, dtype=torch.float64), torch.ones(15, dtype=torch.float64)
+    assert push(server, 0, 0, grads_of(g0))[0].op == "ok"
+    assert call(server, 0, "pull", keys=[], min_version=1) == []  # deferred: step 0 not complete
+    assert server.version == 0 and torch.equal(values(server), init)
+    replies = push(server, 1, 0, grads_of(g1))
+    assert [r.op for r in replies] == ["ok", "ok"] and server.version == 1
+    pulled = replies[1]
+    assert pulled.worker == 0 and pulled.get("version") == 1
+    expected = init - 0.5 * (g0 + g1) / 2
+    assert torch.equal(values(server), expected)
+    assert torch.equal(torch.cat(pulled.tensors), expected)
+    assert server.stats()["queue_wait"]["count"] == 1 and server.stats()["updates"] == 1
+
+
+def test_sync_push_in_pieces_and_rejections():
+    server, _ = make("sync")
+    g = grads_of(torch.ones(15, dtype=torch.float64))
+    assert push(server, 0, 0, g, keys=KEYS[:1])[0].op == "ok"
+    err = push(server, 0, 0, g, keys=KEYS[:2])[0]
+    assert err.op == "error" and f"pushed key(s) [{KEYS[0]}] of step 0 twice" in err.get("error")
+    assert "shard is at step 0" in push(server, 1, 1, g, version=0)[0].get("error")
+    assert "only at version 0" in push(server, 1, 0, g, version=3)[0].get("error")
+    assert "push names no keys" in push(server, 1, 0, g, keys=[])[0].get("error")
+    assert push(server, 0, 0, g, keys=KEYS[1:])[0].op == "ok"
+    push(server, 1, 0, g)
+    assert server.version == 1
+    assert "already pushed all keys of step 0" in push(server, 0, 0, g)[0].get("error")
+    assert server.stats()["rejected"] == 5
+
+
+def test_requests_before_join_and_replies_are_refused():
+    server, _ = make("sync", workers=3)
+    server.seen.pop(2)
+    assert "worker 2 has not joined" in call(server, 2, "pull", keys=[])[0].get("error")
+    assert "expected a request" in call(server, 0, "ok")[0].get("error")
+
+
+@pytest.mark.parametrize("scale,factor", [("sum", 1.0), ("mean", 0.5)])
+def test_async_applies_each_push_at_once(scale, factor):
+    server, init = make("async", lr=1.0, async_scale=scale)
+    g = torch.full((15,), 0.25, dtype=torch.float64)
+    push(server, 0, 0, grads_of(g), keys=KEYS[:1])  # part of a step: applied, version unchanged
+    assert server.version == 0 and server.stats()["updates"] == 1
+    push(server, 0, 0, grads_of(g), keys=KEYS[1:])
+    assert server.version == 1  # one completed worker-step
+    reply = push(server, 1, 0, grads_of(g), version=0)[0]
+    assert reply.get("staleness") == 1 and server.version == 2
+    assert torch.equal(values(server), init - 2 * factor * g)
+    assert server.stats()["staleness"] == {"0": 2, "1": 1}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_ssp_bound(staleness):
+    server, _ = make("ssp", staleness=staleness)
+    g = grads_of(torch.ones(15, dtype=torch.float64))
+    blocked_at = None
+    for clock in range(1, 4):  # worker 0 runs ahead; worker 1 is still at clock 0
+        push(server, 0, clock - 1, g, version=server.version)
+        if not call(server, 0, "pull", keys=[], clock=clock):
+            blocked_at = clock
+            break
+    assert blocked_at == staleness + 1  # clock - slowest (0) may not exceed the bound
+    released = push(server, 1, 0, g, version=0)
+    assert [r.op for r in released] == ["ok", "ok"]
+    clocks = server.stats()["clocks"]
+    assert blocked_at - min(clocks.values()) <= staleness
+
+
+def test_deferred_pull_times_out_with_reason():
+    clock = FakeClock()
+    server, _ = make("sync", clock=clock, timeout_s=5.0)
+    assert call(server, 0, "pull", keys=[], min_version=1) == []
+    clock.now += 4.0
+    assert server.tick() == []
+    clock.now += 1.5
+    (_, frames), = server.tick()
+    err = decode(frames).get("error")
+    assert "waited 5.50 s" in err and "version >= 1 (shard at version 0)" in err
+
+
+def test_drop_lets_the_step_complete_without_the_lost_worker():
+    clock = FakeClock()
+    server, init = make("sync", clock=clock, on_worker_loss="drop", worker_timeout_s=3.0, heartbeat_s=0.5)
+    g0 = torch.full((15,), 2.0, dtype=torch.float64)
+    push(server, 0, 0, grads_of(g0))
+    assert call(server, 0, "pull", keys=[], min_version=1) == []
+    clock.now += 2.0
+    call(server, 0, "heartbeat")
+    clock.now += 2.0  # worker 1 silent 4 s, worker 0 only 2 s
+    (_, frames), = server.tick()
+    assert decode(frames).get("version") == 1
+    assert torch.equal(values(server), init - 0.5 * g0)  # the mean over the workers that pushed
+    stats = server.stats()
+    assert stats["live_workers"] == [0] and "worker 1 silent for 4.00 s" in stats["lost_workers"]["1"]
+    assert "worker 1 was declared lost" in call(server, 1, "heartbeat")[0].get("error")
+    assert call(server, 0, "heartbeat")[0].op == "ok"
+
+
+def test_abort_answers_errors_naming_the_lost_worker():
+    clock = FakeClock()
+    server, init = make("sync", clock=clock, on_worker_loss="abort", worker_timeout_s=3.0, heartbeat_s=0.5)
+    assert call(server, 0, "pull", keys=[], min_version=1) == []
+    clock.now += 2.0
+    call(server, 0, "heartbeat")
+    clock.now += 2.0
+    (_, frames), = server.tick()
+    assert "aborted: worker 1 silent" in decode(frames).get("error")
+    clock.now += 10.0  # worker 0 is silent too now, but the first cause stays the reported one
+    assert server.tick() == []
+    for op in ("heartbeat", "join", "stats"):
+        assert "aborted: worker 1" in call(server, 0, op)[0].get("error")
+    assert torch.equal(values(server), init)
+
+
+def test_adam_chunks_match_whole_tensor_adam():
+    """Elementwise optimizers give the same arithmetic on chunks as on whole tensors."""
+    adam = lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1)  # noqa: E731
+    server, init = make("sync", workers=1, optimizer=adam)
+    ref = init.clone()
+    ref_opt = adam([ref])
+    for step in range(5):
+        g = torch.sin(torch.arange(15.0, dtype=torch.float64) + step)
+        push(server, 0, step, grads_of(g))
+        ref.grad = g
+        ref_opt.step()
+    assert torch.allclose(values(server), ref, rtol=0, atol=1e-14)
+
+
+def test_checkpoint_stats_shutdown():
+    server, init = make("async")
+    ckpt = call(server, 0, "checkpoint")[0]
+    assert ckpt.keys == KEYS and torch.equal(torch.cat(ckpt.tensors), init) and ckpt.get("version") == 0
+    stats = call(server, 1, "stats")[0].get("body")
+    assert stats["joins"] == 2 and stats["mode"] == "async" and stats["bytes_in"] > 0
+    assert call(server, 0, "shutdown")[0].op == "ok" and server.stopped
+
+
+def test_constructor_validates():
+    values = split_values(LAYOUT, [torch.zeros(s.shape, dtype=torch.float64) for s in SPECS], 0)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="mode"):
+        ShardServer(0, LAYOUT, values, sgd, "bsp", 2)
+    with pytest.raises(ValueError, match="values given for keys"):
+        ShardServer(0, LAYOUT, {}, sgd, "sync", 2)
+    with pytest.raises(ValueError, match="float64"):
+        ShardServer(0, LAYOUT, {k: v.float() for k, v in values.items()}, sgd, "sync", 2)
