@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .collective import bus_bytes
+from .compression import WIRE_DTYPES
 from .config import AllReduceConfig
 from .group import init_process_group, shutdown
 
@@ -26,8 +28,12 @@ class DDPEngine:
             model, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
             broadcast_buffers=True,
         )
+        wire = WIRE_DTYPES[self.config.compression]
+        if wire is not None:  # the same wire compression as the allreduce engine
+            self._ddp.register_comm_hook(self.world, _cast_hook(wire))
         params = [p for p in model.parameters() if p.requires_grad]
-        self._grad_bytes = bus_bytes(sum(p.numel() * p.element_size() for p in params), self.world)
+        itemsize = 2 if wire is not None else params[0].element_size()
+        self._grad_bytes = bus_bytes(sum(p.numel() for p in params) * itemsize, self.world)
         self.optimizer = make_optimizer(params)
         return self._ddp
 
@@ -41,3 +47,21 @@ class DDPEngine:
 
     def close(self) -> None:
         shutdown()
+
+
+def _cast_hook(wire: torch.dtype):
+    """DDP comm hook: average, cast to `wire` for the all-reduce, cast back (any backend)."""
+
+    # No annotations: DDP inspects them, and this module's are strings.
+    def hook(world, bucket):
+        buffer = bucket.buffer()
+        compressed = buffer.div(world).to(wire)
+        future = dist.all_reduce(compressed, async_op=True).get_future()
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return hook

@@ -26,11 +26,13 @@ def free_port() -> int:
 
 
 def _tail(path: Path, lines: int = 3) -> str:
+    """The worker's own one-line account of its failure, else the log's last lines."""
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    return " | ".join(text[-lines:])
+    own = [line for line in text if line.startswith("psar: ")]
+    return own[-1] if own else " | ".join(text[-lines:])
 
 
 def launch(cfg: RunConfig, run_dir: Path, deadline_s: float | None = None,

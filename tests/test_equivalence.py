@@ -49,6 +49,8 @@ def _jobs() -> dict[str, dict]:
         jobs[f"fp16-{algorithm}"] = dict(
             experiment="quickstart", engine="allreduce",
             overrides=F32 + (f"allreduce.algorithm={algorithm}", "allreduce.compression=fp16"))
+    jobs["fp16-ddp"] = dict(experiment="quickstart", engine="ddp",
+                            overrides=F32 + ("allreduce.compression=fp16",))
     return jobs
 
 
@@ -80,7 +82,7 @@ def test_ring_with_three_workers_matches_local(results):
     assert max_param_diff(results["q3-local-f64"][1], results["q3-ring-f64"][1]) < 1e-10
 
 
-@pytest.mark.parametrize("algorithm", ["library", "ring"])
+@pytest.mark.parametrize("algorithm", ["library", "ring", "ddp"])
 def test_compressed_wire_is_close_but_not_exact(results, algorithm):
     diff = max_rel_diff(results["quickstart-local-f32"][1], results[f"fp16-{algorithm}"][1])
     assert 0 < diff < 1e-2
