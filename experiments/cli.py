@@ -14,6 +14,8 @@ from .engines import ENGINES
 from .overrides import OverrideError
 from .presets import build_config
 
+PS_MODES = ("ps-sync", "ps-async", "ps-ssp")
+
 
 def _friendly(fn):
     """Library errors reach the user as one line naming the problem, never a traceback."""
@@ -70,16 +72,17 @@ def list_cmd() -> None:
 @main.command()
 @click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
 @click.option("--workers", type=int, default=None, help="Number of workers (data shards).")
+@click.option("--servers", type=int, default=None, help="Parameter-server shards (ps-* engines).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
 @run_options
 @_friendly
-def run(experiment, workers, out, engine, steps, seed, device, overrides) -> None:
+def run(experiment, workers, servers, out, engine, steps, seed, device, overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory."""
     from .launcher import launch
 
-    cfg = build_config(experiment, overrides, engine=engine, workers=workers, steps=steps,
-                       seed=seed, device=device)
+    cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=servers,
+                       steps=steps, seed=seed, device=device)
     run_dir = out or default_run_dir(cfg)
     summary = launch(cfg, run_dir)
     ev = ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items())
@@ -92,11 +95,13 @@ def run(experiment, workers, out, engine, steps, seed, device, overrides) -> Non
 @click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
 @click.option("--rank", type=int, default=None, help="This worker's rank (default: $RANK).")
 @click.option("--world", type=int, default=None, help="Number of workers (default: $WORLD_SIZE).")
+@click.option("--servers", "addresses", default="", callback=lambda c, p, v: _addresses(v),
+              help="Parameter-server shards, comma-separated tcp://HOST:PORT in shard order.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Run directory (shared, or one per host; rank 0 writes the summary).")
 @run_options
 @_friendly
-def worker(experiment, rank, world, out, engine, steps, seed, device, overrides) -> None:
+def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, overrides) -> None:
     """Run one worker of a multi-node job (torchrun, Slurm or by hand).
 
     All-reduce and ddp meet through torch.distributed's env:// rendezvous (MASTER_ADDR,
@@ -107,9 +112,11 @@ def worker(experiment, rank, world, out, engine, steps, seed, device, overrides)
     from .train import prepare_run_dir
     from .worker import run_worker
 
-    env = DistEnv.from_environ(rank, world)
-    cfg = build_config(experiment, overrides, engine=engine, workers=env.world, steps=steps,
-                       seed=seed, device=device)
+    env = DistEnv.from_environ(rank, world, addresses)
+    cfg = build_config(experiment, overrides, engine=engine, workers=env.world,
+                       servers=len(addresses) or None, steps=steps, seed=seed, device=device)
+    if cfg.engine in PS_MODES and not addresses:
+        raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
     prepare_run_dir(cfg, out)
     code = run_worker(out, env)
     if code:
@@ -129,6 +136,42 @@ def bench(steps, rounds, workers, out) -> None:
     bench_mod.run(click.echo, steps=steps, rounds=rounds, workers=workers, out=out)
 
 
+def _addresses(value: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in value.split(",") if a.strip())
+    for a in addresses:
+        if not a.startswith("tcp://") or ":" not in a[6:]:
+            raise click.BadParameter(f"{a!r} is not an address of the form tcp://HOST:PORT")
+    return addresses
+
+
+@main.command()
+@click.option("--bind", required=True, help="Address to serve at, tcp://HOST:PORT "
+              "(tcp://127.0.0.1:PORT keeps it on this host; tcp://0.0.0.0:PORT opens it).")
+@click.option("--experiment", type=click.Choice(list(presets.PRESETS)), required=True)
+@click.option("--workers", type=int, required=True, help="Number of workers that will join.")
+@click.option("--shard", default="0/1", show_default=True, metavar="i/S",
+              help="This server's shard i of S shards.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write this shard's counters (metrics/server<i>.json).")
+@run_options
+@_friendly
+def server(bind, experiment, workers, shard, out, engine, steps, seed, device, overrides) -> None:
+    """Serve one parameter-server shard of a multi-node run until every worker has left."""
+    from .ps_server import serve_shard
+
+    try:
+        index, count = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"{shard!r} is not of the form i/S", param_hint="--shard") from None
+    _addresses(bind)
+    if engine not in PS_MODES:
+        raise click.UsageError(f"--engine must be one of {', '.join(PS_MODES)}")
+    cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
+                       steps=steps, seed=seed, device=device)
+    result = serve_shard(cfg, index, count, bind, out)
+    click.echo(f"shard {index}/{count}: {result}")
+
+
 def _csv(kind):
     def parse(ctx, param, value):
         try:
@@ -144,11 +187,14 @@ def _csv(kind):
               callback=_csv(str), help="Comma-separated engines to compare.")
 @click.option("--workers", "worker_counts", default="1,2", show_default=True, callback=_csv(int),
               help="Comma-separated worker counts.")
+@click.option("--servers", "server_counts", default="1", show_default=True, callback=_csv(int),
+              help="Comma-separated server shard counts (ps-* engines).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory (default: runs/compare-EXPERIMENT-TIME).")
 @run_options
 @_friendly
-def compare(experiment, engines, worker_counts, out, engine, steps, seed, device, overrides) -> None:
+def compare(experiment, engines, worker_counts, server_counts, out, engine, steps, seed, device,
+            overrides) -> None:
     """Run EXPERIMENT with every engine and worker count; write summary.csv and summary.md."""
     from analysis.results import load_runs
     from analysis.table import markdown, rows, write
@@ -162,8 +208,8 @@ def compare(experiment, engines, worker_counts, out, engine, steps, seed, device
     if engine:
         raise click.UsageError("compare takes --engines (a list), not --engine")
     out = out or Path("runs") / f"compare-{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dirs = run_grid(experiment, engines, worker_counts, out, overrides, steps, seed, device,
-                        echo=click.echo)
+    run_dirs = run_grid(experiment, engines, worker_counts, server_counts, out, overrides, steps,
+                        seed, device, echo=click.echo)
     table = rows(load_runs(run_dirs))
     csv_path, md_path = write(table, out)
     click.echo("")

@@ -16,9 +16,12 @@ class DistEnv:
     """Rank on this host (picks the GPU)."""
     local_world: int = 1
     """Workers on this host (shares the CPU cores)."""
+    servers: tuple[str, ...] = ()
+    """Parameter-server shard addresses, shard order (ps-* engines)."""
 
     @classmethod
-    def from_environ(cls, rank: int | None = None, world: int | None = None) -> "DistEnv":
+    def from_environ(cls, rank: int | None = None, world: int | None = None,
+                     servers: tuple[str, ...] = ()) -> "DistEnv":
         """Explicit arguments win over the launcher's variables (torchrun, Slurm, psar run)."""
         env = os.environ
         rank = rank if rank is not None else _int(env, "RANK", _int(env, "SLURM_PROCID", 0))
@@ -27,7 +30,7 @@ class DistEnv:
         local_world = _int(env, "LOCAL_WORLD_SIZE", world)
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world} workers")
-        return cls(rank, world, local_rank, local_world)
+        return cls(rank, world, local_rank, local_world, tuple(servers))
 
 
 def _int(env, name: str, default: int) -> int:

@@ -33,6 +33,9 @@ class Engine(Protocol):
     def close(self) -> None:
         """Leave the job once every worker is done."""
 
+    def report(self) -> Mapping:
+        """After close: anything the run's summary should keep (e.g. the servers' counters)."""
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -62,6 +65,12 @@ def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
     return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
 
 
+def _ps(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+    from ps.engine import MODES, PSEngine
+
+    return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps)
+
+
 ENGINES: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in [
@@ -70,6 +79,12 @@ ENGINES: dict[str, EngineSpec] = {
         EngineSpec("ddp", "torch DistributedDataParallel", True, False, _ddp),
         EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                    True, False, _allreduce),
+        EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
+                   True, True, _ps),
+        EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
+                   True, True, _ps),
+        EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
+                   True, True, _ps),
     ]
 }
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from .config import RunConfig
 from .engines import get_engine
 from .train import prepare_run_dir
+from .worker import SERVERS_FILE
 
 
 class LaunchError(RuntimeError):
@@ -47,48 +48,69 @@ def launch(cfg: RunConfig, run_dir: Path, deadline_s: float | None = None,
 
 def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = None,
                  quiet: bool = False) -> list[dict]:
-    """Run several configs one after another in the same worker processes.
+    """Run several configs one after another in the same processes.
 
     Each process imports torch once for all of them, which is most of a short run's cost.
-    Every job must need the same number of processes.
+    Every job must need the same processes: workers, and server shards for the ps engines.
     """
-    counts = {cfg.workers if get_engine(cfg.engine).processes_per_worker else 1 for cfg, _ in jobs}
-    if len(counts) != 1:
-        raise ValueError(f"jobs of one batch need the same number of processes, got {sorted(counts)}")
-    nprocs = counts.pop()
+    shapes = {process_shape(cfg) for cfg, _ in jobs}
+    if len(shapes) != 1:
+        raise ValueError(f"jobs of one batch need the same processes, got {sorted(shapes)}")
+    nprocs, nservers = shapes.pop()
     run_dirs = [prepare_run_dir(cfg, run_dir) for cfg, run_dir in jobs]
     ports = [free_port() for _ in jobs]
-    run_ranks([sys.executable, "-m", "experiments.worker", *map(str, run_dirs)], nprocs,
-              run_dirs[0] / "logs", deadline_s, show_progress=not quiet,
-              env={"PSAR_MASTER_PORTS": ",".join(map(str, ports)), "MASTER_PORT": str(ports[0])})
+    for run_dir in run_dirs if nservers else []:
+        addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(nservers)]
+        (run_dir / SERVERS_FILE).write_text(json.dumps(addresses))
+    dirs = [str(d) for d in run_dirs]
+    base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]),
+                PSAR_MASTER_PORTS=",".join(map(str, ports)), PYTHONUNBUFFERED="1")
+    procs = [(f"server {s}", [sys.executable, "-m", "experiments.ps_server", str(s), *dirs], base)
+             for s in range(nservers)]
+    procs += [(f"rank {r}", [sys.executable, "-m", "experiments.worker", *dirs],
+               dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nprocs)]
+    run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet)
     return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
+
+
+def process_shape(cfg: RunConfig) -> tuple[int, int]:
+    """(worker processes, server processes) that a run of cfg needs on this machine."""
+    spec = get_engine(cfg.engine)
+    return (cfg.workers if spec.processes_per_worker else 1, cfg.servers if spec.uses_servers else 0)
 
 
 def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | None = None,
               show_progress: bool = False, env: dict[str, str] | None = None) -> None:
-    """Start `argv` as ranks 0..nprocs-1 of a loopback job and wait until all exit 0.
+    """Start `argv` as ranks 0..nprocs-1 of a loopback job and wait until all exit 0."""
+    base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+    base.update(env or {})
+    run_processes([(f"rank {r}", argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+                   for r in range(nprocs)], log_dir, deadline_s, show_progress)
 
-    Each rank's output goes to log_dir/rank<r>.log (rank 0's stderr stays on the terminal
-    when it is one, for the progress bar). A failing rank fails the job, naming the rank.
+
+def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: Path,
+                  deadline_s: float | None = None, show_progress: bool = False) -> None:
+    """Start (name, argv, env) processes and wait until all exit 0.
+
+    Each one's output goes to log_dir/<name>.log (rank 0's stderr stays on the terminal when
+    it is one, for the progress bar). A failing process fails the job, naming it.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
-    base.setdefault("MASTER_PORT", str(free_port()))
-    base.update(env or {})
     tty = show_progress and sys.stderr.isatty()
-    procs: list[tuple[int, subprocess.Popen, Path]] = []
+    started: list[tuple[str, subprocess.Popen, Path]] = []
     try:
-        for rank in range(nprocs):
-            log_path = log_dir / f"rank{rank}.log"
+        for name, argv, env in procs:
+            log_path = log_dir / f"{name.replace(' ', '')}.log"
             with open(log_path, "w") as log:
-                proc = subprocess.Popen(argv, env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                        stdout=log, stderr=None if (rank == 0 and tty) else log)
-            procs.append((rank, proc, log_path))
-        _watch(procs, deadline_s)
+                proc = subprocess.Popen(argv, env=env, stdout=log,
+                                        stderr=None if (name == "rank 0" and tty) else log)
+            started.append((name, proc, log_path))
+        _watch(started, deadline_s)
     finally:
-        for _, proc, _ in procs:
+        for _, proc, _ in started:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -99,19 +121,19 @@ def _watch(procs, deadline_s: float | None, grace_s: float = 10.0) -> None:
     failed_at = None
     failure = None
     while True:
-        codes = [(rank, proc.poll(), log) for rank, proc, log in procs]
+        codes = [(name, proc.poll(), log) for name, proc, log in procs]
         if all(code == 0 for _, code, _ in codes):
             return
-        bad = [(rank, code, log) for rank, code, log in codes if code not in (None, 0)]
+        bad = [(name, code, log) for name, code, log in codes if code not in (None, 0)]
         if bad and failure is None:
-            rank, code, log = bad[0]
-            failure = f"rank {rank} exited with code {code}: {_tail(log)} (log: {log})"
+            name, code, log = bad[0]
+            failure = f"{name} exited with code {code}: {_tail(log)} (log: {log})"
             failed_at = time.monotonic()
         if failure and (all(code is not None for _, code, _ in codes)
                         or time.monotonic() - failed_at > grace_s):
             raise LaunchError(failure)
         if deadline_s is not None and time.monotonic() - start > deadline_s:
-            running = [rank for rank, code, _ in codes if code is None]
-            raise LaunchError(f"run exceeded its {deadline_s:.0f} s deadline; ranks {running} "
+            running = [name for name, code, _ in codes if code is None]
+            raise LaunchError(f"run exceeded its {deadline_s:.0f} s deadline; {', '.join(running)} "
                               "were still running and have been killed")
         time.sleep(0.05)

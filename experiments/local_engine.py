@@ -48,5 +48,8 @@ class LocalEngine:
         self._micro = 0
         return {"comm_s": 0.0, "bytes_sent": 0, "bytes_recv": 0}
 
+    def report(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass

@@ -92,6 +92,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     torch.save(model_cpu, run_dir / "model.pt")
     eval_metrics = task.evaluate(model, dataset, cfg.eval_batch_size, dtype, device)
     summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model))
+    summary.update(engine.report())
     write_json(run_dir / "summary.json", summary)
     return summary
 

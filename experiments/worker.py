@@ -8,6 +8,8 @@ one line naming the rank and the error; the traceback goes to RUN_DIR/logs/rank<
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -17,10 +19,15 @@ from . import config as config_mod
 from .distenv import DistEnv
 from .train import train
 
+SERVERS_FILE = "servers.json"
+
 
 def run_worker(run_dir: Path, env: DistEnv | None = None) -> int:
     run_dir = Path(run_dir)
     env = env or DistEnv.from_environ()
+    addresses = run_dir / SERVERS_FILE
+    if not env.servers and addresses.exists():  # written by `psar run` for its own servers
+        env = dataclasses.replace(env, servers=tuple(json.loads(addresses.read_text())))
     try:
         cfg = config_mod.load(run_dir / "config.json")
         train(cfg, env, run_dir)

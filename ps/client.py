@@ -86,6 +86,7 @@ class PSClient:
         self.versions: dict[int, int] = {}
         self.bytes_sent = self.bytes_recv = 0
         self.heartbeat_error: str | None = None
+        self.last_heard: dict[int, float] = {}  # shard -> when it last answered a heartbeat
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -156,17 +157,19 @@ class PSClient:
         return self._start("push", per_shard)
 
     def pull(self, keys: Sequence[int] | None = None, min_version: int | None = None,
-             clock: int | None = None) -> Handle:
+             clock: int | None = None, wait_left: bool = False) -> Handle:
         """Ask for the current values of keys (default all). The server answers once its
-        version >= min_version (sync) and, under ssp, once clock is within the staleness bound
-        of the slowest worker. Non-blocking; wait gives a PullResult."""
+        version >= min_version (sync), under ssp once clock is within the staleness bound
+        of the slowest worker, and with wait_left once every other worker has left.
+        Non-blocking; wait gives a PullResult."""
         layout = self._need_layout()
         by_shard: dict[int, list[int]] = defaultdict(list)
         for k in range(len(layout.keys)) if keys is None else keys:
             if not (type(k) is int and 0 <= k < len(layout.keys)):
                 raise ValueError(f"pull: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
             by_shard[layout.keys[k].shard].append(k)
-        cond = {n: v for n, v in (("min_version", min_version), ("clock", clock)) if v is not None}
+        cond = {n: v for n, v in (("min_version", min_version), ("clock", clock),
+                                  ("wait_left", 1 if wait_left else None)) if v is not None}
         return self._start("pull", {s: ({"op": "pull", "keys": ks, **cond}, None) for s, ks in by_shard.items()},
                            conditional=bool(cond))
 
@@ -185,6 +188,19 @@ class PSClient:
             return PullResult(min(versions.values(), default=0), versions, values)
         return handle.replies
 
+    def wait_alive(self, handle: Handle) -> Any:
+        """wait() for as long as the shards keep answering heartbeats: for requests whose
+        reply legitimately takes long (a final pull waiting for slower workers to finish)."""
+        while True:
+            try:
+                return self.wait(handle, self.timeout_s)
+            except PeerTimeout:
+                now = time.monotonic()
+                silent = [s for s in sorted(set(handle.pending.values()))
+                          if now - self.last_heard.get(s, 0.0) > self.timeout_s]
+                if silent or self._hb_thread is None:
+                    raise
+
     def ready(self, handle: Handle) -> bool:
         """Take whatever replies have arrived, without blocking; True once handle is done."""
         self._progress(0.0)
@@ -201,6 +217,12 @@ class PSClient:
         replies = self.wait(h)
         values = {k: t for m in replies.values() for k, t in zip(m.keys, m.tensors)}
         return {s: m.get("version") for s, m in replies.items()}, values
+
+    def leave(self) -> None:
+        """Tell every shard this worker is done (blocking); it stops watching this worker and
+        ends once all have left. Stops the heartbeats."""
+        self._hb_stop.set()
+        self.wait(self._start("leave", {s: ({"op": "leave"}, None) for s in range(len(self.addresses))}))
 
     def shutdown(self) -> None:
         """Ask every shard to stop serving (blocking)."""
@@ -289,6 +311,7 @@ class PSClient:
 
     def _start_heartbeat(self) -> None:
         if self._hb_thread is None:
+            self.last_heard = {s: time.monotonic() for s in range(len(self.addresses))}
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"ps-heartbeat-{self.worker}",
                                                daemon=True)
             self._hb_thread.start()
@@ -298,8 +321,9 @@ class PSClient:
         header = encode({"op": "heartbeat", "worker": self.worker, "req": 0})
         try:
             while not self._hb_stop.wait(self.heartbeat_s):
-                for t in transports:
-                    while t.readable(0):  # replies: only errors matter
+                for s, t in enumerate(transports):
+                    while t.readable(0):  # replies: proof of life; errors are kept
+                        self.last_heard[s] = time.monotonic()
                         try:
                             msg = decode(t.recv(0), None, None, self._limits)
                         except ProtocolError as e:

@@ -17,7 +17,7 @@ import torch
 from ps.layout import ITEMSIZE, TORCH_DTYPES, Layout, dtype_name
 
 PROTOCOL_VERSION = 1
-REQUESTS = ("join", "push", "pull", "heartbeat", "stats", "checkpoint", "shutdown")
+REQUESTS = ("join", "push", "pull", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
 REPLIES = ("ok", "error")
 OPS = REQUESTS + REPLIES
 
@@ -26,16 +26,17 @@ _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "join": (set(), set()),
     "push": ({"step", "version"} | _TENSORS, set()),
-    "pull": ({"keys"}, {"min_version", "clock"}),
+    "pull": ({"keys"}, {"min_version", "clock", "wait_left"}),
     "heartbeat": (set(), set()),
     "stats": (set(), set()),
     "checkpoint": (set(), set()),
     "shutdown": (set(), set()),
+    "leave": (set(), set()),
     "ok": (set(), {"step", "version", "staleness", "body"} | _TENSORS),
     "error": ({"error"}, set()),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
-_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness")
+_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left")
 _MAX_INT = 1 << 62
 
 

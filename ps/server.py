@@ -10,6 +10,11 @@ tested directly; serve(transport) is the loop around it. Modes:
   async_scale="mean"); the version counts completed worker-steps on this shard.
 - ssp: async, and a pull with clock c waits until c - (slowest live worker's clock) <= s.
 
+A worker that has done all its steps sends leave; a pull with wait_left waits until every
+other worker has left (or is lost), which is how the final parameters are read. The serve
+loop ends by itself once every worker has left or is lost. A worker that has not joined
+within timeout_s of the shard's start is lost.
+
 A worker's clock on a shard is 1 + the last step whose keys it has all pushed there.
 """
 
@@ -94,6 +99,9 @@ class ShardServer:
         self._workers = range(num_workers)
         self.version = 0
         self.seen: dict[int, float] = {}  # joined worker -> last heard from
+        self.joined: set[int] = set()  # every worker that ever joined
+        self.left: set[int] = set()  # workers done with all their steps
+        self._started = clock()
         self.lost: dict[int, str] = {}  # worker -> why
         self.clocks = {w: 0 for w in self._workers}
         self.aborted: str | None = None
@@ -145,11 +153,16 @@ class ShardServer:
     def tick(self) -> list[Reply]:
         """Periodic work: declare silent workers lost, answer pulls now ready or out of time."""
         now = self.clock()
+        if not self.aborted and now - self._started > self.config.timeout_s:
+            for w in self._workers:
+                if w not in self.joined and w not in self.lost:
+                    self._lose(w, f"worker {w} did not join within timeout_s={self.config.timeout_s:g} s")
         for w, seen in list(self.seen.items()):
             if not self.aborted and w not in self.lost and now - seen > self.config.worker_timeout_s:
                 self._lose(w, f"worker {w} silent for {now - seen:.2f} s (worker_timeout_s={self.config.worker_timeout_s:g})")
         replies = self._release()
-        for d in [d for d in self._deferred if now >= d.deadline]:
+        # A final pull waits as long as the workers it waits for are alive: liveness bounds it.
+        for d in [d for d in self._deferred if now >= d.deadline and not d.msg.get("wait_left")]:
             self._deferred.remove(d)
             replies.append(self._error(d.peer, d.msg.worker, d.msg.req,
                                        f"shard {self.shard}: pull waited {now - d.since:.2f} s "
@@ -162,10 +175,26 @@ class ShardServer:
     # -- ops -----------------------------------------------------------------------------------
 
     def _on_join(self, peer: bytes, msg: Message) -> list[Reply]:
+        if msg.worker in self.left:
+            raise _Reject(f"worker {msg.worker} has already left this run")
+        self.joined.add(msg.worker)
         self.counters["joins"] += 1
         body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
                 "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint}
         return [self._values(peer, msg, self.keys, body=body)]
+
+    def _on_leave(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.left.add(msg.worker)
+        self.seen.pop(msg.worker, None)  # no longer watched for liveness
+        log.info("shard %d: worker %d left", self.shard, msg.worker)
+        if self.mode == "sync":
+            self._maybe_step()
+        return [self._ok(peer, msg)]
+
+    @property
+    def finished(self) -> bool:
+        """Every worker has left or is lost: nothing more will come."""
+        return len(self.left | set(self.lost)) == self.num_workers
 
     def _on_heartbeat(self, peer: bytes, msg: Message) -> list[Reply]:
         return [self._ok(peer, msg)]
@@ -231,7 +260,7 @@ class ShardServer:
     # -- state ---------------------------------------------------------------------------------
 
     def _live(self) -> set[int]:
-        return set(self._workers) - set(self.lost)
+        return set(self._workers) - set(self.lost) - self.left
 
     def _apply(self) -> None:
         self.optimizer.step()
@@ -267,6 +296,8 @@ class ShardServer:
 
     def _pull_ready(self, msg: Message) -> bool:
         min_version, clock = msg.get("min_version"), msg.get("clock")
+        if msg.get("wait_left") and any(w != msg.worker for w in self._live()):
+            return False
         if min_version is not None and self.version < min_version:
             return False
         if self.mode == "ssp" and clock is not None:
@@ -283,6 +314,9 @@ class ShardServer:
             slow = min(live, key=lambda w: (self.clocks[w], w)) if live else None
             parts.append(f"clock {msg.get('clock')} to be within staleness {self.config.staleness} of the "
                          f"slowest live worker (worker {slow} at clock {self.clocks.get(slow)})")
+        if msg.get("wait_left"):
+            others = sorted(w for w in self._live() if w != msg.worker)
+            parts.append(f"workers {others} to leave")
         return " and ".join(parts) or "nothing"
 
     def _release(self) -> list[Reply]:
@@ -343,7 +377,8 @@ class ShardServer:
             "shard": self.shard, "mode": self.mode, "version": self.version, **self.counters,
             "staleness": {str(s): n for s, n in sorted(self.staleness.items())},
             "queue_wait": dict(self.waits), "deferred": len(self._deferred),
-            "joined_workers": sorted(self.seen), "live_workers": sorted(self._live()),
+            "joined_workers": sorted(self.joined), "live_workers": sorted(self._live()),
+            "left_workers": sorted(self.left),
             "lost_workers": {str(w): why for w, why in self.lost.items()},
             "clocks": {str(w): c for w, c in self.clocks.items()}, "aborted": self.aborted,
         }
@@ -351,7 +386,8 @@ class ShardServer:
     # -- the loop ------------------------------------------------------------------------------
 
     def serve(self, transport: Any, stop_event: threading.Event | None = None) -> str:
-        """Receive, handle, reply until shutdown, abort or stop_event; returns why it ended.
+        """Receive, handle, reply until every worker has left ("finished"), shutdown, abort or
+        stop_event; returns why it ended.
 
         After an abort it goes on answering errors for a short grace period (so that waiting
         workers learn why), then ends.
@@ -367,6 +403,8 @@ class ShardServer:
                 transport.send(peer, frames)
             if self.stopped:
                 return "shutdown"
+            if self.finished and not self.aborted and not self._deferred:
+                return "finished"
             if self.aborted:
                 abort_at = abort_at if abort_at is not None else self.clock() + grace_s
                 if self.clock() >= abort_at:

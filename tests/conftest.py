@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from experiments.presets import build_config
-from experiments.launcher import launch, launch_batch
+from experiments.launcher import launch, launch_batch, process_shape
 
 RUN_DEADLINE_S = 180
 
@@ -25,14 +25,13 @@ def run_job(tmp_path: Path, experiment: str, engine: str, workers: int = 2, step
 
 def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dict]]:
     """Run named jobs (kwargs of build_config plus `experiment`), batched by process count."""
-    batches: dict[int, list[tuple[str, object, Path]]] = {}
+    batches: dict[tuple[int, int], list[tuple[str, object, Path]]] = {}
     for name, job in jobs.items():
         job = dict(job)
         experiment, overrides = job.pop("experiment"), job.pop("overrides", ())
         job.setdefault("steps", 20)
         cfg = build_config(experiment, overrides, **job)
-        nprocs = cfg.workers if cfg.engine != "local" else 1
-        batches.setdefault(nprocs, []).append((name, cfg, tmp_path / name))
+        batches.setdefault(process_shape(cfg), []).append((name, cfg, tmp_path / name))
     results = {}
     for batch in batches.values():
         summaries = launch_batch([(cfg, d) for _, cfg, d in batch],

@@ -1,0 +1,78 @@
+"""One parameter-server shard for a run: `python -m experiments.ps_server SHARD RUN_DIR [RUN_DIR ...]`.
+
+The shard builds the experiment's model from the same seed as the workers, so every process
+derives the same layout and initial values without any being sent; it then serves until
+every worker has left. Its counters go to RUN_DIR/metrics/server<SHARD>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from ps.engine import MODES
+from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, split_values
+from ps.server import ShardServer
+from ps.transport import ServerTransport
+
+from . import config as config_mod
+from .config import RunConfig
+from .metrics import write_json
+
+
+def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
+                run_dir: Path | None = None) -> str:
+    """Serve shard `shard` of `num_shards` for `cfg` at `bind`; return why the loop ended."""
+    if cfg.engine not in MODES:
+        raise ValueError(f"engine {cfg.engine!r} has no servers; expected one of {', '.join(MODES)}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+    torch.set_num_threads(max(1, cfg.threads))
+    torch.manual_seed(cfg.seed)  # the workers' initial model, bit for bit
+    model = cfg.model.build().to(dtype=cfg.torch_dtype)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    itemsize = named[0][1].element_size()
+    layout = build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
+                          chunk_elems_from_mb(cfg.ps.chunk_mb, itemsize))
+    values = split_values(layout, [p for _, p in named], shard)
+    server = ShardServer(shard, layout, values, cfg.optim.build, MODES[cfg.engine], cfg.workers, cfg.ps)
+    transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s)
+    logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
+                                   cfg.experiment, transport.address)
+    try:
+        result = server.serve(transport)
+    finally:
+        transport.close()
+    if run_dir is not None:
+        (Path(run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
+        write_json(Path(run_dir) / "metrics" / f"server{shard}.json", {"result": result, **server.stats()})
+    if server.aborted:
+        raise RuntimeError(server.aborted)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m experiments.ps_server SHARD RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    shard = int(argv[0])
+    for run_dir in map(Path, argv[1:]):
+        try:
+            cfg = config_mod.load(run_dir / "config.json")
+            addresses = json.loads((run_dir / "servers.json").read_text())
+            serve_shard(cfg, shard, len(addresses), addresses[shard], run_dir)
+        except Exception as err:
+            traceback.print_exc()
+            print(f"psar: server {shard} failed: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

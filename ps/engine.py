@@ -1,0 +1,112 @@
+"""The parameter-server engines (ps-sync, ps-async, ps-ssp) on the worker side.
+
+Gradient hooks push each parameter's chunks to their shards as soon as backward has
+produced them, so pushes overlap the rest of backward and go to every shard at once;
+`step()` waits for the pushes, pulls the parameters (sync: the next version; ssp: within the
+staleness bound; async: whatever is current) and copies them into the model. The optimizer
+runs on the servers, so the `make_optimizer` given to attach is not used here.
+
+Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
+evaluated, follow shard 0 as in every other engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from .client import PSClient
+from .config import PSConfig
+from .layout import ParamSpec
+
+MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
+
+
+class PSEngine:
+    """Engine protocol (attach / backward / step / close) over server shards at `addresses`."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
+                 mode: str, config: PSConfig) -> None:
+        if mode not in MODES.values():
+            raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
+        if not addresses:
+            raise ValueError("the parameter-server engines need server addresses (--servers)")
+        self.rank, self.world, self.device, self.mode, self.config = rank, world, device, mode, config
+        self.addresses = list(addresses)
+        self.shards = [rank]
+        self._server_stats: list[dict] = []
+
+    def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
+        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.client = PSClient(self.addresses, self.rank, timeout_s=self.config.timeout_s,
+                               heartbeat_s=self.config.heartbeat_s,
+                               max_message_mb=self.config.max_message_mb)
+        layout, version, values = self.client.join()
+        mine = [ParamSpec.of(n, p) for n, p in self._named]
+        if list(layout.specs) != mine:
+            diff = next((f"server has {a}, this worker has {b}" for a, b in zip(layout.specs, mine)
+                         if a != b), f"server has {len(layout.specs)} parameters, worker {len(mine)}")
+            raise RuntimeError(f"the servers at {', '.join(self.addresses)} hold another model: "
+                               f"{diff}; start servers and workers with the same experiment and --set")
+        self.layout = layout
+        self._load(values)
+        self._step = version if self.mode == "sync" else 0
+        self._pushes = []
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
+                       for i, (_, p) in enumerate(self._named)]
+        return model
+
+    def _push(self, index: int, param: torch.nn.Parameter) -> None:
+        flat = param.grad.detach().reshape(-1)
+        grads = {k.id: flat[k.offset: k.offset + k.numel] for k in self.layout.param_keys(index)}
+        # The chunks leave without a copy: param.grad stays untouched until step() waits.
+        self._pushes.append(self.client.push(self._step, None, grads))
+
+    def _load(self, values: dict[int, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for index, (_, p) in enumerate(self._named):
+                flat = p.view(-1)
+                for key in self.layout.param_keys(index):
+                    flat[key.offset: key.offset + key.numel].copy_(values[key.id])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> dict:
+        start = time.perf_counter()
+        sent, received = self.client.bytes_sent, self.client.bytes_recv
+        staleness = [self.client.wait(h) for h in self._pushes]
+        self._pushes = []
+        if self.mode == "sync":
+            pull = self.client.pull(min_version=self._step + 1)
+        elif self.mode == "ssp":
+            pull = self.client.pull(clock=self._step + 1)
+        else:
+            pull = self.client.pull()
+        self._load(self.client.wait(pull).values)
+        for _, p in self._named:
+            p.grad = None
+        self._step += 1
+        return {"comm_s": time.perf_counter() - start,
+                "bytes_sent": self.client.bytes_sent - sent,
+                "bytes_recv": self.client.bytes_recv - received,
+                "staleness": staleness}
+
+    def close(self) -> None:
+        """Rank 0 waits for every other worker to leave, then reads the final parameters and
+        the servers' counters; every worker then leaves, which lets the servers end."""
+        for hook in self._hooks:
+            hook.remove()
+        try:
+            if self.rank == 0:
+                final = self.client.wait_alive(self.client.pull(wait_left=True))
+                self._load(final.values)
+                self._server_stats = self.client.stats()
+            self.client.leave()
+        finally:
+            self.client.close()
+
+    def report(self) -> dict:
+        return {"server_stats": self._server_stats} if self._server_stats else {}
