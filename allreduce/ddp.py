@@ -45,6 +45,9 @@ class DDPEngine:
         self.optimizer.zero_grad(set_to_none=False)
         return {"comm_s": 0.0, "bytes_sent": self._grad_bytes, "bytes_recv": self._grad_bytes}
 
+    def report(self) -> dict:
+        return {}
+
     def close(self) -> None:
         shutdown()
 

@@ -55,6 +55,9 @@ class AllReduceEngine:
         self._reducer.zero_grad()
         return {"comm_s": comm_s, "bytes_sent": nbytes, "bytes_recv": nbytes}
 
+    def report(self) -> dict:
+        return {}
+
     def close(self) -> None:
         self._reducer.close()
         self._collective.close()

@@ -13,6 +13,7 @@ from allreduce.config import AllReduceConfig
 from ps.config import PSConfig
 
 from . import data, models
+from .faults import FaultConfig
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -90,6 +91,8 @@ class RunConfig:
     """All-reduce engine section."""
     ps: PSConfig = field(default_factory=PSConfig)
     """Parameter-server section."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Injected faults (a slow worker)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "workers", "servers", "eval_batch_size"):
@@ -108,7 +111,7 @@ class RunConfig:
 
 
 def _section_types() -> dict[str, type]:
-    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig]
+    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]
     return {c.__name__: c for c in classes if isinstance(c, type)}

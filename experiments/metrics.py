@@ -42,8 +42,8 @@ def param_sha256(model: torch.nn.Module) -> str:
     """Hash of every parameter's name, dtype, shape and bytes: equal only for identical runs."""
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        t = p.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}:{t.dtype}:{tuple(p.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 

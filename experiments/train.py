@@ -70,12 +70,13 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
             loss = task.loss(module(*inputs), targets)
             engine.backward(loss)
             losses.append(loss.detach())
+        cfg.fault.stall(env.rank, time.perf_counter() - t0)
         t1 = time.perf_counter()
         stats = dict(engine.step())
         t2 = time.perf_counter()
         loss_value = torch.stack(losses).mean().item()
         writer.write({
-            "step": step, "time": t2 - start, "loss": loss_value,
+            "step": step, "time": t2 - start, "wall": time.time(), "loss": loss_value,
             "samples": cfg.batch_size * len(feeders), "compute_s": t1 - t0,
             "comm_s": stats.pop("comm_s", 0.0), "step_s": t2 - t0,
             "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),

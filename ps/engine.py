@@ -81,10 +81,8 @@ class PSEngine:
         self._pushes = []
         if self.mode == "sync":
             pull = self.client.pull(min_version=self._step + 1)
-        elif self.mode == "ssp":
+        else:  # ssp waits on the clock; async sends it only so the server can record the gap
             pull = self.client.pull(clock=self._step + 1)
-        else:
-            pull = self.client.pull()
         self._load(self.client.wait(pull).values)
         for _, p in self._named:
             p.grad = None

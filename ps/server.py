@@ -113,6 +113,7 @@ class ShardServer:
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0)
         self.staleness: dict[int, int] = {}
         self.waits = dict(count=0, total_s=0.0, max_s=0.0)
+        self.max_clock_gap = 0
         self._snap: dict[int, torch.Tensor] = {}
         self._snap_updates = 0
 
@@ -213,6 +214,7 @@ class ShardServer:
     def _on_pull(self, peer: bytes, msg: Message) -> list[Reply]:
         self.counters["pulls"] += 1
         if self._pull_ready(msg):
+            self._note_gap(msg)
             return [self._values(peer, msg, msg.keys or self.keys)]
         now = self.clock()
         self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s))
@@ -330,6 +332,7 @@ class ShardServer:
             self.waits["count"] += 1
             self.waits["total_s"] += waited
             self.waits["max_s"] = max(self.waits["max_s"], waited)
+            self._note_gap(d.msg)
             replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys))
         return replies
 
@@ -356,6 +359,12 @@ class ShardServer:
     def _error(self, peer: bytes, worker: int, req: int, text: str) -> Reply:
         return self._send(peer, error_reply(worker, req, text))
 
+    def _note_gap(self, msg: Message) -> None:
+        """How far ahead of the slowest live worker a pull lets its worker run (any mode)."""
+        clock, live = msg.get("clock"), self._live()
+        if clock is not None and live:
+            self.max_clock_gap = max(self.max_clock_gap, clock - min(self.clocks[w] for w in live))
+
     def _values(self, peer: bytes, msg: Message, keys: list[int], **fields: Any) -> Reply:
         tensors = [self._snapshot(k) for k in keys]
         header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self.version, "keys": list(keys)}
@@ -381,6 +390,7 @@ class ShardServer:
             "left_workers": sorted(self.left),
             "lost_workers": {str(w): why for w, why in self.lost.items()},
             "clocks": {str(w): c for w, c in self.clocks.items()}, "aborted": self.aborted,
+            "max_clock_gap": self.max_clock_gap,
         }
 
     # -- the loop ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dic
     for name, job in jobs.items():
         job = dict(job)
         experiment, overrides = job.pop("experiment"), job.pop("overrides", ())
-        job.setdefault("steps", 20)
+        job.setdefault("steps", 20)  # None: the experiment's own
         cfg = build_config(experiment, overrides, **job)
         batches.setdefault(process_shape(cfg), []).append((name, cfg, tmp_path / name))
     results = {}

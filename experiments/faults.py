@@ -1,0 +1,25 @@
+"""Faults injected on purpose, to show how each engine copes with a straggler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    slow_rank: int = -1
+    """Rank whose compute is slowed down (-1: none)."""
+    slow_factor: float = 1.0
+    """That rank's forward+backward takes this many times as long (it sleeps the difference)."""
+
+    def __post_init__(self) -> None:
+        if self.slow_factor < 1.0:
+            raise ValueError(f"fault.slow_factor={self.slow_factor}: must be >= 1")
+        if self.slow_rank < -1:
+            raise ValueError(f"fault.slow_rank={self.slow_rank}: a rank, or -1 for none")
+
+    def stall(self, rank: int, compute_s: float) -> None:
+        """Called after each step's compute; sleeps on the slow rank."""
+        if rank == self.slow_rank and self.slow_factor > 1.0:
+            time.sleep((self.slow_factor - 1.0) * compute_s)
