@@ -77,12 +77,14 @@ class PSEngine:
     def step(self) -> dict:
         start = time.perf_counter()
         sent, received = self.client.bytes_sent, self.client.bytes_recv
-        staleness = [self.client.wait(h) for h in self._pushes]
-        self._pushes = []
+        # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
+        # their order), so it costs no extra round trip.
         if self.mode == "sync":
             pull = self.client.pull(min_version=self._step + 1)
         else:  # ssp waits on the clock; async sends it only so the server can record the gap
             pull = self.client.pull(clock=self._step + 1)
+        staleness = [self.client.wait(h) for h in self._pushes]
+        self._pushes = []
         self._load(self.client.wait(pull).values)
         for _, p in self._named:
             p.grad = None

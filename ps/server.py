@@ -245,7 +245,7 @@ class ShardServer:
                 if k in self._sum:
                     self._sum[k].add_(g)
                 else:
-                    self._sum[k] = g.clone()  # own the bytes: the frame goes back to zmq
+                    self._sum[k] = g  # built on the received frame, which is ours to keep and write
                 self._pushed.setdefault(k, set()).add(w)
             self._note_keys(w, step, msg.keys)
             self._maybe_step()
@@ -253,7 +253,7 @@ class ShardServer:
             live = self.num_workers - len(self.lost)
             scale = 1.0 / live if self.config.async_scale == "mean" else 1.0
             for k, g in zip(msg.keys, msg.tensors):
-                self.chunks[k].grad = g * scale if scale != 1.0 else g.clone()
+                self.chunks[k].grad = g * scale if scale != 1.0 else g  # optimizers only read it
             self._apply()
             if self._note_keys(w, step, msg.keys):
                 self.version += 1

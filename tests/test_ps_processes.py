@@ -1,0 +1,99 @@
+"""`psar server` and `psar worker` as separate processes over TCP, as on several hosts, and
+what happens when one of them goes away."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.launcher import free_port
+
+pytestmark = [pytest.mark.multiprocess]
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST_LIVENESS = ["--set", "ps.timeout_s=6", "--set", "ps.heartbeat_s=0.2", "--set", "ps.worker_timeout_s=3"]
+
+
+def psar(*args, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "experiments.cli", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"process did not end within {timeout} s:\n{out}")
+    return proc.returncode, out
+
+
+def start_cluster(tmp_path, engine="ps-sync", steps=20, shards=2, extra=(), env_rank=False):
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(shards)]
+    common = ["--engine", engine, *extra]
+    servers = [psar("server", "--bind", a, "--experiment", "quickstart", "--workers", 2,
+                    "--shard", f"{i}/{shards}", "--out", tmp_path / "run", *common)
+               for i, a in enumerate(addresses)]
+    workers = []
+    for rank in range(2):
+        who = (["--rank", rank, "--world", 2], None) if not env_rank else ([], {"RANK": str(rank), "WORLD_SIZE": "2"})
+        workers.append(psar("worker", "quickstart", "--servers", ",".join(addresses), *who[0],
+                            "--steps", steps, "--out", tmp_path / "run", *common, env=who[1]))
+    return addresses, servers, workers
+
+
+@pytest.mark.timeout(180)
+def test_servers_and_workers_over_tcp(tmp_path):
+    addresses, servers, workers = start_cluster(tmp_path, env_rank=True)
+    for proc in workers + servers:
+        code, out = finish(proc, 120)
+        assert code == 0, out
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["engine"] == "ps-sync" and summary["workers"] == 2 and summary["servers"] == 2
+    assert {json.loads((tmp_path / f"run/metrics/server{i}.json").read_text())["result"]
+            for i in range(2)} == {"finished"}
+    assert summary["eval"]["accuracy"] > 0.5
+
+
+@pytest.mark.timeout(180)
+def test_worker_whose_server_is_gone_names_it(tmp_path):
+    addresses, servers, workers = start_cluster(tmp_path, steps=100000, extra=FAST_LIVENESS)
+    time.sleep(8)  # let them join and train a while
+    servers[1].send_signal(signal.SIGKILL)
+    for proc in workers:
+        code, out = finish(proc, 60)
+        assert code != 0
+        assert addresses[1] in out, out
+        assert "Traceback" not in out
+    for proc in servers:
+        finish(proc, 60)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy", ["drop", "abort"])
+def test_lost_worker_is_dropped_or_aborts(tmp_path, policy):
+    extra = FAST_LIVENESS + ["--set", f"ps.on_worker_loss={policy}"]
+    addresses, servers, workers = start_cluster(tmp_path, steps=400, shards=1, extra=extra)
+    time.sleep(8)
+    workers[1].send_signal(signal.SIGKILL)
+    code0, out0 = finish(workers[0], 90)
+    code_s, out_s = finish(servers[0], 90)
+    finish(workers[1], 10)
+    assert "worker 1" in out_s
+    if policy == "drop":
+        assert code0 == 0, out0
+        summary = json.loads((tmp_path / "run/summary.json").read_text())
+        assert summary["steps"] == 400
+        assert summary["server_stats"][0]["lost_workers"].keys() == {"1"}
+    else:
+        assert code0 != 0 and "worker 1" in out0, out0
+        assert code_s != 0
