@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .launcher import launch_batch, run_ranks
+from .launcher import free_port, launch_batch, process_shape, run_ranks
 from .metrics import read_metrics
 from .presets import build_config
 
@@ -27,18 +28,48 @@ def samples_per_sec(run_dir: Path, skip: int = SKIP_STEPS) -> float:
 
 def engine_throughput(experiment: str, variants: dict[str, tuple[str, tuple[str, ...]]],
                       workers: int, steps: int, rounds: int, out: Path) -> dict[str, list[float]]:
-    """samples/s of each variant (engine, overrides), rounds interleaved in one set of processes."""
-    jobs, names = [], []
+    """samples/s of each variant (engine, overrides), in interleaved rounds.
+
+    Variants that need the same processes share them within a round; the rest take turns.
+    """
+    result: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(rounds):
+        groups: dict[tuple[int, int], list[tuple[str, object, Path]]] = {}
         for name, (engine, overrides) in variants.items():
             cfg = build_config(experiment, overrides, engine=engine, workers=workers, steps=steps)
-            jobs.append((cfg, out / f"{name}-round{r}"))
-            names.append(name)
-    launch_batch(jobs, quiet=True)
-    result: dict[str, list[float]] = {name: [] for name in variants}
-    for name, (_, run_dir) in zip(names, jobs):
-        result[name].append(samples_per_sec(run_dir))
+            groups.setdefault(process_shape(cfg), []).append((name, cfg, out / f"{name}-round{r}"))
+        for group in groups.values():
+            launch_batch([(cfg, run_dir) for _, cfg, run_dir in group], quiet=True)
+            for name, _, run_dir in group:
+                result[name].append(samples_per_sec(run_dir))
     return result
+
+
+def ps_bandwidth(out: Path) -> list[dict]:
+    """One worker against one shard in another process; see ps/benchmark.py."""
+    from ps.benchmark import measure
+
+    echo, shard = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    with open(out / "ps-bench-server.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard],
+                                  stdout=log, stderr=log)
+    try:
+        return measure(echo, shard)
+    finally:
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def format_ps_table(rows: list[dict]) -> str:
+    lines = ["parameter server: one worker, one shard, push+pull of N bytes vs a ZeroMQ round trip "
+             "of N bytes (median of 5)",
+             f"{'size':>10} {'zmq(us)':>10} {'zmq(GB/s)':>10} {'ps(us)':>10} {'ps(GB/s)':>10} {'ps/zmq':>7}"]
+    for r in rows:
+        lines.append(f"{_size(r['bytes']):>10} {r['zmq_us']:>10.1f} {r['zmq_gbs']:>10.3f} "
+                     f"{r['ps_us']:>10.1f} {r['ps_gbs']:>10.3f} {r['ratio']:>6.2f}x")
+    return "\n".join(lines)
 
 
 def allreduce_table(workers: int, out: Path) -> dict:
@@ -75,8 +106,12 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     table = allreduce_table(workers, out)
     echo(format_allreduce_table(table))
     echo("")
+    ps_rows = ps_bandwidth(out)
+    echo(format_ps_table(ps_rows))
+    echo("")
     variants = {"ddp": ("ddp", ()), "allreduce": ("allreduce", ()),
-                "allreduce-ring": ("allreduce", ("allreduce.algorithm=ring",))}
+                "allreduce-ring": ("allreduce", ("allreduce.algorithm=ring",)),
+                "ps-sync": ("ps-sync", ()), "ps-async": ("ps-async", ())}
     tput = engine_throughput("mlp-wide", variants, workers, steps, rounds, out)
     med = {name: statistics.median(v) for name, v in tput.items()}
     echo(f"mlp-wide, {workers} workers, batch 64/worker, {steps} steps x {rounds} interleaved rounds "
@@ -85,6 +120,6 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         ratio = med[name] / med["ddp"]
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
-    report = {"allreduce_table": table, "throughput": tput, "median": med}
+    report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med}
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     return report

@@ -130,7 +130,8 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
 @_friendly
 def bench(steps, rounds, workers, out) -> None:
-    """Measure: all-reduce busbw (ring vs library) and mlp-wide samples/s (allreduce vs ddp)."""
+    """Measure all-reduce busbw (ring vs library), parameter-server push+pull bandwidth against
+    a plain ZeroMQ round trip, and mlp-wide samples/s of every engine against ddp."""
     from . import bench as bench_mod
 
     bench_mod.run(click.echo, steps=steps, rounds=rounds, workers=workers, out=out)

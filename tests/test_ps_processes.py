@@ -37,6 +37,17 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def wait_for_steps(run_dir: Path, rank: int, steps: int, timeout: float = 60.0) -> None:
+    """Until worker `rank` has logged `steps` steps: kill tests strike mid-run, not before."""
+    path = run_dir / "metrics" / f"rank{rank}.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"worker {rank} did not reach step {steps} within {timeout} s")
+
+
 def start_cluster(tmp_path, engine="ps-sync", steps=20, shards=2, extra=(), env_rank=False):
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(shards)]
     common = ["--engine", engine, *extra]
@@ -67,7 +78,7 @@ def test_servers_and_workers_over_tcp(tmp_path):
 @pytest.mark.timeout(180)
 def test_worker_whose_server_is_gone_names_it(tmp_path):
     addresses, servers, workers = start_cluster(tmp_path, steps=100000, extra=FAST_LIVENESS)
-    time.sleep(8)  # let them join and train a while
+    wait_for_steps(tmp_path / "run", 1, 20)
     servers[1].send_signal(signal.SIGKILL)
     for proc in workers:
         code, out = finish(proc, 60)
@@ -82,8 +93,8 @@ def test_worker_whose_server_is_gone_names_it(tmp_path):
 @pytest.mark.parametrize("policy", ["drop", "abort"])
 def test_lost_worker_is_dropped_or_aborts(tmp_path, policy):
     extra = FAST_LIVENESS + ["--set", f"ps.on_worker_loss={policy}"]
-    addresses, servers, workers = start_cluster(tmp_path, steps=400, shards=1, extra=extra)
-    time.sleep(8)
+    addresses, servers, workers = start_cluster(tmp_path, steps=1500, shards=1, extra=extra)
+    wait_for_steps(tmp_path / "run", 1, 20)
     workers[1].send_signal(signal.SIGKILL)
     code0, out0 = finish(workers[0], 90)
     code_s, out_s = finish(servers[0], 90)
@@ -92,7 +103,7 @@ def test_lost_worker_is_dropped_or_aborts(tmp_path, policy):
     if policy == "drop":
         assert code0 == 0, out0
         summary = json.loads((tmp_path / "run/summary.json").read_text())
-        assert summary["steps"] == 400
+        assert summary["steps"] == 1500
         assert summary["server_stats"][0]["lost_workers"].keys() == {"1"}
     else:
         assert code0 != 0 and "worker 1" in out0, out0
