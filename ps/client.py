@@ -55,6 +55,8 @@ class PullResult:
     """shard -> version of the values it sent."""
     values: dict[int, torch.Tensor]
     """key id -> flat chunk (built on the received frame, no copy)."""
+    waited_s: float = 0.0
+    """Longest time a shard held the pull back for its condition (waiting for other workers)."""
 
 
 class PSClient:
@@ -185,7 +187,8 @@ class PSClient:
             versions = {s: m.get("version") for s, m in handle.replies.items()}
             self.versions.update(versions)
             values = {k: t for m in handle.replies.values() for k, t in zip(m.keys, m.tensors)}
-            return PullResult(min(versions.values(), default=0), versions, values)
+            waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
+            return PullResult(min(versions.values(), default=0), versions, values, waited / 1e6)
         return handle.replies
 
     def wait_alive(self, handle: Handle) -> Any:

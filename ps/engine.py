@@ -53,6 +53,7 @@ class PSEngine:
         self.layout = layout
         self._load(values)
         self._step = version if self.mode == "sync" else 0
+        self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         self._pushes = []
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
@@ -76,7 +77,6 @@ class PSEngine:
 
     def step(self) -> dict:
         start = time.perf_counter()
-        sent, received = self.client.bytes_sent, self.client.bytes_recv
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
         if self.mode == "sync":
@@ -85,14 +85,16 @@ class PSEngine:
             pull = self.client.pull(clock=self._step + 1)
         staleness = [self.client.wait(h) for h in self._pushes]
         self._pushes = []
-        self._load(self.client.wait(pull).values)
+        result = self.client.wait(pull)
+        self._load(result.values)
         for _, p in self._named:
             p.grad = None
         self._step += 1
-        return {"comm_s": time.perf_counter() - start,
-                "bytes_sent": self.client.bytes_sent - sent,
-                "bytes_recv": self.client.bytes_recv - received,
-                "staleness": staleness}
+        # Pushes left during backward: count traffic from the end of the last step to now.
+        sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
+        self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
+        return {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
+                "wait_s": result.waited_s, "staleness": staleness}
 
     def close(self) -> None:
         """Rank 0 waits for every other worker to leave, then reads the final parameters and

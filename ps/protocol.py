@@ -32,11 +32,12 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "checkpoint": (set(), set()),
     "shutdown": (set(), set()),
     "leave": (set(), set()),
-    "ok": (set(), {"step", "version", "staleness", "body"} | _TENSORS),
+    "ok": (set(), {"step", "version", "staleness", "body", "waited_us"} | _TENSORS),
     "error": ({"error"}, set()),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
-_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left")
+_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left",
+               "waited_us")
 _MAX_INT = 1 << 62
 
 
