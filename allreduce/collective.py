@@ -6,8 +6,9 @@ written once for either algorithm.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,31 +43,58 @@ def bus_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
+Trace = Callable[..., None]
+
+
+def _traced(future: Future, trace: Trace | None, name: str, start: float) -> Future:
+    if trace is not None:
+        future.add_done_callback(lambda _: trace(name, start, time.time(), thread="comm"))
+    return future
+
+
 class LibraryAllReduce:
-    """The backend's own all-reduce (Gloo on CPU, NCCL on CUDA), started with async_op."""
+    """The backend's own all-reduce (Gloo on CPU, NCCL on CUDA), started with async_op.
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
+    With `delay_s` (an injected link latency) each all-reduce starts 2(N-1) message delays
+    late, on a thread of its own so that backward is not held up.
+    """
 
-    def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None) -> tuple[Handle, int]:
+    def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0) -> None:
+        self.rank, self.world, self.trace, self.delay_s = rank, world, trace, delay_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-delay") if delay_s else None
+
+    def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None, name: str = "bucket") -> tuple[Handle, int]:
         wire = flat if wire_dtype is None else flat.to(wire_dtype)
+        nbytes = bus_bytes(wire.numel() * wire.element_size(), self.world)
+        begin = time.time()
+        if self._pool is not None:
+            def delayed() -> None:
+                time.sleep(2 * (self.world - 1) * self.delay_s)
+                dist.all_reduce(wire)
+            future = _traced(self._pool.submit(delayed), self.trace, name, begin)
+            return _LibraryHandle(_FutureHandle(future), flat, wire), nbytes
         work = dist.all_reduce(wire, async_op=True)
-        return _LibraryHandle(work, flat, wire), bus_bytes(wire.numel() * wire.element_size(), self.world)
+        if self.trace is not None:
+            work.get_future().then(lambda _: self.trace(name, begin, time.time(), thread="comm"))
+        return _LibraryHandle(work, flat, wire), nbytes
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class RingAllReduce:
     """Our ring, run bucket after bucket on one thread so that it overlaps backward."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0) -> None:
+        self.rank, self.world, self.trace, self.delay_s = rank, world, trace, delay_s
         # One thread keeps buckets in launch order, which every rank shares.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-ring")
 
-    def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None) -> tuple[Handle, int]:
-        future = self._pool.submit(ring_allreduce, flat, self.rank, self.world, wire_dtype)
+    def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None, name: str = "bucket") -> tuple[Handle, int]:
+        future = self._pool.submit(ring_allreduce, flat, self.rank, self.world, wire_dtype,
+                                   delay_s=self.delay_s)
+        future = _traced(future, self.trace, name, time.time())
         itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
         return _FutureHandle(future), bus_bytes(flat.numel() * itemsize, self.world)
 
@@ -74,9 +102,10 @@ class RingAllReduce:
         self._pool.shutdown(wait=True)
 
 
-def make_collective(algorithm: str, rank: int, world: int) -> LibraryAllReduce | RingAllReduce:
+def make_collective(algorithm: str, rank: int, world: int, trace: Trace | None = None,
+                    delay_s: float = 0.0) -> LibraryAllReduce | RingAllReduce:
     if algorithm == "library":
-        return LibraryAllReduce(rank, world)
+        return LibraryAllReduce(rank, world, trace, delay_s)
     if algorithm == "ring":
-        return RingAllReduce(rank, world)
+        return RingAllReduce(rank, world, trace, delay_s)
     raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library or ring")

@@ -21,15 +21,19 @@ class AllReduceEngine:
     """Engine protocol (attach / backward / step / close) over a bucketed all-reduce."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, trace=None, delay_s: float = 0.0) -> None:
+        """trace: optional callable(name, start, end, thread=...) for each bucket's all-reduce;
+        delay_s: injected latency of every message (a slow link)."""
         self.rank, self.world, self.device, self.config = rank, world, device, config
+        self.trace, self.delay_s = trace, delay_s
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self._buffers = [b for b in model.buffers()]
-        self._collective = make_collective(self.config.algorithm, self.rank, self.world)
+        self._collective = make_collective(self.config.algorithm, self.rank, self.world,
+                                           self.trace, self.delay_s)
         params = list(model.named_parameters())
         self._reducer = Reducer(
             params, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,

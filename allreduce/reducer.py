@@ -96,7 +96,8 @@ class Reducer:
     def _start(self, bucket: Bucket) -> None:
         # Average before the cast so that fp16 cannot overflow on the sum.
         bucket.flat.div_(self.world)
-        bucket.handle, nbytes = self.collective.start(bucket.flat, self.wire_dtype)
+        name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
+        bucket.handle, nbytes = self.collective.start(bucket.flat, self.wire_dtype, name)
         self.bytes_sent += nbytes
 
     def finish(self) -> float:

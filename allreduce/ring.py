@@ -6,6 +6,8 @@ link carries 2(N-1)/N of the bytes whatever N is: the bandwidth-optimal algorith
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -29,12 +31,14 @@ def ring_allreduce(
     world: int,
     wire_dtype: torch.dtype | None = None,
     group: dist.ProcessGroup | None = None,
+    delay_s: float = 0.0,
 ) -> tuple[int, int]:
     """Sum the 1-D tensor `flat` in place over the ranks of `group`; return (bytes sent, received).
 
     With `wire_dtype` the chunks travel in that dtype (compression) and partial sums are
     accumulated in `flat`'s own dtype; the reduced chunk is rounded to the wire dtype on its
-    owner too, so every rank ends with bit-identical values.
+    owner too, so every rank ends with bit-identical values. `delay_s` is an injected
+    latency paid before every message.
     """
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("ring_allreduce needs a contiguous 1-D tensor")
@@ -62,6 +66,8 @@ def ring_allreduce(
             ops.append(dist.P2POp(dist.irecv, incoming, left, group))
             received += (r1 - r0) * incoming.element_size()
         if ops:
+            if delay_s:
+                time.sleep(delay_s)
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return incoming

@@ -40,6 +40,8 @@ def run_options(fn):
         click.option("--steps", type=int, default=None, help="Optimizer steps (default: the experiment's)."),
         click.option("--seed", type=int, default=None, help="Seed of model, data and shards."),
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None),
+        click.option("--trace", is_flag=True, default=None,
+                     help="Write a Chrome trace (trace.json): forward, backward, every message."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override any config key, e.g. --set allreduce.algorithm=ring."),
     ]
@@ -77,12 +79,12 @@ def list_cmd() -> None:
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
 @run_options
 @_friendly
-def run(experiment, workers, servers, out, engine, steps, seed, device, overrides) -> None:
+def run(experiment, workers, servers, out, engine, steps, seed, device, trace, overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory."""
     from .launcher import launch
 
     cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=servers,
-                       steps=steps, seed=seed, device=device)
+                       steps=steps, seed=seed, device=device, trace=trace)
     run_dir = out or default_run_dir(cfg)
     summary = launch(cfg, run_dir)
     ev = ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items())
@@ -101,7 +103,7 @@ def run(experiment, workers, servers, out, engine, steps, seed, device, override
               help="Run directory (shared, or one per host; rank 0 writes the summary).")
 @run_options
 @_friendly
-def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, overrides) -> None:
+def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, trace, overrides) -> None:
     """Run one worker of a multi-node job (torchrun, Slurm or by hand).
 
     All-reduce and ddp meet through torch.distributed's env:// rendezvous (MASTER_ADDR,
@@ -114,7 +116,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
 
     env = DistEnv.from_environ(rank, world, addresses)
     cfg = build_config(experiment, overrides, engine=engine, workers=env.world,
-                       servers=len(addresses) or None, steps=steps, seed=seed, device=device)
+                       servers=len(addresses) or None, steps=steps, seed=seed, device=device, trace=trace)
     if cfg.engine in PS_MODES and not addresses:
         raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
     prepare_run_dir(cfg, out)
@@ -146,8 +148,9 @@ def _addresses(value: str) -> tuple[str, ...]:
 
 
 @main.command()
-@click.option("--bind", required=True, help="Address to serve at, tcp://HOST:PORT "
-              "(tcp://127.0.0.1:PORT keeps it on this host; tcp://0.0.0.0:PORT opens it).")
+@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True,
+              help="Address to serve at, tcp://HOST:PORT (127.0.0.1 keeps it on this host; "
+              "tcp://0.0.0.0:PORT accepts other hosts).")
 @click.option("--experiment", type=click.Choice(list(presets.PRESETS)), required=True)
 @click.option("--workers", type=int, required=True, help="Number of workers that will join.")
 @click.option("--shard", default="0/1", show_default=True, metavar="i/S",
@@ -156,7 +159,7 @@ def _addresses(value: str) -> tuple[str, ...]:
               help="Where to write this shard's counters (metrics/server<i>.json).")
 @run_options
 @_friendly
-def server(bind, experiment, workers, shard, out, engine, steps, seed, device, overrides) -> None:
+def server(bind, experiment, workers, shard, out, engine, steps, seed, device, trace, overrides) -> None:
     """Serve one parameter-server shard of a multi-node run until every worker has left."""
     from .ps_server import serve_shard
 
@@ -168,7 +171,7 @@ def server(bind, experiment, workers, shard, out, engine, steps, seed, device, o
     if engine not in PS_MODES:
         raise click.UsageError(f"--engine must be one of {', '.join(PS_MODES)}")
     cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
-                       steps=steps, seed=seed, device=device)
+                       steps=steps, seed=seed, device=device, trace=trace)
     result = serve_shard(cfg, index, count, bind, out)
     click.echo(f"shard {index}/{count}: {result}")
 
@@ -195,7 +198,7 @@ def _csv(kind):
 @run_options
 @_friendly
 def compare(experiment, engines, worker_counts, server_counts, out, engine, steps, seed, device,
-            overrides) -> None:
+            trace, overrides) -> None:
     """Run EXPERIMENT with every engine and worker count; write summary.csv and summary.md."""
     from analysis.results import load_runs
     from analysis.table import markdown, rows, write
@@ -210,7 +213,7 @@ def compare(experiment, engines, worker_counts, server_counts, out, engine, step
         raise click.UsageError("compare takes --engines (a list), not --engine")
     out = out or Path("runs") / f"compare-{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dirs = run_grid(experiment, engines, worker_counts, server_counts, out, overrides, steps,
-                        seed, device, echo=click.echo)
+                        seed, device, trace, echo=click.echo)
     table = rows(load_runs(run_dirs))
     csv_path, md_path = write(table, out)
     click.echo("")

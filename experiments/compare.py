@@ -12,14 +12,15 @@ from .launcher import launch
 
 def run_grid(experiment: str, engines: list[str], workers: list[int], servers: list[int],
              out: Path, overrides=(), steps: int | None = None, seed: int | None = None,
-             device: str | None = None, echo: Callable[[str], None] = print) -> list[Path]:
+             device: str | None = None, trace: bool | None = None,
+             echo: Callable[[str], None] = print) -> list[Path]:
     """Launch every (engine, workers[, servers]) run into out/runs/ and return the run dirs."""
     run_dirs = []
     for engine_name in engines:
         for n in workers:
             for s in servers if get_engine(engine_name).uses_servers else [1]:
                 cfg = build_config(experiment, overrides, engine=engine_name, workers=n, servers=s,
-                                   steps=steps, seed=seed, device=device)
+                                   steps=steps, seed=seed, device=device, trace=trace)
                 tag = f"-s{s}" if get_engine(engine_name).uses_servers else ""
                 run_dir = Path(out) / "runs" / f"{engine_name}-w{n}{tag}"
                 echo(f"running {experiment} with {engine_name} on {n} worker(s){tag} -> {run_dir}")

@@ -85,6 +85,8 @@ class RunConfig:
     """Longest wait on any peer (rendezvous, collective, server reply) before the run fails."""
     eval_batch_size: int = 512
     """Batch size of the final evaluation on the test split."""
+    trace: bool = False
+    """Write a Chrome trace (trace.json) of every process's forward, backward and messages."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer section."""
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)

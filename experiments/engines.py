@@ -14,6 +14,7 @@ from .config import RunConfig
 from .distenv import DistEnv
 
 MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+Trace = Callable[..., None]
 
 
 class Engine(Protocol):
@@ -44,31 +45,37 @@ class EngineSpec:
     processes_per_worker: bool
     """False when one process plays every worker (local)."""
     uses_servers: bool
-    build: Callable[[RunConfig, DistEnv, torch.device], Engine]
+    build: Callable[[RunConfig, DistEnv, torch.device, Trace | None], Engine]
+    """Makes the engine; given a tracer's record function when the run is traced."""
 
 
-def _local(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+def _local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from .local_engine import LocalEngine
 
     return LocalEngine(cfg.workers)
 
 
-def _allreduce(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+def _allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.engine import AllReduceEngine
 
-    return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
+    return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
+                           cfg.fault.delay_s)
 
 
-def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.ddp import DDPEngine
 
+    if cfg.fault.delay_ms:
+        raise ValueError("fault.delay_ms cannot be applied to ddp: its messages are inside torch; "
+                         "use --engine allreduce to study a slow link")
     return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
 
 
-def _ps(cfg: RunConfig, env: DistEnv, device: torch.device) -> Engine:
+def _ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from ps.engine import MODES, PSEngine
 
-    return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps)
+    # fault.delay_ms is applied by the servers, which hold every reply back.
+    return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps, trace)
 
 
 ENGINES: dict[str, EngineSpec] = {

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import RunConfig
 from .engines import get_engine
+from .trace import merge as merge_trace
 from .train import prepare_run_dir
 from .worker import SERVERS_FILE
 
@@ -71,6 +72,9 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     procs += [(f"rank {r}", [sys.executable, "-m", "experiments.worker", *dirs],
                dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nprocs)]
     run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet)
+    for (cfg, _), run_dir in zip(jobs, run_dirs):
+        if cfg.trace:
+            merge_trace(run_dir)  # now with the servers' events too
     return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
 
 

@@ -23,6 +23,7 @@ from ps.transport import ServerTransport
 from . import config as config_mod
 from .config import RunConfig
 from .metrics import write_json
+from .trace import Tracer
 
 
 def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
@@ -40,7 +41,10 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     layout = build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
                           chunk_elems_from_mb(cfg.ps.chunk_mb, itemsize))
     values = split_values(layout, [p for _, p in named], shard)
-    server = ShardServer(shard, layout, values, cfg.optim.build, MODES[cfg.engine], cfg.workers, cfg.ps)
+    tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
+    server = ShardServer(shard, layout, values, cfg.optim.build, MODES[cfg.engine], cfg.workers,
+                         cfg.ps, trace=tracer.record if tracer.enabled else None,
+                         reply_delay_s=2 * cfg.fault.delay_s)  # request and reply each pay it
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s)
     logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
                                    cfg.experiment, transport.address)
@@ -48,6 +52,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
         result = server.serve(transport)
     finally:
         transport.close()
+        tracer.save()
     if run_dir is not None:
         (Path(run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
         write_json(Path(run_dir) / "metrics" / f"server{shard}.json", {"result": result, **server.stats()})

@@ -24,6 +24,8 @@ from .engines import get_engine
 from .metrics import MetricsWriter, param_sha256, read_metrics, summarize, write_json
 from .progress import Progress
 from .tasks import get_task
+from .trace import Tracer
+from .trace import merge as merge_trace
 
 
 def pick_device(cfg: RunConfig, env: DistEnv) -> torch.device:
@@ -54,7 +56,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     model = cfg.model.build().to(device=device, dtype=dtype)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # runtime randomness (dropout) differs by rank
 
-    engine = get_engine(cfg.engine).build(cfg, env, device)
+    tracer = Tracer(run_dir, f"rank {env.rank}", cfg.trace)
+    engine = get_engine(cfg.engine).build(cfg, env, device, tracer.record if cfg.trace else None)
     module = engine.attach(model, cfg.optim.build)
     feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, device)
                for shard in engine.shards]
@@ -67,12 +70,15 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
         losses = []
         for feeder in feeders:
             inputs, targets = feeder.batch(step)
-            loss = task.loss(module(*inputs), targets)
-            engine.backward(loss)
+            with tracer.span("forward", step=step):
+                loss = task.loss(module(*inputs), targets)
+            with tracer.span("backward", step=step):
+                engine.backward(loss)
             losses.append(loss.detach())
         cfg.fault.stall(env.rank, time.perf_counter() - t0)
         t1 = time.perf_counter()
-        stats = dict(engine.step())
+        with tracer.span("step", step=step):
+            stats = dict(engine.step())
         t2 = time.perf_counter()
         loss_value = torch.stack(losses).mean().item()
         writer.write({
@@ -86,6 +92,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     wall_s = time.perf_counter() - start
     writer.close()
     engine.close()
+    tracer.save()
 
     if env.rank != 0:
         return None
@@ -95,6 +102,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model))
     summary.update(engine.report())
     write_json(run_dir / "summary.json", summary)
+    if cfg.trace:
+        merge_trace(run_dir)  # what this host sees; `psar run` merges again once servers are done
     return summary
 
 

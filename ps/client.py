@@ -41,6 +41,7 @@ class Handle:
     error: Exception | None = None
     timeout_s: float = 60.0
     keep: list = field(default_factory=list, repr=False)  # sent tensors stay alive until the replies
+    done_at: float = 0.0  # wall time (time.time) the last reply was read
 
     @property
     def done(self) -> bool:
@@ -302,6 +303,7 @@ class PSClient:
             log.debug("worker %d: late reply %d from shard %d ignored", self.worker, msg.req, s)
             return
         h.pending.pop(msg.req, None)
+        h.done_at = time.time()
         if msg.op == "error":
             h.error = PSError(f"{self.addresses[s]} (shard {s}) refused {h.kind} (req {msg.req}): {msg.get('error')}")
             for req in h.pending:  # the handle has failed: its other replies are not awaited

@@ -28,13 +28,15 @@ class PSEngine:
     """Engine protocol (attach / backward / step / close) over server shards at `addresses`."""
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
-                 mode: str, config: PSConfig) -> None:
+                 mode: str, config: PSConfig, trace=None) -> None:
+        """trace: optional callable(name, start, end, thread=...) for every push and pull."""
         if mode not in MODES.values():
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
             raise ValueError("the parameter-server engines need server addresses (--servers)")
         self.rank, self.world, self.device, self.mode, self.config = rank, world, device, mode, config
         self.addresses = list(addresses)
+        self.trace = trace
         self.shards = [rank]
         self._server_stats: list[dict] = []
 
@@ -63,7 +65,7 @@ class PSEngine:
         flat = param.grad.detach().reshape(-1)
         grads = {k.id: flat[k.offset: k.offset + k.numel] for k in self.layout.param_keys(index)}
         # The chunks leave without a copy: param.grad stays untouched until step() waits.
-        self._pushes.append(self.client.push(self._step, None, grads))
+        self._pushes.append((self._named[index][0], time.time(), self.client.push(self._step, None, grads)))
 
     def _load(self, values: dict[int, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -79,13 +81,19 @@ class PSEngine:
         start = time.perf_counter()
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
+        pulled_at = time.time()
         if self.mode == "sync":
             pull = self.client.pull(min_version=self._step + 1)
         else:  # ssp waits on the clock; async sends it only so the server can record the gap
             pull = self.client.pull(clock=self._step + 1)
-        staleness = [self.client.wait(h) for h in self._pushes]
-        self._pushes = []
+        staleness = [self.client.wait(h) for _, _, h in self._pushes]
         result = self.client.wait(pull)
+        if self.trace is not None:
+            for name, sent_at, h in self._pushes:  # a reply's time is when the client read it
+                self.trace(f"push {name}", sent_at, h.done_at, thread="push")
+            self.trace(f"pull step {self._step}", pulled_at, pull.done_at, thread="pull",
+                       waited_on_server_s=result.waited_s)
+        self._pushes = []
         self._load(result.values)
         for _, p in self._named:
             p.grad = None

@@ -20,6 +20,7 @@ A worker's clock on a shard is 1 + the last step whose keys it has all pushed th
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -71,11 +72,15 @@ class ShardServer:
         num_workers: workers 0..num_workers-1 take part.
         config: PSConfig (timeouts, staleness bound, loss policy, async scaling).
         clock: time source, injectable for tests (default time.monotonic).
+        trace: optional callable(name, start, end, thread=...) given every optimizer update.
+        reply_delay_s: every reply leaves this much later (an injected slow link); the loop
+            goes on serving meanwhile.
     """
 
     def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
                  make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], mode: str,
-                 num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic):
+                 num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic,
+                 trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < layout.num_shards:
@@ -84,6 +89,7 @@ class ShardServer:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         self.shard, self.layout, self.mode, self.num_workers = shard, layout, mode, num_workers
         self.config, self.clock = config, clock
+        self.trace, self.reply_delay_s = trace, reply_delay_s
         self.keys = [k.id for k in layout.shard_keys(shard)]
         if set(values) != set(self.keys):
             raise ValueError(f"shard {shard}: values given for keys {sorted(values)}, expected {self.keys}")
@@ -254,7 +260,7 @@ class ShardServer:
             scale = 1.0 / live if self.config.async_scale == "mean" else 1.0
             for k, g in zip(msg.keys, msg.tensors):
                 self.chunks[k].grad = g * scale if scale != 1.0 else g  # optimizers only read it
-            self._apply(msg.keys)
+            self._apply(msg.keys, f"apply push of worker {w} (step {step})")
             if self._note_keys(w, step, msg.keys):
                 self.version += 1
         return [self._ok(peer, msg, staleness=stale, version=self.version)]
@@ -264,11 +270,14 @@ class ShardServer:
     def _live(self) -> set[int]:
         return set(self._workers) - set(self.lost) - self.left
 
-    def _apply(self, keys) -> None:
+    def _apply(self, keys, label: str) -> None:
+        start = time.time()
         self.optimizer.step()
         for k in keys:  # cheaper than zero_grad over every chunk when a push has few keys
             self.chunks[k].grad = None
         self.counters["updates"] += 1
+        if self.trace is not None:
+            self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
 
     def _note_keys(self, w: int, step: int, keys: list[int]) -> bool:
         """Record keys pushed by w for step; True when that completes the step on this shard."""
@@ -292,7 +301,7 @@ class ShardServer:
             return
         for k, chunk in self.chunks.items():
             chunk.grad = self._sum[k].div_(len(self._pushed[k]))
-        self._apply(self.keys)
+        self._apply(self.keys, f"update (step {self.version}, {len(live)} workers)")
         self._sum.clear()
         self._pushed.clear()
         self.version += 1
@@ -407,12 +416,22 @@ class ShardServer:
         poll_s = min(0.1, self.config.heartbeat_s / 2, self.config.worker_timeout_s / 4)
         grace_s = min(self.config.timeout_s, max(0.5, 2 * self.config.heartbeat_s))
         abort_at = None
+        held: list[tuple[float, int, bytes, list]] = []  # replies waiting out reply_delay_s
+        sequence = 0
         while not (stop_event is not None and stop_event.is_set()):
-            item = transport.recv(poll_s)
+            wait_s = poll_s if not held else max(0.0, min(poll_s, held[0][0] - self.clock()))
+            item = transport.recv(wait_s)
             replies = self.handle(*item) if item is not None else []
             replies += self.tick()
+            now = self.clock()
             for peer, frames in replies:
+                sequence += 1
+                heapq.heappush(held, (now + self.reply_delay_s, sequence, peer, frames))
+            while held and held[0][0] <= now:
+                _, _, peer, frames = heapq.heappop(held)
                 transport.send(peer, frames)
+            if held:
+                continue
             if self.stopped:
                 return "shutdown"
             if self.finished and not self.aborted and not self._deferred:

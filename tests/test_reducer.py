@@ -20,7 +20,7 @@ class Recorder:
         self.during_backward: list[bool] = []
         self.in_backward = False
 
-    def start(self, flat, wire_dtype):
+    def start(self, flat, wire_dtype, name="bucket"):
         self.started.append(flat.clone().tolist())
         self.during_backward.append(self.in_backward)
         return self.Done(), flat.numel() * flat.element_size()

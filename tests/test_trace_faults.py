@@ -1,0 +1,70 @@
+"""--trace writes a Chrome trace of every process; fault.delay_ms slows every message."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from conftest import run_jobs
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def runs(runs_dir):
+    root = runs_dir / "trace-faults"
+    jobs = {
+        "ring": dict(experiment="cnn", engine="allreduce", steps=6,
+                     overrides=("trace=true", "allreduce.algorithm=ring", "allreduce.bucket_cap_mb=0.02",
+                               "allreduce.first_bucket_mb=0.02")),
+        "ps": dict(experiment="quickstart", engine="ps-sync", servers=2, steps=6, overrides=("trace=true",)),
+        "ring-fast": dict(experiment="quickstart", engine="allreduce", steps=12,
+                          overrides=("allreduce.algorithm=ring",)),
+        "ring-slow": dict(experiment="quickstart", engine="allreduce", steps=12,
+                          overrides=("allreduce.algorithm=ring", "fault.delay_ms=20")),
+        "ps-fast": dict(experiment="quickstart", engine="ps-async", steps=12),
+        "ps-slow": dict(experiment="quickstart", engine="ps-async", steps=12, overrides=("fault.delay_ms=20",)),
+    }
+    run_jobs(root, jobs)
+    return root
+
+
+def _events(run_dir):
+    trace = json.loads((run_dir / "trace.json").read_text())
+    names = {m["pid"]: m["args"]["name"] for m in trace["traceEvents"] if m["ph"] == "M"}
+    return [dict(e, process=names[e["pid"]]) for e in trace["traceEvents"] if e["ph"] == "X"]
+
+
+def test_allreduce_trace_shows_buckets_overlapping_backward(runs):
+    events = _events(runs / "ring")
+    for rank in ("rank 0", "rank 1"):
+        mine = [e for e in events if e["process"] == rank]
+        assert {"forward", "backward", "step"} <= {e["name"] for e in mine}
+        buckets = [e for e in mine if e["name"].startswith("all-reduce bucket")]
+        assert len(buckets) >= 2 * 6  # several buckets per step
+        backward = [e for e in mine if e["name"] == "backward"]
+        # Some bucket starts before its step's backward has finished: communication overlaps.
+        assert any(b["ts"] < bw["ts"] + bw["dur"] and b["ts"] > bw["ts"] for b in buckets for bw in backward)
+
+
+def test_ps_trace_has_pushes_pulls_and_server_updates(runs):
+    events = _events(runs / "ps")
+    processes = {e["process"] for e in events}
+    assert processes == {"rank 0", "rank 1", "server 0", "server 1"}
+    assert sum(e["name"].startswith("push ") for e in events) == 2 * 6 * 4  # 4 parameters
+    assert sum(e["name"].startswith("pull step") for e in events) == 2 * 6
+    assert sum(e["name"].startswith("update") for e in events if e["process"] == "server 0") == 6
+
+
+def _comm(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics/rank0.jsonl").read_text().splitlines()]
+    return statistics.median(r["comm_s"] + r["compute_s"] for r in records[1:])
+
+
+def test_delay_slows_every_message(runs):
+    # quickstart's all-reduce is one bucket: 2(N-1) = 2 ring messages of 20 ms each.
+    assert _comm(runs / "ring-slow") - _comm(runs / "ring-fast") > 0.035
+    # A parameter-server round trip pays the delay on the request and on the reply.
+    assert _comm(runs / "ps-slow") - _comm(runs / "ps-fast") > 0.035
