@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/psar compare quickstart --engines local,ddp,allreduce,ps-sync,ps-async,ps-ssp --workers 1,2 --out runs/demo
+	$(VENV)/bin/psar compare quickstart --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -12,9 +12,11 @@ from . import presets
 from .config import RunConfig
 from .engines import ENGINES
 from .overrides import OverrideError
+from .comparisons import COMPARISONS
 from .presets import build_config
 
 PS_MODES = ("ps-sync", "ps-async", "ps-ssp")
+DEFAULT_ENGINES = ("local", "ddp", "allreduce", "ps-sync", "ps-async", "ps-ssp")
 
 
 def _friendly(fn):
@@ -66,6 +68,9 @@ def list_cmd() -> None:
     click.echo("experiments:")
     for name in presets.PRESETS:
         click.echo(f"  {name:15s} {presets.describe(name)}")
+    click.echo("comparisons (psar compare NAME):")
+    for grid in COMPARISONS.values():
+        click.echo(f"  {grid.name:15s} {grid.experiment}: {grid.claim}")
     click.echo("engines:")
     for spec in ENGINES.values():
         click.echo(f"  {spec.name:15s} {spec.summary}")
@@ -129,7 +134,8 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
 @click.option("--steps", type=int, default=15, show_default=True, help="Steps per throughput run.")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved rounds per engine.")
 @click.option("--workers", type=int, default=2, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench"),
+              show_default=True, help="Where bench.json and the runs go.")
 @_friendly
 def bench(steps, rounds, workers, out) -> None:
     """Measure all-reduce busbw (ring vs library), parameter-server push+pull bandwidth against
@@ -178,6 +184,8 @@ def server(bind, experiment, workers, shard, out, engine, steps, seed, device, t
 
 def _csv(kind):
     def parse(ctx, param, value):
+        if value is None:
+            return None
         try:
             return [kind(v.strip()) for v in value.split(",") if v.strip()]
         except ValueError:
@@ -186,40 +194,115 @@ def _csv(kind):
 
 
 @main.command()
-@click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
-@click.option("--engines", default="local,ddp,allreduce", show_default=True,
-              callback=_csv(str), help="Comma-separated engines to compare.")
-@click.option("--workers", "worker_counts", default="1,2", show_default=True, callback=_csv(int),
-              help="Comma-separated worker counts.")
-@click.option("--servers", "server_counts", default="1", show_default=True, callback=_csv(int),
-              help="Comma-separated server shard counts (ps-* engines).")
+@click.argument("name", type=click.Choice(list(presets.PRESETS) + list(COMPARISONS)))
+@click.option("--engines", default=None, callback=_csv(str),
+              help="Comma-separated engines to compare [default: the comparison's, or "
+              "local,ddp,allreduce,ps-sync,ps-async,ps-ssp].")
+@click.option("--workers", "worker_counts", default=None, callback=_csv(int),
+              help="Comma-separated worker counts [default: the comparison's, or 1,2].")
+@click.option("--servers", "server_counts", default=None, callback=_csv(int),
+              help="Comma-separated server shard counts for the ps-* engines [default: 1].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Output directory (default: runs/compare-EXPERIMENT-TIME).")
+              help="Output directory (default: runs/compare-NAME-TIME).")
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Draw the figures too.")
 @run_options
 @_friendly
-def compare(experiment, engines, worker_counts, server_counts, out, engine, steps, seed, device,
+def compare(name, engines, worker_counts, server_counts, out, plots, engine, steps, seed, device,
             trace, overrides) -> None:
-    """Run EXPERIMENT with every engine and worker count; write summary.csv and summary.md."""
+    """Run an experiment (or a named comparison) with every engine and worker count, only the
+    engine changing; write summary.csv, summary.md and the figures."""
     from analysis.results import load_runs
     from analysis.table import markdown, rows, write
 
     from .compare import run_grid
 
+    if engine:
+        raise click.UsageError("compare takes --engines (a list), not --engine")
+    grid = COMPARISONS.get(name)
+    experiment = grid.experiment if grid else name
+    engines = engines or list(grid.engines if grid else DEFAULT_ENGINES)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise click.BadParameter(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}",
                                  param_hint="--engines")
-    if engine:
-        raise click.UsageError("compare takes --engines (a list), not --engine")
-    out = out or Path("runs") / f"compare-{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+    worker_counts = worker_counts or list(grid.workers if grid else (1, 2))
+    server_counts = server_counts or list(grid.servers if grid else (1,))
+    overrides = (grid.overrides if grid else ()) + tuple(overrides)
+    if grid:
+        click.echo(f"{grid.name}: {grid.claim}")
+    out = out or Path("runs") / f"compare-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dirs = run_grid(experiment, engines, worker_counts, server_counts, out, overrides, steps,
                         seed, device, trace, echo=click.echo)
-    table = rows(load_runs(run_dirs))
+    runs = load_runs(run_dirs)
+    table = rows(runs)
     csv_path, md_path = write(table, out)
     click.echo("")
     click.echo(markdown(table))
     click.echo(f"table: {md_path} and {csv_path}")
+    if plots:
+        from analysis.plots import plot_all
+
+        for path in plot_all(runs, out):
+            click.echo(f"figure: {path}")
     click.echo(f"runs: {out / 'runs'}")
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+@_friendly
+def plot(run_dirs, out) -> None:
+    """Draw the comparison figures and table of finished RUN_DIRS (nothing is rerun)."""
+    from analysis.plots import plot_all
+    from analysis.results import load_runs
+    from analysis.table import rows, write
+
+    runs = load_runs(run_dirs)
+    for path in (*write(rows(runs), out), *plot_all(runs, out)):
+        click.echo(str(path))
+
+
+@main.command("model")
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--bench", "bench_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("runs/bench/bench.json"), show_default=True,
+              help="bench.json written by `psar bench` (alpha and beta are fitted to it).")
+@click.option("--validate", is_flag=True, help="Print predicted against measured step time of RUN_DIRS.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/model"),
+              show_default=True, help="Where the scaling figures go.")
+@_friendly
+def model_cmd(run_dirs, bench_path, validate, out) -> None:
+    """Alpha-beta cost model of one step, ring all-reduce against a parameter server, fitted to
+    `psar bench` and to RUN_DIRS (their gradient bytes and compute time); predicts up to 1024
+    workers."""
+    from analysis import costmodel
+    from analysis.results import load_runs
+
+    if not bench_path.exists():
+        raise click.ClickException(f"{bench_path} does not exist: run `psar bench --out "
+                                   f"{bench_path.parent}` first, or pass --bench")
+    model = costmodel.CostModel.from_bench(bench_path)
+    runs = load_runs(run_dirs)
+    click.echo(costmodel.fit_summary(model))
+    if validate:
+        click.echo("")
+        click.echo(costmodel.format_validation(costmodel.validate(model, runs)))
+        return
+    # The least contended run gives the compute time of one worker.
+    base = min(runs, key=lambda r: (r.summary["workers"], costmodel.compute_time(r)))
+    nbytes, compute_s = costmodel.gradient_bytes(base), costmodel.compute_time(base)
+    rows = costmodel.scaling(model, nbytes, compute_s, base.config["batch_size"])
+    click.echo(f"\n{base.summary['experiment']}: M = {nbytes / 1e6:.2f} MB, T_c = {compute_s * 1e3:.2f} ms "
+               f"(from {base.path}), batch {base.config['batch_size']}/worker")
+    click.echo(f"{'setting':<16} {'N':>5} {'S':>5} {'step(ms)':>10} {'samples/s':>12}")
+    for r in rows:
+        if r["workers"] in (1, 2, 8, 64, 256, 1024):
+            click.echo(f"{r['setting']:<16} {r['workers']:>5} {r['servers'] or '-':>5} "
+                       f"{r['step_s'] * 1e3:>10.2f} {r['samples_per_sec']:>12.0f}")
+    for path in costmodel.plot_scaling(rows, out):
+        click.echo(f"figure: {path}")
 
 
 if __name__ == "__main__":

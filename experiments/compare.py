@@ -23,7 +23,8 @@ def run_grid(experiment: str, engines: list[str], workers: list[int], servers: l
                                    steps=steps, seed=seed, device=device, trace=trace)
                 tag = f"-s{s}" if get_engine(engine_name).uses_servers else ""
                 run_dir = Path(out) / "runs" / f"{engine_name}-w{n}{tag}"
-                echo(f"running {experiment} with {engine_name} on {n} worker(s){tag} -> {run_dir}")
+                shards = f", {s} server shard(s)" if tag else ""
+                echo(f"running {experiment} with {engine_name} on {n} worker(s){shards} -> {run_dir}")
                 launch(cfg, run_dir)
                 run_dirs.append(run_dir)
     return run_dirs

@@ -51,7 +51,7 @@ def param_sha256(model: torch.nn.Module) -> str:
 def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sha: str) -> dict:
     """Summary of a finished run from its metrics files.
 
-    samples_per_sec: samples of all ranks after the warm-up step, over rank 0's time for them.
+    samples_per_sec: see `throughput`.
     final_loss: mean training loss of the last 10% of steps (at least one) over every rank.
     bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged.
     """
@@ -59,13 +59,7 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     steps = len(per_rank.get(0, []))
     tail = max(1, steps // 10)
     losses = [r["loss"] for recs in per_rank.values() for r in recs[-tail:]]
-    rank0 = per_rank.get(0, [])
-    samples_per_sec = None
-    if rank0:
-        first = WARMUP_STEPS if steps > WARMUP_STEPS else 0
-        span = rank0[-1]["time"] - (rank0[first - 1]["time"] if first else 0.0)
-        samples = sum(r["samples"] for recs in per_rank.values() for r in recs[first:])
-        samples_per_sec = samples / span if span > 0 else None
+    samples_per_sec = throughput(per_rank)
     traffic = [r["bytes_sent"] + r["bytes_recv"] for recs in per_rank.values() for r in recs]
     return {
         "experiment": config["experiment"],
@@ -81,6 +75,26 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
         "bytes_per_worker_per_step": sum(traffic) / len(traffic) if traffic else 0,
         "param_sha256": sha,
     }
+
+
+def throughput(per_rank: dict[int, list[dict]], warmup: int = WARMUP_STEPS) -> float | None:
+    """Samples per second of all ranks together while every rank was training.
+
+    The window runs from the latest end of a rank's warm-up to the earliest end of a rank's
+    last step (wall clock), and counts the steps that ended inside it. Under a synchronous
+    engine that is the usual figure; under an asynchronous one a fast worker's extra steps
+    count, and the time a finished worker would spend idle does not.
+    """
+    ranks = [recs for recs in per_rank.values() if recs]
+    if not ranks:
+        return None
+    skip = warmup if all(len(recs) > warmup for recs in ranks) else 0
+    # A rank's window opens when its warm-up step ends (or its first step began, if none).
+    start = max(recs[skip - 1]["wall"] if skip else recs[0]["wall"] - recs[0]["step_s"]
+                for recs in ranks)
+    end = min(recs[-1]["wall"] for recs in ranks)
+    samples = sum(r["samples"] for recs in ranks for r in recs if start < r["wall"] <= end)
+    return samples / (end - start) if end > start and samples else None
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -71,3 +71,22 @@ def test_configs_are_frozen():
     cfg = get_preset("quickstart")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.steps = 3
+
+
+def _records(walls, samples=32):
+    return [{"wall": w, "step_s": 1.0, "samples": samples} for w in walls]
+
+
+@pytest.mark.parametrize("per_rank,expected", [
+    # one rank: steps end at 1..5; warm-up ends at 1; 4 steps of 32 in 4 s
+    ({0: _records([1, 2, 3, 4, 5])}, 32.0),
+    # two ranks in lock-step: twice that
+    ({0: _records([1, 2, 3, 4, 5]), 1: _records([1, 2, 3, 4, 5])}, 64.0),
+    # a fast rank (every 0.5 s) next to a slow one (every 2 s): only steps inside the window
+    # (from 2, the slow rank's warm-up end, to 6.0, the fast one's last step) count
+    ({0: _records([0.5 * k for k in range(1, 13)]), 1: _records([2, 4, 6, 8])}, (8 + 2) * 32 / 4.0),
+])
+def test_throughput_counts_steps_while_every_rank_trains(per_rank, expected):
+    from experiments.metrics import throughput
+
+    assert throughput(per_rank) == pytest.approx(expected)

@@ -1,0 +1,238 @@
+"""Comparison figures: each function takes runs and an output folder, writes one PNG and
+returns its path, or None when the runs give the figure nothing to show."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from statistics import mean
+
+from . import style  # first: selects the Agg backend before pyplot loads
+from .results import Run
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator, NullLocator, ScalarFormatter
+
+SYNCHRONOUS = frozenset({"ddp", "allreduce", "ps-sync"})
+"""Engines whose ranks meet every step, so a fast rank waits for the slowest one."""
+
+LINESTYLES = ("-", "--", ":", "-.")
+HATCHES = ("", "..", "xx", "\\\\")
+MARKERS = ("o", "s", "D", "^", "v")  # by server count: 1, 2, 3, ...
+
+
+# -- shared set-up -----------------------------------------------------------------------
+
+@contextmanager
+def _figure(path: Path, title: str, xlabel: str, ylabel: str):
+    """Yield the axes of a new figure; then label it, add the legend, save it to `path`
+    and close it (also when drawing failed, so no figure leaks)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    try:
+        yield ax
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=style.DPI)
+    finally:
+        plt.close(fig)
+
+
+def _order(run: Run) -> tuple:
+    return run.label, run.summary["workers"], run.summary.get("servers", 1)
+
+
+def _variant(run: Run, runs: list[Run]) -> int:
+    """Which of the runs that share run's label (and so its colour) this one is, so that a
+    line style or hatch can tell them apart."""
+    shapes = sorted({_order(r) for r in runs if r.label == run.label})
+    return shapes.index(_order(run))
+
+
+def _line(run: Run, runs: list[Run]) -> dict:
+    """Plot keywords of one run's line among `runs`: its label's colour, a line style per
+    variant of that label, and widths that shrink down the list so that runs with identical
+    losses (local, allreduce and ps-sync compute the same update) stay visible as outlines."""
+    i = runs.index(run)
+    return dict(color=style.colour(run.label), label=style.label_of(run, workers=True),
+                linestyle=LINESTYLES[_variant(run, runs) % len(LINESTYLES)],
+                linewidth=3.0 - 2.0 * i / max(1, len(runs) - 1))
+
+
+def _steady(records: list[dict]) -> list[dict]:
+    """The records after the warm-up step 0 (connection set-up, allocation), if any remain."""
+    return [r for r in records if r["step"] >= 1] or records
+
+
+def _mean_loss(run: Run) -> dict[int, float]:
+    """Training loss by step, averaged over ranks."""
+    by_step = defaultdict(list)
+    for record in run.records():
+        by_step[record["step"]].append(record["loss"])
+    return {step: mean(losses) for step, losses in sorted(by_step.items())}
+
+
+def _staleness(run: Run) -> list[int]:
+    values = []
+    for record in run.records():
+        value = record.get("staleness")
+        values.extend(value if isinstance(value, list) else [] if value is None else [value])
+    return values
+
+
+# -- the split of a step -----------------------------------------------------------------
+
+def step_split(run: Run) -> dict[str, float]:
+    """Mean seconds per step and rank (warm-up step left out) spent in compute (forward and
+    backward), in communication not hidden by compute, and waiting for slower peers.
+
+    Waiting of one record is its `wait_s` when the engine measured it. Otherwise, for a
+    synchronous engine, it is estimated as how much longer the slowest rank computed in that
+    step, capped by the record's comm_s; asynchronous engines and local do not wait.
+    Communication is comm_s minus waiting. Raises ValueError for a run without records.
+    """
+    records = _steady(run.records())
+    if not records:
+        raise ValueError(f"run {run.path} has no step records (metrics/rank*.jsonl)")
+    slowest: dict[int, float] = {}
+    for r in records:
+        slowest[r["step"]] = max(slowest.get(r["step"], 0.0), r["compute_s"])
+    synchronous = run.engine in SYNCHRONOUS
+
+    def waiting(r: dict) -> float:
+        if "wait_s" in r:
+            return r["wait_s"]
+        if not synchronous:
+            return 0.0
+        return min(r["comm_s"], slowest[r["step"]] - r["compute_s"])
+
+    waits = [waiting(r) for r in records]
+    return {
+        "compute_s": mean(r["compute_s"] for r in records),
+        # wait_s is part of comm_s; max() only keeps rounding from making a negative bar
+        "comm_s": mean(max(0.0, r["comm_s"] - w) for r, w in zip(records, waits)),
+        "wait_s": mean(waits),
+    }
+
+
+# -- the figures -------------------------------------------------------------------------
+
+def loss_vs_step(runs: list[Run], out_dir: Path) -> Path | None:
+    """Training loss (mean over ranks) against step, one line per run."""
+    runs = sorted((r for r in runs if r.records()), key=_order)
+    if not runs:
+        return None
+    path = Path(out_dir) / "loss_vs_step.png"
+    with _figure(path, "Training loss by step", "step (optimizer updates)",
+                 "training loss, mean over ranks (nats)") as ax:
+        for run in runs:
+            loss = _mean_loss(run)
+            ax.plot(list(loss), list(loss.values()), **_line(run, runs))
+    return path
+
+
+def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
+    """Training loss (mean over ranks) against rank 0's seconds since its loop began."""
+    runs = sorted((r for r in runs if r.metrics.get(0)), key=_order)
+    if not runs:
+        return None
+    path = Path(out_dir) / "loss_vs_time.png"
+    with _figure(path, "Training loss by wall-clock time", "wall-clock time, rank 0 (s)",
+                 "training loss, mean over ranks (nats)") as ax:
+        for run in runs:
+            loss = _mean_loss(run)
+            rank0 = run.metrics[0]
+            ax.plot([r["time"] for r in rank0], [loss[r["step"]] for r in rank0],
+                    **_line(run, runs))
+    return path
+
+
+def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
+    """Samples/s against workers, one line per engine label and server count, each with its
+    ideal linear scaling from its smallest worker count (dashed, same colour)."""
+    groups: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    first: dict[str, Run] = {}
+    for run in sorted(runs, key=_order):
+        if run.summary.get("samples_per_sec"):
+            name = style.label_of(run)
+            groups[name][run.summary["workers"]].append(run.summary["samples_per_sec"])
+            first.setdefault(name, run)
+    if not groups:
+        return None
+    path = Path(out_dir) / "throughput_vs_workers.png"
+    with _figure(path, "Throughput against workers", "workers (log2 scale)",
+                 "throughput, all workers (samples/s)") as ax:
+        for name, by_workers in groups.items():
+            run, workers = first[name], sorted(by_workers)
+            throughput = [mean(by_workers[n]) for n in workers]
+            colour = style.colour(run.label)
+            marker = MARKERS[(run.summary.get("servers", 1) - 1) % len(MARKERS)]
+            ax.plot(workers, throughput, color=colour, marker=marker, label=name)
+            if len(workers) > 1:
+                ax.plot(workers, [throughput[0] * n / workers[0] for n in workers],
+                        color=colour, linestyle="--", linewidth=1)
+        ax.plot([], [], color="black", linestyle="--", linewidth=1,
+                label="ideal: linear from fewest workers")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({n for g in groups.values() for n in g}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+    return path
+
+
+def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
+    """A stacked bar per run of the mean step: compute, communication, waiting (step_split);
+    tick labels take the run's engine colour."""
+    runs = sorted((r for r in runs if r.records()), key=_order)
+    if not runs:
+        return None
+    splits = [step_split(run) for run in runs]
+    path = Path(out_dir) / "step_breakdown.png"
+    with _figure(path, "Where a step's time goes (warm-up step left out)",
+                 "run (engine label x workers)", "mean time per step and rank (ms)") as ax:
+        x = range(len(runs))
+        bottom = [0.0] * len(runs)
+        for part, key in (("compute", "compute_s"), ("communication", "comm_s"),
+                          ("waiting", "wait_s")):
+            heights = [1e3 * split[key] for split in splits]
+            ax.bar(x, heights, 0.6, bottom=bottom, label=part, **style.COMPONENTS[part])
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(x, [style.label_of(run, workers=True) for run in runs],
+                      rotation=30, ha="right")
+        for tick, run in zip(ax.get_xticklabels(), runs):
+            tick.set_color(style.colour(run.label))
+    return path
+
+
+def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
+    """Fraction of pushes by staleness, grouped bars, one series per asynchronous run."""
+    series = [(run, Counter(values)) for run in sorted(runs, key=_order)
+              if run.engine not in SYNCHRONOUS and (values := _staleness(run))]
+    if not series:
+        return None
+    shown = [run for run, _ in series]
+    values = sorted({v for _, counts in series for v in counts})
+    width = 0.8 / len(series)
+    path = Path(out_dir) / "staleness_histogram.png"
+    with _figure(path, "Staleness of pushes", "staleness (server versions)",
+                 "fraction of pushes") as ax:
+        for i, (run, counts) in enumerate(series):
+            total = sum(counts.values())
+            offset = (i - (len(series) - 1) / 2) * width
+            ax.bar([v + offset for v in values], [counts[v] / total for v in values], width,
+                   color=style.colour(run.label), edgecolor="black", linewidth=0.5,
+                   hatch=HATCHES[_variant(run, shown) % len(HATCHES)],
+                   label=style.label_of(run, workers=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return path
+
+
+FIGURES = (loss_vs_step, loss_vs_time, throughput_vs_workers, step_breakdown, staleness_histogram)
+
+
+def plot_all(runs: list[Run], out_dir: Path) -> list[Path]:
+    """Write every figure the runs have content for; return their paths."""
+    return [path for figure in FIGURES if (path := figure(runs, out_dir)) is not None]
