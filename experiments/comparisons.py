@@ -30,8 +30,8 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
         claim="Hogwild!: on sparse logistic regression, lock-free asynchronous updates rarely "
               "collide, so async throughput grows with workers while the loss still falls."),
     Comparison(
-        "straggler", "quickstart", ("ps-async", "ps-ssp", "ps-sync", "allreduce"), (2,),
-        overrides=("fault.slow_rank=1", "fault.slow_factor=4", "steps=200"),
+        "straggler", "cnn", ("ps-async", "ps-ssp", "ps-sync", "allreduce"), (2,),
+        overrides=("fault.slow_rank=1", "fault.slow_factor=4", "steps=60"),
         claim="One worker 4x slower: sync and all-reduce wait for it every step, async does "
               "not, and ssp waits only when the gap exceeds its staleness bound."),
     Comparison(

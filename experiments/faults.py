@@ -29,6 +29,7 @@ class FaultConfig:
         return self.delay_ms / 1000.0
 
     def stall(self, rank: int, compute_s: float) -> None:
-        """Called after each step's compute; sleeps on the slow rank."""
+        """Called before each step's compute with the last step's compute time; the slow rank
+        sleeps (slow_factor - 1) times it, so its compute takes slow_factor times as long."""
         if rank == self.slow_rank and self.slow_factor > 1.0:
             time.sleep((self.slow_factor - 1.0) * compute_s)

@@ -28,7 +28,7 @@ def cnn() -> RunConfig:
     """Two conv layers with BatchNorm on digits upsampled to 28x28; BatchNorm statistics
     follow rank 0 (broadcast every step), its batch statistics stay per worker."""
     return RunConfig(experiment="cnn", model=CNNConfig(), data=DigitsConfig(size=28),
-                     steps=100, batch_size=32, optim=OptimConfig("sgd", lr=0.05, momentum=0.9))
+                     steps=100, batch_size=32, optim=OptimConfig("sgd", lr=0.02, momentum=0.9))
 
 
 def gpt_char() -> RunConfig:

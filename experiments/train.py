@@ -65,8 +65,12 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     progress = Progress(cfg.steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
 
     start = time.perf_counter()
+    last_compute = 0.0
     for step in range(cfg.steps):
         t0 = time.perf_counter()
+        # A straggler stalls before computing, so its gradients leave late (and stale).
+        cfg.fault.stall(env.rank, last_compute)
+        computing = time.perf_counter()
         losses = []
         for feeder in feeders:
             inputs, targets = feeder.batch(step)
@@ -75,8 +79,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
             with tracer.span("backward", step=step):
                 engine.backward(loss)
             losses.append(loss.detach())
-        cfg.fault.stall(env.rank, time.perf_counter() - t0)
         t1 = time.perf_counter()
+        last_compute = t1 - computing  # without the stall, or stalls would compound
         with tracer.span("step", step=step):
             stats = dict(engine.step())
         t2 = time.perf_counter()
