@@ -77,21 +77,36 @@ def list_cmd() -> None:
 
 
 @main.command()
-@click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
+@click.argument("experiment", type=click.Choice(list(presets.PRESETS)), required=False)
 @click.option("--workers", type=int, default=None, help="Number of workers (data shards).")
 @click.option("--servers", type=int, default=None, help="Parameter-server shards (ps-* engines).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="Continue the run in this directory from its last checkpoint "
+              "(its config; --steps and --set may change it).")
 @run_options
 @_friendly
-def run(experiment, workers, servers, out, engine, steps, seed, device, trace, overrides) -> None:
+def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, device, trace,
+        overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory."""
+    from . import config as config_mod
+    from .config import resolve
     from .launcher import launch
 
-    cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=servers,
-                       steps=steps, seed=seed, device=device, trace=trace)
-    run_dir = out or default_run_dir(cfg)
-    summary = launch(cfg, run_dir)
+    if resume_dir is not None:
+        if experiment or workers or servers or out or engine or seed is not None:
+            raise click.UsageError("--resume continues a run as it was configured: give only "
+                                   "--steps, --trace or --set with it")
+        cfg = resolve(config_mod.load(resume_dir / "config.json"), overrides, steps=steps, trace=trace)
+        run_dir = resume_dir
+    else:
+        if experiment is None:
+            raise click.UsageError("missing EXPERIMENT (or --resume RUN_DIR)")
+        cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=servers,
+                           steps=steps, seed=seed, device=device, trace=trace)
+        run_dir = out or default_run_dir(cfg)
+    summary = launch(cfg, run_dir, resume=resume_dir is not None)
     ev = ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items())
     click.echo(f"{cfg.experiment}/{cfg.engine} x{cfg.workers}: final loss {summary['final_loss']:.4f}, "
                f"eval {ev}, {summary['samples_per_sec']:.0f} samples/s")
@@ -162,10 +177,13 @@ def _addresses(value: str) -> tuple[str, ...]:
 @click.option("--shard", default="0/1", show_default=True, metavar="i/S",
               help="This server's shard i of S shards.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where to write this shard's counters (metrics/server<i>.json).")
+              help="Run directory: this shard's counters (metrics/server<i>.json), trace and "
+              "checkpoints (checkpoint/server<i>.pt).")
+@click.option("--resume", is_flag=True, help="Start from this shard's checkpoint in --out.")
 @run_options
 @_friendly
-def server(bind, experiment, workers, shard, out, engine, steps, seed, device, trace, overrides) -> None:
+def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, device, trace,
+           overrides) -> None:
     """Serve one parameter-server shard of a multi-node run until every worker has left."""
     from .ps_server import serve_shard
 
@@ -178,7 +196,7 @@ def server(bind, experiment, workers, shard, out, engine, steps, seed, device, t
         raise click.UsageError(f"--engine must be one of {', '.join(PS_MODES)}")
     cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
                        steps=steps, seed=seed, device=device, trace=trace)
-    result = serve_shard(cfg, index, count, bind, out)
+    result = serve_shard(cfg, index, count, bind, out, resume)
     click.echo(f"shard {index}/{count}: {result}")
 
 

@@ -13,6 +13,7 @@ from allreduce.config import AllReduceConfig
 from ps.config import PSConfig
 
 from . import data, models
+from .checkpoint import CheckpointConfig
 from .faults import FaultConfig
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
 
@@ -94,7 +95,9 @@ class RunConfig:
     ps: PSConfig = field(default_factory=PSConfig)
     """Parameter-server section."""
     fault: FaultConfig = field(default_factory=FaultConfig)
-    """Injected faults (a slow worker)."""
+    """Injected faults (a slow worker, a slow link)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints (checkpoint.every=K), for --resume."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "workers", "servers", "eval_batch_size"):
@@ -113,7 +116,7 @@ class RunConfig:
 
 
 def _section_types() -> dict[str, type]:
-    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig]
+    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]
     return {c.__name__: c for c in classes if isinstance(c, type)}

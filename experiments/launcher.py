@@ -38,21 +38,22 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 
 def launch(cfg: RunConfig, run_dir: Path, deadline_s: float | None = None,
-           quiet: bool = False) -> dict:
+           quiet: bool = False, resume: bool = False) -> dict:
     """Run `cfg` on loopback, one process per worker; return summary.json's contents.
 
     deadline_s bounds the whole run (tests use it so that a hang fails fast); without it,
     each process's own timeouts (cfg.timeout_s) bound every wait on a peer.
     """
-    return launch_batch([(cfg, run_dir)], deadline_s, quiet)[0]
+    return launch_batch([(cfg, run_dir)], deadline_s, quiet, resume)[0]
 
 
 def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = None,
-                 quiet: bool = False) -> list[dict]:
+                 quiet: bool = False, resume: bool = False) -> list[dict]:
     """Run several configs one after another in the same processes.
 
     Each process imports torch once for all of them, which is most of a short run's cost.
     Every job must need the same processes: workers, and server shards for the ps engines.
+    resume: continue each run from its checkpoints, in its own directory, on new ports.
     """
     shapes = {process_shape(cfg) for cfg, _ in jobs}
     if len(shapes) != 1:
@@ -67,9 +68,10 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]),
                 PSAR_MASTER_PORTS=",".join(map(str, ports)), PYTHONUNBUFFERED="1")
-    procs = [(f"server {s}", [sys.executable, "-m", "experiments.ps_server", str(s), *dirs], base)
+    again = ["--resume"] if resume else []
+    procs = [(f"server {s}", [sys.executable, "-m", "experiments.ps_server", *again, str(s), *dirs], base)
              for s in range(nservers)]
-    procs += [(f"rank {r}", [sys.executable, "-m", "experiments.worker", *dirs],
+    procs += [(f"rank {r}", [sys.executable, "-m", "experiments.worker", *again, *dirs],
                dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nprocs)]
     run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet)
     for (cfg, _), run_dir in zip(jobs, run_dirs):

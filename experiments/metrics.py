@@ -16,11 +16,18 @@ WARMUP_STEPS = 1
 class MetricsWriter:
     """Appends one JSON line per step to metrics/rank<r>.jsonl, flushed at once."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    def __init__(self, run_dir: Path, rank: int, keep_before: int = 0) -> None:
+        """keep_before: on resume, the records of earlier steps stay; later ones are redone."""
         folder = Path(run_dir) / "metrics"
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank{rank}.jsonl"
+        kept = []
+        if keep_before and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < keep_before]
         self._file = open(self.path, "w", buffering=1)
+        for line in kept:
+            self._file.write(line + "\n")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -48,10 +55,11 @@ def param_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sha: str) -> dict:
+def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sha: str,
+              first_step: int = 0) -> dict:
     """Summary of a finished run from its metrics files.
 
-    samples_per_sec: see `throughput`.
+    samples_per_sec: see `throughput`; over the steps from first_step on (a resumed run's).
     final_loss: mean training loss of the last 10% of steps (at least one) over every rank.
     bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged.
     """
@@ -59,7 +67,9 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     steps = len(per_rank.get(0, []))
     tail = max(1, steps // 10)
     losses = [r["loss"] for recs in per_rank.values() for r in recs[-tail:]]
-    samples_per_sec = throughput(per_rank)
+    # A resumed run's throughput is its own segment's: earlier records are another session's.
+    samples_per_sec = throughput({r: [x for x in recs if x["step"] >= first_step]
+                                  for r, recs in per_rank.items()})
     traffic = [r["bytes_sent"] + r["bytes_recv"] for recs in per_rank.values() for r in recs]
     return {
         "experiment": config["experiment"],

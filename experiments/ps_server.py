@@ -21,14 +21,20 @@ from ps.server import ShardServer
 from ps.transport import ServerTransport
 
 from . import config as config_mod
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save_atomic, server_path
 from .config import RunConfig
 from .metrics import write_json
 from .trace import Tracer
 
 
 def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
-                run_dir: Path | None = None) -> str:
-    """Serve shard `shard` of `num_shards` for `cfg` at `bind`; return why the loop ended."""
+                run_dir: Path | None = None, resume: bool = False) -> str:
+    """Serve shard `shard` of `num_shards` for `cfg` at `bind`; return why the loop ended.
+
+    With checkpoint.every and a run_dir, the shard saves its state to
+    run_dir/checkpoint/server<shard>.pt; resume starts from that file.
+    """
     if cfg.engine not in MODES:
         raise ValueError(f"engine {cfg.engine!r} has no servers; expected one of {', '.join(MODES)}")
     if not 0 <= shard < num_shards:
@@ -42,9 +48,16 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
                           chunk_elems_from_mb(cfg.ps.chunk_mb, itemsize))
     values = split_values(layout, [p for _, p in named], shard)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
+    path = server_path(run_dir, shard) if run_dir is not None else None
     server = ShardServer(shard, layout, values, cfg.optim.build, MODES[cfg.engine], cfg.workers,
                          cfg.ps, trace=tracer.record if tracer.enabled else None,
-                         reply_delay_s=2 * cfg.fault.delay_s)  # request and reply each pay it
+                         reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
+                         checkpoint_every=cfg.checkpoint.every if path else 0,
+                         save=lambda state: save_atomic(state, path))
+    if resume:
+        if path is None:
+            raise ValueError("--resume needs the run directory (--out) that holds the checkpoint")
+        server.load_state_dict(load_checkpoint(path))
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s)
     logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
                                    cfg.experiment, transport.address)
@@ -63,15 +76,17 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m experiments.ps_server SHARD RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        print("usage: python -m experiments.ps_server [--resume] SHARD RUN_DIR [RUN_DIR ...]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    resume = "--resume" in argv
+    argv = [a for a in argv if a != "--resume"]
     shard = int(argv[0])
     for run_dir in map(Path, argv[1:]):
         try:
             cfg = config_mod.load(run_dir / "config.json")
             addresses = json.loads((run_dir / "servers.json").read_text())
-            serve_shard(cfg, shard, len(addresses), addresses[shard], run_dir)
+            serve_shard(cfg, shard, len(addresses), addresses[shard], run_dir, resume)
         except Exception as err:
             traceback.print_exc()
             print(f"psar: server {shard} failed: {type(err).__name__}: {err}", file=sys.stderr)

@@ -18,6 +18,7 @@ import torch
 
 from . import config as config_mod
 from .config import RunConfig
+from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
 from .distenv import DistEnv
 from .engines import get_engine
@@ -44,8 +45,11 @@ def set_threads(cfg: RunConfig, env: DistEnv) -> None:
     torch.set_num_threads(threads)
 
 
-def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
-    """Run `cfg` as worker `env.rank`; rank 0 also writes model.pt and summary.json."""
+def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> dict | None:
+    """Run `cfg` as worker `env.rank`; rank 0 also writes model.pt and summary.json.
+
+    resume: continue from this rank's checkpoint in run_dir (model, optimizer, step).
+    """
     run_dir = Path(run_dir)
     set_threads(cfg, env)
     device = pick_device(cfg, env)
@@ -54,19 +58,22 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     task = get_task(dataset.task)
     torch.manual_seed(cfg.seed)  # every rank builds the identical initial model
     model = cfg.model.build().to(device=device, dtype=dtype)
-    torch.manual_seed(cfg.seed + 1 + env.rank)  # runtime randomness (dropout) differs by rank
+    checkpoints = WorkerCheckpoints(run_dir, env.rank, cfg.checkpoint.every, resume)
+    checkpoints.restore_model(model)
+    first = checkpoints.start_step
+    torch.manual_seed(cfg.seed + 1 + env.rank + first)  # runtime randomness (dropout) differs by rank
 
     tracer = Tracer(run_dir, f"rank {env.rank}", cfg.trace)
     engine = get_engine(cfg.engine).build(cfg, env, device, tracer.record if cfg.trace else None)
-    module = engine.attach(model, cfg.optim.build)
+    module = engine.attach(model, checkpoints.optimizer_factory(cfg.optim.build))
     feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, device)
                for shard in engine.shards]
-    writer = MetricsWriter(run_dir, env.rank)
+    writer = MetricsWriter(run_dir, env.rank, keep_before=first)
     progress = Progress(cfg.steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
 
     start = time.perf_counter()
     last_compute = 0.0
-    for step in range(cfg.steps):
+    for step in range(first, cfg.steps):
         t0 = time.perf_counter()
         # A straggler stalls before computing, so its gradients leave late (and stale).
         cfg.fault.stall(env.rank, last_compute)
@@ -93,6 +100,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
             **stats,
         })
         progress.update(step + 1, loss_value)
+        checkpoints.after_step(step + 1, model)
     wall_s = time.perf_counter() - start
     writer.close()
     engine.close()
@@ -103,7 +111,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path) -> dict | None:
     model_cpu = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     torch.save(model_cpu, run_dir / "model.pt")
     eval_metrics = task.evaluate(model, dataset, cfg.eval_batch_size, dtype, device)
-    summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model))
+    summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model),
+                        first_step=first)
     summary.update(engine.report())
     write_json(run_dir / "summary.json", summary)
     if cfg.trace:

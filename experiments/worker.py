@@ -22,7 +22,7 @@ from .train import train
 SERVERS_FILE = "servers.json"
 
 
-def run_worker(run_dir: Path, env: DistEnv | None = None) -> int:
+def run_worker(run_dir: Path, env: DistEnv | None = None, resume: bool = False) -> int:
     run_dir = Path(run_dir)
     env = env or DistEnv.from_environ()
     addresses = run_dir / SERVERS_FILE
@@ -30,7 +30,7 @@ def run_worker(run_dir: Path, env: DistEnv | None = None) -> int:
         env = dataclasses.replace(env, servers=tuple(json.loads(addresses.read_text())))
     try:
         cfg = config_mod.load(run_dir / "config.json")
-        train(cfg, env, run_dir)
+        train(cfg, env, run_dir, resume)
         return 0
     except KeyboardInterrupt:
         return 130
@@ -44,15 +44,17 @@ def run_worker(run_dir: Path, env: DistEnv | None = None) -> int:
 
 
 def main(argv: list[str]) -> int:
+    resume = "--resume" in argv
+    argv = [a for a in argv if a != "--resume"]
     if not argv:
-        return "usage: python -m experiments.worker RUN_DIR [RUN_DIR ...]"
+        return "usage: python -m experiments.worker [--resume] RUN_DIR [RUN_DIR ...]"
     ports = [p for p in os.environ.get("PSAR_MASTER_PORTS", "").split(",") if p]
     if ports and len(ports) != len(argv):
         return f"PSAR_MASTER_PORTS names {len(ports)} ports for {len(argv)} run directories"
     for i, run_dir in enumerate(argv):
         if ports:
             os.environ["MASTER_PORT"] = ports[i]  # torch's env:// rendezvous reads it
-        code = run_worker(Path(run_dir))
+        code = run_worker(Path(run_dir), resume=resume)
         if code:
             return code
     return 0

@@ -87,6 +87,7 @@ class PSClient:
         self._reqs = itertools.count(1)
         self.layout: Layout | None = None
         self.versions: dict[int, int] = {}
+        self.clocks: dict[int, int] = {}  # shard -> this worker's clock there, as of join
         self.bytes_sent = self.bytes_recv = 0
         self.heartbeat_error: str | None = None
         self.last_heard: dict[int, float] = {}  # shard -> when it last answered a heartbeat
@@ -103,9 +104,9 @@ class PSClient:
         Blocks (at most timeout_s); starts the heartbeat thread."""
         h = self._start("join", {s: ({"op": "join"}, None) for s in range(len(self.addresses))})
         self._wait_replies(h, self.timeout_s)
-        layouts = {}
+        layouts, body_of = {}, {}
         for s, msg in h.replies.items():
-            body = msg.get("body") or {}
+            body = body_of[s] = msg.get("body") or {}
             if body.get("shard") != s:
                 raise PSError(f"{self.addresses[s]} says it is shard {body.get('shard')!r}, expected shard {s}")
             try:
@@ -131,6 +132,7 @@ class PSClient:
                                   f"the layout says {layout.dtype(k)} {layout.keys[k].shape}")
                 values[k] = t
             self.versions[s] = msg.get("version")
+            self.clocks[s] = body_of[s].get("clock", 0)
         self._start_heartbeat()
         return layout, min(self.versions.values()), values
 

@@ -54,7 +54,9 @@ class PSEngine:
                                f"{diff}; start servers and workers with the same experiment and --set")
         self.layout = layout
         self._load(values)
-        self._step = version if self.mode == "sync" else 0
+        # Sync steps are numbered by the shards' version; async/ssp by this worker's clock
+        # (both 0 on a fresh run, where a resumed shard left them).
+        self._step = version if self.mode == "sync" else max(self.client.clocks.values(), default=0)
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         self._pushes = []
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))

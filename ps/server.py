@@ -75,12 +75,15 @@ class ShardServer:
         trace: optional callable(name, start, end, thread=...) given every optimizer update.
         reply_delay_s: every reply leaves this much later (an injected slow link); the loop
             goes on serving meanwhile.
+        checkpoint_every, save: save(state_dict()) each time the version reaches a multiple
+            of checkpoint_every (sync: steps; async/ssp: worker-steps, so every x num_workers).
     """
 
     def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
                  make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], mode: str,
                  num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic,
-                 trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0):
+                 trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0,
+                 checkpoint_every: int = 0, save: Callable[[dict], None] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < layout.num_shards:
@@ -90,6 +93,8 @@ class ShardServer:
         self.shard, self.layout, self.mode, self.num_workers = shard, layout, mode, num_workers
         self.config, self.clock = config, clock
         self.trace, self.reply_delay_s = trace, reply_delay_s
+        self.save = save
+        self.checkpoint_every = checkpoint_every * (1 if mode == "sync" else num_workers)
         self.keys = [k.id for k in layout.shard_keys(shard)]
         if set(values) != set(self.keys):
             raise ValueError(f"shard {shard}: values given for keys {sorted(values)}, expected {self.keys}")
@@ -187,7 +192,8 @@ class ShardServer:
         self.joined.add(msg.worker)
         self.counters["joins"] += 1
         body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
-                "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint}
+                "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint,
+                "clock": self.clocks[msg.worker]}
         return [self._values(peer, msg, self.keys, body=body)]
 
     def _on_leave(self, peer: bytes, msg: Message) -> list[Reply]:
@@ -262,7 +268,7 @@ class ShardServer:
                 self.chunks[k].grad = g * scale if scale != 1.0 else g  # optimizers only read it
             self._apply(msg.keys, f"apply push of worker {w} (step {step})")
             if self._note_keys(w, step, msg.keys):
-                self.version += 1
+                self._bump()
         return [self._ok(peer, msg, staleness=stale, version=self.version)]
 
     # -- state ---------------------------------------------------------------------------------
@@ -304,7 +310,7 @@ class ShardServer:
         self._apply(self.keys, f"update (step {self.version}, {len(live)} workers)")
         self._sum.clear()
         self._pushed.clear()
-        self.version += 1
+        self._bump()
 
     def _pull_ready(self, msg: Message) -> bool:
         min_version, clock = msg.get("min_version"), msg.get("clock")
@@ -390,6 +396,34 @@ class ShardServer:
         if k not in self._snap:
             self._snap[k] = self.chunks[k].clone()
         return self._snap[k]
+
+    def _bump(self) -> None:
+        self.version += 1
+        if self.save is not None and self.checkpoint_every and self.version % self.checkpoint_every == 0:
+            self.save(self.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this shard: values, optimizer state, version, clocks."""
+        return {"shard": self.shard, "fingerprint": self.layout.fingerprint, "version": self.version,
+                "values": {k: t.detach().clone() for k, t in self.chunks.items()},
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "clocks": dict(self.clocks), "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from state_dict(); refuses a checkpoint of another shard or layout."""
+        if state.get("shard") != self.shard or state.get("fingerprint") != self.layout.fingerprint:
+            raise ValueError(f"checkpoint is of shard {state.get('shard')} with layout "
+                             f"{str(state.get('fingerprint'))[:12]}, not shard {self.shard} with layout "
+                             f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard?")
+        with torch.no_grad():
+            for k, t in state["values"].items():
+                self.chunks[k].copy_(t)
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
+        self.counters.update(state["counters"])
+        self._snap, self._snap_updates = {}, -1
 
     def stats(self) -> dict[str, Any]:
         """Counters as a plain dict (str keys, msgpack-able)."""
