@@ -10,6 +10,7 @@ from .collective import bus_bytes
 from .compression import WIRE_DTYPES
 from .config import AllReduceConfig
 from .group import init_process_group, shutdown
+from .liveness import Liveness
 
 
 class DDPEngine:
@@ -21,6 +22,7 @@ class DDPEngine:
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
+        self._liveness = Liveness(rank, world)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         ids = [self.device] if self.device.type == "cuda" else None
@@ -38,7 +40,8 @@ class DDPEngine:
         return self._ddp
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        with self._liveness.naming_lost_ranks():  # DDP's all-reduces finish inside backward
+            loss.backward()
 
     def step(self) -> dict[str, float]:
         self.optimizer.step()
@@ -49,7 +52,9 @@ class DDPEngine:
         return {}
 
     def close(self) -> None:
-        shutdown()
+        with self._liveness.naming_lost_ranks():
+            shutdown()
+        self._liveness.close()
 
 
 def _cast_hook(wire: torch.dtype):

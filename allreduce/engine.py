@@ -14,6 +14,7 @@ from .collective import make_collective
 from .compression import wire_dtype
 from .config import AllReduceConfig
 from .group import broadcast_tensors, init_process_group, shutdown
+from .liveness import Liveness
 from .reducer import Reducer
 
 
@@ -28,6 +29,7 @@ class AllReduceEngine:
         self.trace, self.delay_s = trace, delay_s
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
+        self._liveness = Liveness(rank, world)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         broadcast_tensors(list(model.parameters()) + list(model.buffers()))
@@ -46,14 +48,16 @@ class AllReduceEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self._reducer.prepare()
-        loss.backward()
+        with self._liveness.naming_lost_ranks():
+            loss.backward()
 
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
-        self._reducer.finish()
-        nbytes = self._reducer.take_bytes()
-        if self._buffers:
-            nbytes += broadcast_tensors(self._buffers) * (self.rank == 0)
+        with self._liveness.naming_lost_ranks():
+            self._reducer.finish()
+            nbytes = self._reducer.take_bytes()
+            if self._buffers:
+                nbytes += broadcast_tensors(self._buffers) * (self.rank == 0)
         comm_s = time.perf_counter() - start
         self.optimizer.step()
         self._reducer.zero_grad()
@@ -64,5 +68,7 @@ class AllReduceEngine:
 
     def close(self) -> None:
         self._reducer.close()
-        self._collective.close()
-        shutdown()
+        with self._liveness.naming_lost_ranks():
+            self._collective.close()
+            shutdown()
+        self._liveness.close()

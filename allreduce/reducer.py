@@ -17,7 +17,7 @@ from .buckets import assign_buckets
 from .collective import Handle
 
 
-class UnusedParameterError(RuntimeError):
+class UnusedParameterError(ValueError):
     """A parameter that requires grad got none in a step."""
 
 

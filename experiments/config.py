@@ -82,8 +82,8 @@ class RunConfig:
     """'cpu' (Gloo) or 'cuda' (NCCL)."""
     threads: int = 0
     """Torch intra-op threads per process; 0 shares the machine's cores among the local processes."""
-    timeout_s: float = 60.0
-    """Longest wait on any peer (rendezvous, collective, server reply) before the run fails."""
+    timeout_s: float = 30.0
+    """Longest wait on any peer (rendezvous, collective) before the run fails."""
     eval_batch_size: int = 512
     """Batch size of the final evaluation on the test split."""
     trace: bool = False
