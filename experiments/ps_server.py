@@ -70,6 +70,8 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
         (Path(run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
         write_json(Path(run_dir) / "metrics" / f"server{shard}.json", {"result": result, **server.stats()})
     if server.aborted:
+        if path is not None and cfg.checkpoint.every:  # stop cleanly: keep what was learnt
+            save_atomic(server.state_dict(), path)
         raise RuntimeError(server.aborted)
     return result
 

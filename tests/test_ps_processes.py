@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments import checkpoint
 from experiments.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
@@ -90,10 +91,11 @@ def test_worker_whose_server_is_gone_names_it(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("policy", ["drop", "abort"])
-def test_lost_worker_is_dropped_or_aborts(tmp_path, policy):
-    extra = FAST_LIVENESS + ["--set", f"ps.on_worker_loss={policy}"]
-    addresses, servers, workers = start_cluster(tmp_path, steps=1500, shards=1, extra=extra)
+@pytest.mark.parametrize("engine,policy", [("ps-sync", "drop"), ("ps-sync", "abort"),
+                                           ("ps-async", "drop"), ("ps-ssp", "drop")])
+def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
+    extra = FAST_LIVENESS + ["--set", f"ps.on_worker_loss={policy}", "--set", "checkpoint.every=50"]
+    addresses, servers, workers = start_cluster(tmp_path, engine=engine, steps=1500, shards=1, extra=extra)
     wait_for_steps(tmp_path / "run", 1, 20)
     workers[1].send_signal(signal.SIGKILL)
     code0, out0 = finish(workers[0], 90)
@@ -108,3 +110,6 @@ def test_lost_worker_is_dropped_or_aborts(tmp_path, policy):
     else:
         assert code0 != 0 and "worker 1" in out0, out0
         assert code_s != 0
+        # Stopped cleanly: the shard's state at the abort is on disk, ready for --resume.
+        state = checkpoint.load(checkpoint.server_path(tmp_path / "run", 0))
+        assert state["version"] >= 20
