@@ -42,6 +42,9 @@ def run_options(fn):
         click.option("--steps", type=int, default=None, help="Optimizer steps (default: the experiment's)."),
         click.option("--seed", type=int, default=None, help="Seed of model, data and shards."),
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None),
+        click.option("--curve", type=click.Path(file_okay=False), default=None,
+                     help="Key directory from `psar keys`: CurveZMQ authentication and "
+                     "encryption between parameter-server shards and workers."),
         click.option("--trace", is_flag=True, default=None,
                      help="Write a Chrome trace (trace.json): forward, backward, every message."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -50,6 +53,11 @@ def run_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def _with_curve(overrides, curve) -> tuple[str, ...]:
+    """--curve DIR is ps.curve_dir, made absolute so every process finds it."""
+    return tuple(overrides) + ((f"ps.curve_dir={Path(curve).resolve()}",) if curve else ())
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -87,9 +95,10 @@ def list_cmd() -> None:
               "(its config; --steps and --set may change it).")
 @run_options
 @_friendly
-def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, device, trace,
+def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, device, curve, trace,
         overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory."""
+    overrides = _with_curve(overrides, curve)
     from . import config as config_mod
     from .config import resolve
     from .launcher import launch
@@ -123,13 +132,14 @@ def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, devi
               help="Run directory (shared, or one per host; rank 0 writes the summary).")
 @run_options
 @_friendly
-def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, trace, overrides) -> None:
+def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, curve, trace, overrides) -> None:
     """Run one worker of a multi-node job (torchrun, Slurm or by hand).
 
     All-reduce and ddp meet through torch.distributed's env:// rendezvous (MASTER_ADDR,
     MASTER_PORT), e.g. `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:PORT
     $(which psar) worker quickstart --engine allreduce --out runs/x`.
     """
+    overrides = _with_curve(overrides, curve)
     from .distenv import DistEnv
     from .train import prepare_run_dir
     from .worker import run_worker
@@ -182,9 +192,10 @@ def _addresses(value: str) -> tuple[str, ...]:
 @click.option("--resume", is_flag=True, help="Start from this shard's checkpoint in --out.")
 @run_options
 @_friendly
-def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, device, trace,
+def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, device, curve, trace,
            overrides) -> None:
     """Serve one parameter-server shard of a multi-node run until every worker has left."""
+    overrides = _with_curve(overrides, curve)
     from .ps_server import serve_shard
 
     try:
@@ -225,10 +236,11 @@ def _csv(kind):
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Draw the figures too.")
 @run_options
 @_friendly
-def compare(name, engines, worker_counts, server_counts, out, plots, engine, steps, seed, device,
+def compare(name, engines, worker_counts, server_counts, out, plots, engine, steps, seed, device, curve,
             trace, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
     engine changing; write summary.csv, summary.md and the figures."""
+    overrides = _with_curve(overrides, curve)
     from analysis.results import load_runs
     from analysis.table import markdown, rows, write
 
@@ -321,6 +333,22 @@ def model_cmd(run_dirs, bench_path, validate, out) -> None:
                        f"{r['step_s'] * 1e3:>10.2f} {r['samples_per_sec']:>12.0f}")
     for path in costmodel.plot_scaling(rows, out):
         click.echo(f"figure: {path}")
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--workers", "names", default="worker", show_default=True, callback=_csv(str),
+              help="Comma-separated client names, one keypair each (all allowed to connect).")
+@_friendly
+def keys(directory, names) -> None:
+    """Make CurveZMQ keys for --curve DIRECTORY: a server keypair, a keypair per client name,
+    and allowed/ with the public keys the servers accept. Existing keys are kept."""
+    from ps.security import make_keys
+
+    for name, path in make_keys(directory, tuple(names)).items():
+        click.echo(f"{name:14s} {path}")
+    click.echo("servers need server.key_secret and allowed/; each worker server.key and its "
+               "own NAME.key_secret (--set ps.curve_name=NAME)")
 
 
 if __name__ == "__main__":

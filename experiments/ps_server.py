@@ -17,6 +17,7 @@ import torch
 
 from ps.engine import MODES
 from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, split_values
+from ps.security import load_server_keys
 from ps.server import ShardServer
 from ps.transport import ServerTransport
 
@@ -58,7 +59,8 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
         if path is None:
             raise ValueError("--resume needs the run directory (--out) that holds the checkpoint")
         server.load_state_dict(load_checkpoint(path))
-    transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s)
+    curve = load_server_keys(cfg.ps.curve_dir) if cfg.ps.curve_dir else None
+    transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s, curve=curve)
     logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
                                    cfg.experiment, transport.address)
     try:

@@ -20,6 +20,7 @@ import torch
 
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import Limits, Message, ProtocolError, decode, encode
+from ps.security import load_client_keys
 from ps.transport import ClientTransport, PeerTimeout, TransportError, poll_many
 
 log = logging.getLogger("psar.ps.client")
@@ -71,14 +72,19 @@ class PSClient:
         heartbeat_s: heartbeat interval once joined (default 1).
         context: zmq context; share the server's for inproc:// (default: the process-wide one).
         max_message_mb: inbound message parts above this are refused (default 1024).
+        curve_dir: key directory (ps.security.make_keys) to speak CurveZMQ to the shards, as
+            client `curve_name`; "" (default): no security, for servers without curve_dir.
+        curve_name: which client keypair of curve_dir to use (default "worker").
     """
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float = 60.0, heartbeat_s: float = 1.0,
-                 context: Any = None, max_message_mb: float = 1024.0):
+                 context: Any = None, max_message_mb: float = 1024.0, curve_dir: str = "",
+                 curve_name: str = "worker"):
         if not addresses:
             raise ValueError("PSClient needs at least one server address")
         self.addresses, self.worker = list(addresses), worker
         self.timeout_s, self.heartbeat_s, self._context = timeout_s, heartbeat_s, context
+        self._curve = load_client_keys(curve_dir, curve_name) if curve_dir else None
         self._max_bytes = int(max_message_mb * (1 << 20))
         self._limits = Limits(max_header_bytes=self._max_bytes, max_keys=1 << 22, max_map_len=1 << 16,
                               max_tensor_bytes=self._max_bytes)
@@ -95,7 +101,8 @@ class PSClient:
         self._hb_thread: threading.Thread | None = None
 
     def _transport(self, address: str, send_timeout_s: float | None = None) -> ClientTransport:
-        return ClientTransport(address, self._max_bytes, send_timeout_s or self.timeout_s, self._context)
+        return ClientTransport(address, self._max_bytes, send_timeout_s or self.timeout_s, self._context,
+                               curve=self._curve)
 
     # -- ps-lite calls -------------------------------------------------------------------------
 
@@ -276,6 +283,9 @@ class PSClient:
                 missing = sorted(set(h.pending.values()))
                 where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in missing)
                 hint = f"; last heartbeat error: {self.heartbeat_error}" if self.heartbeat_error else ""
+                for s in missing:  # a refused handshake is the likeliest cause of a silent shard
+                    why = self._transports[s].handshake_error()
+                    hint += f"; handshake with {self.addresses[s]} failed: {why}" if why else ""
                 raise PeerTimeout(f"worker {self.worker}: no reply from {where} within {timeout_s:g} s "
                                   f"to {h.kind} (req {sorted(h.pending)}){hint}")
             self._progress(left)

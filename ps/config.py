@@ -38,6 +38,14 @@ class PSConfig:
     max_message_mb: float = 1024.0
     """Largest inbound message part in MiB; the socket refuses bigger ones (ZMQ_MAXMSGSIZE)."""
 
+    curve_dir: str = ""
+    """Key directory of ps.security.make_keys: CurveZMQ authentication and encryption on every
+    tcp connection (servers need server.key_secret and allowed/, workers server.key and their
+    <name>.key_secret). "": none, for loopback and trusted networks only."""
+
+    curve_name: str = "worker"
+    """Which client keypair of curve_dir a worker uses (one per worker lets one be revoked)."""
+
     def __post_init__(self) -> None:
         if type(self.staleness) is not int or self.staleness < 0:
             raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
@@ -49,6 +57,8 @@ class PSConfig:
             raise ValueError(f"on_worker_loss must be one of {WORKER_LOSS_POLICIES}, got {self.on_worker_loss!r}")
         if self.async_scale not in ASYNC_SCALES:
             raise ValueError(f"async_scale must be one of {ASYNC_SCALES}, got {self.async_scale!r}")
+        if not isinstance(self.curve_dir, str):
+            raise ValueError(f"curve_dir must be a str (a key directory, or \"\" for none), got {self.curve_dir!r}")
         if self.heartbeat_s >= self.worker_timeout_s:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) must be smaller than worker_timeout_s "

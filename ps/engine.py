@@ -44,7 +44,8 @@ class PSEngine:
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.client = PSClient(self.addresses, self.rank, timeout_s=self.config.timeout_s,
                                heartbeat_s=self.config.heartbeat_s,
-                               max_message_mb=self.config.max_message_mb)
+                               max_message_mb=self.config.max_message_mb,
+                               curve_dir=self.config.curve_dir, curve_name=self.config.curve_name)
         layout, version, values = self.client.join()
         mine = [ParamSpec.of(n, p) for n, p in self._named]
         if list(layout.specs) != mine:

@@ -13,6 +13,7 @@ import torch
 from ps.client import PSClient
 from ps.config import PSConfig
 from ps.layout import Layout, split_values
+from ps.security import load_server_keys
 from ps.server import ShardServer
 from ps.transport import ServerTransport
 
@@ -30,6 +31,9 @@ class LocalCluster:
         address: "inproc" (unique inproc:// names) or "tcp" (127.0.0.1, ephemeral ports).
         addresses: explicit bind endpoints, one per shard (overrides address).
         context: zmq context to share with inproc clients (default: the process-wide one).
+
+    With config.curve_dir set, the shards require CurveZMQ with that key directory's server
+    keys and allowed clients, and client() connects with its "worker" keys by default.
     """
 
     def __init__(self, layout: Layout, params: Sequence[torch.Tensor],
@@ -47,10 +51,12 @@ class LocalCluster:
         self.config, self.context = config, context
         self.servers = [ShardServer(s, layout, split_values(layout, params, s), make_optimizer, mode, num_workers,
                                     config) for s in range(layout.num_shards)]
+        curve = load_server_keys(config.curve_dir) if config.curve_dir else None
         self.transports: list[ServerTransport] = []
         try:
             for a in addresses:
-                self.transports.append(ServerTransport(a, config.max_message_bytes, config.timeout_s, context))
+                self.transports.append(ServerTransport(a, config.max_message_bytes, config.timeout_s, context,
+                                                       curve=curve))
         except Exception:
             self._close_transports()
             raise
@@ -70,8 +76,9 @@ class LocalCluster:
             self.results[s] = f"crashed: {type(e).__name__}: {e}"
 
     def client(self, worker: int, **kwargs: Any) -> PSClient:
-        """A PSClient for worker, with the cluster's timeouts unless given."""
+        """A PSClient for worker, with the cluster's timeouts and curve_dir unless given."""
         kwargs.setdefault("timeout_s", self.config.timeout_s)
+        kwargs.setdefault("curve_dir", self.config.curve_dir)
         kwargs.setdefault("heartbeat_s", self.config.heartbeat_s)
         kwargs.setdefault("context", self.context)
         return PSClient(self.addresses, worker, **kwargs)

@@ -125,6 +125,7 @@ class ShardServer:
         self.staleness: dict[int, int] = {}
         self.waits = dict(count=0, total_s=0.0, max_s=0.0)
         self.max_clock_gap = 0
+        self._last_malformed_log = float("-inf")
         self._snap: dict[int, torch.Tensor] = {}
         self._snap_updates = 0
 
@@ -140,7 +141,11 @@ class ShardServer:
         except Exception as e:  # ProtocolError; anything else is a decoder bug, still not fatal
             text = str(e) if isinstance(e, ProtocolError) else f"undecodable message: {type(e).__name__}: {e}"
             self.counters["malformed"] += 1
-            log.warning("shard %d: malformed message from peer %r: %s", self.shard, peer, text)
+            now = self.clock()
+            if now - self._last_malformed_log >= 5.0:  # a hostile peer must not flood the log
+                self._last_malformed_log = now
+                log.warning("shard %d: malformed message from peer %r: %s (%d so far)",
+                            self.shard, peer, text, self.counters["malformed"])
             return [self._error(peer, *peek_ids(frames), f"shard {self.shard}: {text}")]
         try:
             w = msg.worker

@@ -3,14 +3,27 @@
 Server shard: a ROUTER bound to one address. Worker: one DEALER per server shard. Frames go
 out and come in with copy=False, so tensor bytes are not copied in Python; the caller must
 not modify a sent tensor until the matching reply has arrived.
+
+Optional CurveZMQ (ps.security makes the keys): the server checks each client's public key
+against its allowed/ folder through a ZAP authenticator (one per zmq context, shared by the
+server sockets of that context), the client checks the server's public key, and the traffic
+is encrypted. A refused client never gets a message through: its requests time out, and both
+ends record why from their socket monitors (ServerTransport.events, log lines;
+ClientTransport.handshake_error()).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
+import time
 from typing import Any, Sequence
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ps.security import ClientKeys, ServerKeys
 
 log = logging.getLogger("psar.ps.transport")
 
@@ -26,6 +39,11 @@ class PeerTimeout(TimeoutError):
 
 class TransportError(RuntimeError):
     """A send that could not be completed; the text names the address."""
+
+
+class HandshakeRefused(PeerTimeout, TransportError):
+    """A send that could not be queued because the handshake with the peer failed (CURVE keys
+    or mechanism): no reply can ever come, so it is a PeerTimeout (and a TransportError)."""
 
 
 def default_context() -> zmq.Context:
@@ -46,6 +64,99 @@ def _views(frames: Sequence[zmq.Frame]) -> list[memoryview]:
     return [f.buffer for f in frames]
 
 
+# -- socket monitors: why a handshake failed ---------------------------------------------------
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+REFUSAL_LOG_INTERVAL_S = 5.0
+"""Handshakes refused for one reason (a client retrying, say) are logged once per interval."""
+
+
+def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket | None:
+    """A PAIR socket receiving sock's events, or None (monitoring is only diagnostics)."""
+    try:
+        return sock.get_monitor_socket(events)
+    except zmq.ZMQError as e:
+        log.debug("no socket monitor: %s", e)
+        return None
+
+
+def _unmonitor(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(0)
+
+
+def _events(monitor: zmq.Socket | None) -> list[tuple[int, int]]:
+    """(event, value) of every event waiting on monitor, without blocking."""
+    out = []
+    while monitor is not None and monitor.poll(0):
+        msg = parse_monitor_message(monitor.recv_multipart())
+        out.append((int(msg["event"]), int(msg["value"])))
+    return out
+
+
+def _handshake_text(event: int, value: int, server: bool) -> str:
+    """Why a handshake failed, from the server's or the client's side."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the authenticator refused the client's CURVE public key (ZAP status {value}): it is not "
+                f"among the allowed client keys" if server else
+                f"the server refused this client's CURVE key (ZAP status {value}): its public key is not in "
+                f"the server's allowed/ folder")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("security mechanism mismatch: one side uses CURVE and the other does not "
+                "(give both the same key directory)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return ("CURVE handshake could not be decrypted: the client holds another server's public key"
+                if server else "CURVE handshake failed (cryptographic error)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"handshake protocol error 0x{value:08x}"
+    return (f"handshake failed without detail (errno {value})" if server else
+            f"handshake failed without detail (errno {value}); with CURVE this is what a wrong "
+            f"server public key looks like")
+
+
+# -- one ZAP authenticator per context ---------------------------------------------------------
+
+_auth_lock = threading.Lock()
+_authenticators: dict[int, list] = {}  # id(context) -> [context, ThreadAuthenticator, users]
+
+
+def _acquire_authenticator(context: zmq.Context, allowed_dir: str) -> str:
+    """Start (or share) the context's authenticator, let it check allowed_dir's keys under a
+    ZAP domain of their own (read now: a key added later needs a new transport); the domain."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    domain = "psar-" + hashlib.sha256(allowed_dir.encode()).hexdigest()[:16]
+    with _auth_lock:
+        entry = _authenticators.get(id(context))
+        if entry is None:
+            auth = ThreadAuthenticator(context, log=logging.getLogger("psar.ps.auth"))
+            auth.start()
+            entry = _authenticators[id(context)] = [context, auth, 0]
+        entry[1].configure_curve(domain=domain, location=allowed_dir)
+        entry[2] += 1
+    return domain
+
+
+def _release_authenticator(context: zmq.Context) -> None:
+    with _auth_lock:
+        entry = _authenticators.get(id(context))
+        if entry is not None:
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del _authenticators[id(context)]
+                entry[1].stop()
+
+
+def _need_curve() -> None:
+    if not zmq.has("curve"):
+        raise TransportError(f"CURVE was asked for, but this libzmq {zmq.zmq_version()} was built without it")
+
+
 class ServerTransport:
     """ROUTER socket of one server shard.
 
@@ -55,28 +166,84 @@ class ServerTransport:
         max_message_bytes: inbound message parts above this are refused by the socket.
         send_timeout_s: a reply that cannot be queued within this is dropped and logged.
         context: zmq context (share it for inproc://); default the process-wide one.
+        curve: ServerKeys (ps.security.load_server_keys) to require CurveZMQ: only clients
+            whose public key is in curve.allowed_dir get through the handshake. None: no
+            security (loopback and trusted networks only).
+
+    .events counts what the socket monitor saw (read by the serving thread in recv):
+    "handshakes" completed, "refused" handshakes, "disconnects" (including connections the
+    socket dropped for a message part above max_message_bytes).
     """
 
     def __init__(self, bind: str, max_message_bytes: int | None = None, send_timeout_s: float = 60.0,
-                 context: Any = None, hwm: int = DEFAULT_HWM):
-        self._sock = (context or default_context()).socket(zmq.ROUTER)
+                 context: Any = None, hwm: int = DEFAULT_HWM, curve: ServerKeys | None = None):
+        self._context = context or default_context()
+        self._curve = curve
+        self._sock = self._context.socket(zmq.ROUTER)
         _configure(self._sock, max_message_bytes, send_timeout_s, hwm)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+        authenticated = False
         try:
+            if curve is not None:
+                _need_curve()
+                self._sock.curve_secretkey = curve.secret
+                self._sock.curve_publickey = curve.public
+                self._sock.curve_server = True
+                domain = _acquire_authenticator(self._context, curve.allowed_dir)
+                authenticated = True
+                self._sock.zap_domain = domain.encode()
+                try:  # no authenticator answering: refuse rather than let everyone in
+                    self._sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+                except (zmq.ZMQError, AttributeError):
+                    pass
             self._sock.bind(bind)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, TransportError) as e:
             self._sock.close(0)
-            raise TransportError(f"cannot bind {bind}: {e}") from e
+            if authenticated:
+                _release_authenticator(self._context)
+            raise TransportError(f"cannot bind {bind}{' with CURVE' if curve else ''}: {e}") from e
         self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.events = {"handshakes": 0, "refused": 0, "disconnects": 0}
+        self._refusals: dict[str, tuple[float, int]] = {}  # reason -> (last logged, refusals since)
+        self._monitor = _monitor(self._sock, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                 | zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
+        if curve is not None:
+            log.info("%s: CURVE on; clients allowed by the public keys in %s", self.address, curve.allowed_dir)
 
     def recv(self, timeout_s: float) -> tuple[bytes, list[memoryview]] | None:
         """(peer identity, frames) of the next message, or None if none came within timeout_s."""
-        if not self._poller.poll(max(0, int(timeout_s * 1000))):
-            return None
-        identity, *frames = self._sock.recv_multipart(copy=False)
-        return identity.bytes, _views(frames)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            ready = dict(self._poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self._monitor in ready:
+                self._note_events()
+            if self._sock in ready:
+                identity, *frames = self._sock.recv_multipart(copy=False)
+                return identity.bytes, _views(frames)
+            if time.monotonic() >= deadline:
+                return None
+
+    def _note_events(self) -> None:
+        for event, value in _events(self._monitor):
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.events["handshakes"] += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.events["disconnects"] += 1
+            elif event & _HANDSHAKE_FAILED:
+                self.events["refused"] += 1
+                why = _handshake_text(event, value, server=True)
+                logged_at, unlogged = self._refusals.get(why, (-float("inf"), 0))
+                now = time.monotonic()
+                if now - logged_at < REFUSAL_LOG_INTERVAL_S:
+                    self._refusals[why] = (logged_at, unlogged + 1)
+                    continue
+                log.warning("%s: refused a client at the handshake: %s%s", self.address, why,
+                            f" (and {unlogged} more like it since the last report)" if unlogged else "")
+                self._refusals[why] = (now, 0)
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         """Send to peer; False (and a log line) if the peer is gone or its queue stays full."""
@@ -88,7 +255,12 @@ class ServerTransport:
             return False
 
     def close(self) -> None:
+        if self._sock.closed:
+            return
+        _unmonitor(self._sock, self._monitor)
         self._sock.close(LINGER_MS)
+        if self._curve is not None:
+            _release_authenticator(self._context)
 
 
 class ClientTransport:
@@ -98,23 +270,39 @@ class ClientTransport:
         connect: the shard's endpoint.
         max_message_bytes, context, hwm: as for ServerTransport.
         send_timeout_s: a send that cannot be queued within this raises TransportError.
+        curve: ClientKeys (ps.security.load_client_keys) to speak CurveZMQ to a server with
+            that public key; None: no security. Must match the server's choice, or nothing
+            gets through (see handshake_error).
     """
 
     def __init__(self, connect: str, max_message_bytes: int | None = None, send_timeout_s: float = 60.0,
-                 context: Any = None, hwm: int = DEFAULT_HWM):
+                 context: Any = None, hwm: int = DEFAULT_HWM, curve: ClientKeys | None = None):
         self.address = connect
         self._sock = (context or default_context()).socket(zmq.DEALER)
         _configure(self._sock, max_message_bytes, send_timeout_s, hwm)
+        self._handshake_error: str | None = None
+        self._monitor = None
         try:
+            if curve is not None:
+                _need_curve()
+                self._sock.curve_secretkey = curve.secret
+                self._sock.curve_publickey = curve.public
+                self._sock.curve_serverkey = curve.server_public
+            self._monitor = _monitor(self._sock, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._sock.connect(connect)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, TransportError) as e:
+            _unmonitor(self._sock, self._monitor)
             self._sock.close(0)
-            raise TransportError(f"cannot connect to {connect}: {e}") from e
+            raise TransportError(f"cannot connect to {connect}{' with CURVE' if curve else ''}: {e}") from e
 
     def send(self, frames: Sequence[Any]) -> None:
+        self.handshake_error()  # keeps the monitor drained: libzmq blocks on a full one
         try:
             self._sock.send_multipart(list(frames), copy=False)
         except zmq.Again as e:
+            why = self.handshake_error()  # a refused handshake leaves no connection to queue on
+            if why:
+                raise HandshakeRefused(f"could not send to {self.address}: the handshake failed: {why}") from e
             raise TransportError(f"could not send to {self.address}: its queue stayed full") from e
         except zmq.ZMQError as e:
             raise TransportError(f"could not send to {self.address}: {e}") from e
@@ -128,7 +316,18 @@ class ClientTransport:
             raise PeerTimeout(f"no message from {self.address} within {timeout_s:g} s while waiting for {what}")
         return _views(self._sock.recv_multipart(copy=False))
 
+    def handshake_error(self) -> str | None:
+        """Why the last handshake with the server failed, None if it succeeded (or none was
+        tried yet). Call from the thread that uses this transport."""
+        for event, value in _events(self._monitor):
+            self._handshake_error = (None if event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                     else _handshake_text(event, value, server=False))
+        return self._handshake_error
+
     def close(self) -> None:
+        if self._sock.closed:
+            return
+        _unmonitor(self._sock, self._monitor)
         self._sock.close(LINGER_MS)
 
     @property

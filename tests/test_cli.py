@@ -109,3 +109,17 @@ def test_worker_reads_rank_and_world_from_the_environment(tmp_path):
                     tmp_path / "w", env=env)
     assert result.exit_code == 0, result.output
     _check_run_dir(tmp_path / "w", "quickstart", "allreduce", 1, 3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_curve_keys_and_an_encrypted_run(tmp_path):
+    result = invoke("keys", tmp_path / "keys", "--workers", "worker")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "keys/allowed/worker.key").exists()
+    result = invoke("run", "quickstart", "--engine", "ps-sync", "--steps", 5, "--curve",
+                    tmp_path / "keys", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "run/config.json").read_text())
+    assert saved["ps"]["curve_dir"] == str((tmp_path / "keys").resolve())
+    _check_run_dir(tmp_path / "run", "quickstart", "ps-sync", 2, 5)
