@@ -38,7 +38,7 @@ def test_list_names_every_experiment_and_engine():
     (["run", "quickstart", "--set", "nope=1"], "unknown key 'nope'"),
     (["run", "quickstart", "--set", "optim.lr=fast"], "expected a number"),
     (["run", "quickstart", "--engine", "teleport"], "Invalid value for '--engine'"),
-    (["run", "imagenet"], "Invalid value for '{"),
+    (["run", "imagenet"], "'imagenet' is not one of"),
     (["compare", "quickstart", "--engines", "ddp,teleport"], "unknown engine(s) teleport"),
     (["compare", "quickstart", "--workers", "1,two"], "comma-separated"),
 ])
