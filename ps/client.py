@@ -165,15 +165,17 @@ class PSClient:
         per_shard = {}
         for s, (keys, tensors) in by_shard.items():
             v = version if version is not None else self.versions.get(s, 0)
-            per_shard[s] = ({"op": "push", "step": step, "version": v, "keys": keys}, tensors)
+            at = step if step is not None else self.versions.get(s, 0)  # sync: the shard's own step
+            per_shard[s] = ({"op": "push", "step": at, "version": v, "keys": keys}, tensors)
         return self._start("push", per_shard)
 
     def pull(self, keys: Sequence[int] | None = None, min_version: int | None = None,
-             clock: int | None = None, wait_left: bool = False) -> Handle:
+             clock: int | None = None, wait_left: bool = False, next_version: bool = False) -> Handle:
         """Ask for the current values of keys (default all). The server answers once its
         version >= min_version (sync), under ssp once clock is within the staleness bound
         of the slowest worker, and with wait_left once every other worker has left.
-        Non-blocking; wait gives a PullResult."""
+        next_version: each shard answers once past the version this client last saw from it
+        (sync steps, counted per shard). Non-blocking; wait gives a PullResult."""
         layout = self._need_layout()
         by_shard: dict[int, list[int]] = defaultdict(list)
         for k in range(len(layout.keys)) if keys is None else keys:
@@ -182,8 +184,12 @@ class PSClient:
             by_shard[layout.keys[k].shard].append(k)
         cond = {n: v for n, v in (("min_version", min_version), ("clock", clock),
                                   ("wait_left", 1 if wait_left else None)) if v is not None}
-        return self._start("pull", {s: ({"op": "pull", "keys": ks, **cond}, None) for s, ks in by_shard.items()},
-                           conditional=bool(cond))
+        def condition(s: int) -> dict:
+            return {**cond, "min_version": self.versions.get(s, 0) + 1} if next_version else cond
+
+        return self._start("pull", {s: ({"op": "pull", "keys": ks, **condition(s)}, None)
+                                    for s, ks in by_shard.items()},
+                           conditional=bool(cond) or next_version)
 
     def wait(self, handle: Handle, timeout_s: float | None = None) -> Any:
         """Block until every shard of handle has answered; its result (see push / pull).
@@ -278,6 +284,7 @@ class PSClient:
     def _wait_replies(self, h: Handle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not h.done:
+            self._check_heartbeats(h)
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(h.pending.values()))
@@ -292,6 +299,25 @@ class PSClient:
         h.keep.clear()
         if h.error is not None:
             raise h.error
+
+    def _check_heartbeats(self, h: Handle) -> None:
+        """A shard that stopped answering heartbeats is gone: say so without waiting timeout_s
+        (a reply held back on purpose still comes with heartbeats answered meanwhile)."""
+        if self._hb_thread is None or self._hb_stop.is_set():
+            return
+        silence_s = max(3 * self.heartbeat_s, 2.0)
+        now = time.monotonic()
+        gone = [s for s in sorted(set(h.pending.values())) if now - self.last_heard.get(s, now) > silence_s]
+        if gone:
+            where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in gone)
+            raise PeerTimeout(f"worker {self.worker}: {where} stopped answering heartbeats "
+                              f"{silence_s:g} s ago, with {h.kind} (req {sorted(h.pending)}) unanswered")
+
+    def abandon(self) -> None:
+        """Forget every request in flight (after a shard restarted, their replies never come)."""
+        for h in self._inflight.values():
+            h.pending.clear()
+        self._inflight.clear()
 
     def _progress(self, timeout_s: float) -> None:
         """Wait at most timeout_s for replies on the shards with requests in flight; file them."""

@@ -38,6 +38,10 @@ class PSConfig:
     max_message_mb: float = 1024.0
     """Largest inbound message part in MiB; the socket refuses bigger ones (ZMQ_MAXMSGSIZE)."""
 
+    reconnect_s: float = 0.0
+    """How long a worker waits for a shard that stopped answering to come back (restarted with
+    --resume) before it gives up; 0: give up at once."""
+
     curve_dir: str = ""
     """Key directory of ps.security.make_keys: CurveZMQ authentication and encryption on every
     tcp connection (servers need server.key_secret and allowed/, workers server.key and their
@@ -49,6 +53,8 @@ class PSConfig:
     def __post_init__(self) -> None:
         if type(self.staleness) is not int or self.staleness < 0:
             raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        if not (isinstance(self.reconnect_s, (int, float)) and 0 <= self.reconnect_s < math.inf):
+            raise ValueError(f"reconnect_s must be a finite number >= 0, got {self.reconnect_s!r}")
         for name in ("chunk_mb", "timeout_s", "heartbeat_s", "worker_timeout_s", "max_message_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

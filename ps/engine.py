@@ -13,15 +13,17 @@ evaluated, follow shard 0 as in every other engine.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
 
-from .client import PSClient
+from .client import PeerTimeout, PSClient, PSError
 from .config import PSConfig
 from .layout import ParamSpec
 
 MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
+log = logging.getLogger("psar.ps.engine")
 
 
 class PSEngine:
@@ -39,6 +41,7 @@ class PSEngine:
         self.trace = trace
         self.shards = [rank]
         self._server_stats: list[dict] = []
+        self.updates_lost = 0
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -68,7 +71,8 @@ class PSEngine:
         flat = param.grad.detach().reshape(-1)
         grads = {k.id: flat[k.offset: k.offset + k.numel] for k in self.layout.param_keys(index)}
         # The chunks leave without a copy: param.grad stays untouched until step() waits.
-        self._pushes.append((self._named[index][0], time.time(), self.client.push(self._step, None, grads)))
+        step = None if self.mode == "sync" else self._step  # sync: each shard's own version
+        self._pushes.append((self._named[index][0], time.time(), self.client.push(step, None, grads)))
 
     def _load(self, values: dict[int, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -85,12 +89,21 @@ class PSEngine:
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
         pulled_at = time.time()
-        if self.mode == "sync":
-            pull = self.client.pull(min_version=self._step + 1)
-        else:  # ssp waits on the clock; async sends it only so the server can record the gap
-            pull = self.client.pull(clock=self._step + 1)
-        staleness = [self.client.wait(h) for _, _, h in self._pushes]
-        result = self.client.wait(pull)
+        try:
+            if self.mode == "sync":  # each shard's next version: shards count their own steps
+                pull = self.client.pull(next_version=True)
+            else:  # ssp waits on the clock; async sends it only so the server can record the gap
+                pull = self.client.pull(clock=self._step + 1)
+            staleness = [self.client.wait(h) for _, _, h in self._pushes]
+            result = self.client.wait(pull)
+        except (PeerTimeout, PSError) as err:
+            if not self.config.reconnect_s:
+                raise
+            self._pushes = []
+            self._reconnect(err)
+            self._step += 1
+            return {"comm_s": time.perf_counter() - start, "bytes_sent": 0, "bytes_recv": 0,
+                    "staleness": [], "reconnected": 1}
         if self.trace is not None:
             for name, sent_at, h in self._pushes:  # a reply's time is when the client read it
                 self.trace(f"push {name}", sent_at, h.done_at, thread="push")
@@ -107,6 +120,31 @@ class PSEngine:
         return {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
                 "wait_s": result.waited_s, "staleness": staleness}
 
+    def _reconnect(self, err: Exception) -> None:
+        """A shard went away: wait (at most ps.reconnect_s) for it to come back from its
+        checkpoint, join again, take its parameters, and count the updates it lost."""
+        log.warning("worker %d: %s; waiting up to %g s for the shards to come back",
+                    self.rank, err, self.config.reconnect_s)
+        before = dict(self.client.versions)
+        self.client.abandon()
+        deadline = time.monotonic() + self.config.reconnect_s
+        while True:
+            try:
+                _, _, values = self.client.join()
+                break
+            except (PeerTimeout, PSError) as again:
+                if time.monotonic() > deadline:
+                    raise PSError(f"worker {self.rank}: the shards did not come back within "
+                                  f"ps.reconnect_s={self.config.reconnect_s:g} s: {again}") from err
+                time.sleep(self.config.heartbeat_s)
+        self._load(values)
+        lost = max((before.get(s, 0) - v for s, v in self.client.versions.items()), default=0)
+        self.updates_lost += max(0, lost)
+        if self.mode != "sync":
+            self._step = max(self.client.clocks.values(), default=0) - 1  # step() adds one
+        log.warning("worker %d: rejoined at version %s; %d update(s) lost", self.rank,
+                    dict(self.client.versions), max(0, lost))
+
     def close(self) -> None:
         """Rank 0 waits for every other worker to leave, then reads the final parameters and
         the servers' counters; every worker then leaves, which lets the servers end."""
@@ -122,4 +160,7 @@ class PSEngine:
             self.client.close()
 
     def report(self) -> dict:
-        return {"server_stats": self._server_stats} if self._server_stats else {}
+        out = {"updates_lost": self.updates_lost}
+        if self._server_stats:
+            out["server_stats"] = self._server_stats
+        return out

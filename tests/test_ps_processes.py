@@ -95,7 +95,7 @@ def test_worker_whose_server_is_gone_names_it(tmp_path):
                                            ("ps-async", "drop"), ("ps-ssp", "drop")])
 def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
     extra = FAST_LIVENESS + ["--set", f"ps.on_worker_loss={policy}", "--set", "checkpoint.every=50"]
-    addresses, servers, workers = start_cluster(tmp_path, engine=engine, steps=1500, shards=1, extra=extra)
+    addresses, servers, workers = start_cluster(tmp_path, engine=engine, steps=500, shards=1, extra=extra)
     wait_for_steps(tmp_path / "run", 1, 20)
     workers[1].send_signal(signal.SIGKILL)
     code0, out0 = finish(workers[0], 90)
@@ -105,7 +105,7 @@ def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
     if policy == "drop":
         assert code0 == 0, out0
         summary = json.loads((tmp_path / "run/summary.json").read_text())
-        assert summary["steps"] == 1500
+        assert summary["steps"] == 500
         assert summary["server_stats"][0]["lost_workers"].keys() == {"1"}
     else:
         assert code0 != 0 and "worker 1" in out0, out0
