@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,17 @@ def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dic
         for (name, _, run_dir), summary in zip(batch, summaries):
             results[name] = (summary, torch.load(run_dir / "model.pt", weights_only=True))
     return results
+
+
+def wait_for_steps(run_dir: Path, rank: int, steps: int, timeout: float = 150.0) -> None:
+    """Until `rank` has logged `steps` steps: kill tests strike mid-run, not before."""
+    path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"rank {rank} did not reach step {steps} within {timeout} s")
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for_steps
 from experiments.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
@@ -30,16 +31,6 @@ def start_workers(tmp_path: Path, engine: str, world: int = 2) -> list[subproces
              "--steps", "100000", "--out", str(tmp_path / "run"), "--set", "timeout_s=20"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
-
-
-def wait_for_steps(run_dir: Path, rank: int, steps: int, timeout: float = 150.0) -> None:
-    path = run_dir / "metrics" / f"rank{rank}.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"rank {rank} did not reach step {steps} within {timeout} s")
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from experiments import checkpoint
+from conftest import wait_for_steps
 from experiments.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
@@ -36,17 +37,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
         out, _ = proc.communicate()
         pytest.fail(f"process did not end within {timeout} s:\n{out}")
     return proc.returncode, out
-
-
-def wait_for_steps(run_dir: Path, rank: int, steps: int, timeout: float = 150.0) -> None:
-    """Until worker `rank` has logged `steps` steps: kill tests strike mid-run, not before."""
-    path = run_dir / "metrics" / f"rank{rank}.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"worker {rank} did not reach step {steps} within {timeout} s")
 
 
 def start_cluster(tmp_path, engine="ps-sync", steps=20, shards=2, extra=(), env_rank=False):

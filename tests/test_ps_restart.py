@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from test_ps_processes import finish, psar, start_cluster, wait_for_steps
+from conftest import wait_for_steps
+from test_ps_processes import finish, psar, start_cluster
 
 pytestmark = [pytest.mark.multiprocess]
 
