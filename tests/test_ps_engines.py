@@ -59,7 +59,8 @@ def test_async_modes_converge(results, experiment, engine):
     res, root = results
     summary, _ = res[f"{experiment}-{engine}"]
     assert summary["final_loss"] < CONVERGENCE[experiment]
-    records = [json.loads(line) for line in (root / f"{experiment}-{engine}/metrics/rank0.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for rank in (0, 1)
+               for line in (root / f"{experiment}-{engine}/metrics/rank{rank}.jsonl").read_text().splitlines()]
     # Every push recorded its staleness, and some were stale: updates really were asynchronous.
     assert all(isinstance(r["staleness"], list) and r["staleness"] for r in records)
     assert max(s for r in records for s in r["staleness"]) >= 1
