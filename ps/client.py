@@ -97,6 +97,7 @@ class PSClient:
         self.bytes_sent = self.bytes_recv = 0
         self.heartbeat_error: str | None = None
         self.last_heard: dict[int, float] = {}  # shard -> when it last answered a heartbeat
+        self.forgotten: set[int] = set()  # shards that no longer know this worker (restarted)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -140,6 +141,7 @@ class PSClient:
                 values[k] = t
             self.versions[s] = msg.get("version")
             self.clocks[s] = body_of[s].get("clock", 0)
+        self.forgotten.clear()
         self._start_heartbeat()
         return layout, min(self.versions.values()), values
 
@@ -307,7 +309,13 @@ class PSClient:
             return
         silence_s = max(3 * self.heartbeat_s, 2.0)
         now = time.monotonic()
-        gone = [s for s in sorted(set(h.pending.values())) if now - self.last_heard.get(s, now) > silence_s]
+        pending = sorted(set(h.pending.values()))
+        restarted = [s for s in pending if s in self.forgotten and h.kind != "join"]
+        if restarted:
+            where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in restarted)
+            raise PSError(f"worker {self.worker}: {where} restarted and no longer knows this worker; "
+                          f"{h.kind} (req {sorted(h.pending)}) will not be answered")
+        gone = [s for s in pending if now - self.last_heard.get(s, now) > silence_s]
         if gone:
             where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in gone)
             raise PeerTimeout(f"worker {self.worker}: {where} stopped answering heartbeats "
@@ -374,6 +382,8 @@ class PSClient:
                             self.heartbeat_error = f"{t.address}: malformed heartbeat reply: {e}"
                         if msg is not None and msg.op == "error":
                             self.heartbeat_error = f"{t.address}: {msg.get('error')}"
+                            if "has not joined" in msg.get("error"):  # it restarted and forgot us
+                                self.forgotten.add(s)
                     try:
                         t.send(header)
                     except TransportError as e:

@@ -123,8 +123,7 @@ class PSEngine:
     def _reconnect(self, err: Exception) -> None:
         """A shard went away: wait (at most ps.reconnect_s) for it to come back from its
         checkpoint, join again, take its parameters, and count the updates it lost."""
-        log.warning("worker %d: %s; waiting up to %g s for the shards to come back",
-                    self.rank, err, self.config.reconnect_s)
+        log.warning("%s; waiting up to %g s for the shards to come back", err, self.config.reconnect_s)
         before = dict(self.client.versions)
         self.client.abandon()
         deadline = time.monotonic() + self.config.reconnect_s
