@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from .launcher import free_port, launch_batch, process_shape, run_ranks
-from .metrics import read_metrics
+from .metrics import read_metrics, throughput
 from .presets import build_config
 
 SKIP_STEPS = 3
@@ -19,11 +19,8 @@ SKIP_STEPS = 3
 
 
 def samples_per_sec(run_dir: Path, skip: int = SKIP_STEPS) -> float:
-    per_rank = read_metrics(run_dir)
-    rank0 = per_rank[0]
-    span = rank0[-1]["time"] - rank0[skip - 1]["time"]
-    samples = sum(r["samples"] for recs in per_rank.values() for r in recs[skip:])
-    return samples / span
+    """The summary's throughput definition, with a longer warm-up left out."""
+    return throughput(read_metrics(run_dir), warmup=skip)
 
 
 def engine_throughput(experiment: str, variants: dict[str, tuple[str, tuple[str, ...]]],

@@ -22,7 +22,7 @@ from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
 from .distenv import DistEnv
 from .engines import get_engine
-from .metrics import MetricsWriter, param_sha256, read_metrics, summarize, write_json
+from .metrics import MetricsWriter, param_sha256, summarize, write_json
 from .progress import Progress
 from .tasks import get_task
 from .trace import Tracer
@@ -131,5 +131,3 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:
     config_mod.save(cfg, run_dir / "config.json")
     return run_dir
 
-
-__all__ = ["train", "prepare_run_dir", "read_metrics"]
