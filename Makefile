@@ -8,7 +8,7 @@ STAMP := $(VENV)/.psar-installed
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench stress clean
 
 install: $(STAMP)
 
@@ -27,6 +27,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/psar bench
+
+# Timing bugs: the multi-process tests ROUNDS times (LOAD=1 keeps every core busy meanwhile).
+ROUNDS ?= 10
+LOAD ?=
+stress: $(STAMP)
+	$(PY) tests/stress.py --rounds $(ROUNDS) $(if $(LOAD),--load) $(STRESS_FILES)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from . import files
 from .launcher import free_port, launch_batch, process_shape, run_ranks
 from .metrics import read_metrics, throughput
 from .presets import build_config
@@ -118,5 +119,5 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
     report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med}
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    files.write_json(out / "bench.json", report)
     return report

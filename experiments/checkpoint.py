@@ -7,11 +7,12 @@ Parameter-server shards write their own (ps/server.py state), at the same step.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import files
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -28,11 +29,7 @@ class CheckpointConfig:
 
 def save_atomic(state: dict, path: Path) -> None:
     """torch.save to a temporary file beside `path`, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    files.save_torch(state, path)
 
 
 def load(path: Path) -> dict:

@@ -150,7 +150,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
     if cfg.engine in PS_MODES and not addresses:
         raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
     prepare_run_dir(cfg, out)
-    code = run_worker(out, env)
+    code = run_worker(out, env, cfg=cfg)
     if code:
         raise SystemExit(code)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 from allreduce.config import AllReduceConfig
 from ps.config import PSConfig
 
-from . import data, models
+from . import data, files, models
 from .checkpoint import CheckpointConfig
 from .faults import FaultConfig
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
@@ -123,14 +122,16 @@ def _section_types() -> dict[str, type]:
 
 
 def save(config: RunConfig, path: Path) -> None:
-    Path(path).write_text(dumps(config) + "\n")
+    """Write config.json atomically: every process of a run may write it, others read it."""
+    files.write_text(path, dumps(config) + "\n")
 
 
-def load(path: Path) -> RunConfig:
+def load(path: Path, timeout_s: float = 0.0) -> RunConfig:
+    """Read config.json; timeout_s: wait that long for it to appear (another process writes it)."""
     try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise OverrideError(f"cannot read config {path}: {err}") from None
+        raw = files.read_json(path, timeout_s, what="config")
+    except (OSError, ValueError) as err:
+        raise OverrideError(f"cannot read config: {err}") from None
     if not isinstance(raw, dict):
         raise OverrideError(f"config {path} is not a JSON object")
     try:

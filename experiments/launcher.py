@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import files
 from .config import RunConfig
 from .engines import get_engine
 from .trace import merge as merge_trace
@@ -63,7 +64,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     ports = [free_port() for _ in jobs]
     for run_dir in run_dirs if nservers else []:
         addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(nservers)]
-        (run_dir / SERVERS_FILE).write_text(json.dumps(addresses))
+        files.write_json(run_dir / SERVERS_FILE, addresses)
     dirs = [str(d) for d in run_dirs]
     base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]),

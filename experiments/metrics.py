@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from . import files
+
 WARMUP_STEPS = 1
 """Steps left out of throughput: the first step pays for allocation and connection set-up."""
 
@@ -21,13 +23,12 @@ class MetricsWriter:
         folder = Path(run_dir) / "metrics"
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank{rank}.jsonl"
-        kept = []
+        kept = ""
         if keep_before and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < keep_before]
-        self._file = open(self.path, "w", buffering=1)
-        for line in kept:
-            self._file.write(line + "\n")
+            kept = "".join(json.dumps(r) + "\n" for r in _records(self.path) if r["step"] < keep_before)
+        # The earlier records are put in place whole before any new one is appended.
+        files.write_text(self.path, kept)
+        self._file = open(self.path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -41,8 +42,20 @@ def read_metrics(run_dir: Path) -> dict[int, list[dict]]:
     out = {}
     for path in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
         rank = int(path.stem[4:])
-        out[rank] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out[rank] = _records(path)
     return out
+
+
+def _records(path: Path) -> list[dict]:
+    """A rank's records; a last line cut short (a process killed mid-write) is left out."""
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def param_sha256(model: torch.nn.Module) -> str:
@@ -108,7 +121,5 @@ def throughput(per_rank: dict[int, list[dict]], warmup: int = WARMUP_STEPS) -> f
 
 
 def write_json(path: Path, data: dict) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    files.write_json(path, data)
 

@@ -7,7 +7,6 @@ every worker has left. Its counters go to RUN_DIR/metrics/server<SHARD>.json.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import traceback
@@ -22,11 +21,13 @@ from ps.server import ShardServer
 from ps.transport import ServerTransport
 
 from . import config as config_mod
+from . import files
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save_atomic, server_path
 from .config import RunConfig
 from .metrics import write_json
 from .trace import Tracer
+from .worker import SERVERS_FILE
 
 
 def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
     for run_dir in map(Path, argv[1:]):
         try:
             cfg = config_mod.load(run_dir / "config.json")
-            addresses = json.loads((run_dir / "servers.json").read_text())
+            addresses = files.read_json(run_dir / SERVERS_FILE, what="server list")
             serve_shard(cfg, shard, len(addresses), addresses[shard], run_dir, resume)
         except Exception as err:
             traceback.print_exc()

@@ -8,11 +8,12 @@ their clocks being synchronised.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from . import files
 
 TRACE_DIR = "trace"
 
@@ -47,20 +48,17 @@ class Tracer:
     def save(self) -> None:
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._events))
-        tmp.replace(self.path)
+        files.write_json(self.path, self._events, indent=None)
 
 
 def merge(run_dir: Path) -> Path | None:
     """Merge every process's events into RUN_DIR/trace.json; None if nothing was traced."""
-    files = sorted((Path(run_dir) / TRACE_DIR).glob("*.json"))
-    if not files:
+    parts = sorted((Path(run_dir) / TRACE_DIR).glob("*.json"))
+    if not parts:
         return None
     events = []
-    for file in files:
-        events.extend(json.loads(file.read_text()))
+    for part in parts:
+        events.extend(json.loads(part.read_text()))
     names = sorted({e["pid"] for e in events}, key=lambda p: (not p.startswith("rank"), p))
     pids = {name: i for i, name in enumerate(names)}
     meta = [{"name": "process_name", "ph": "M", "pid": i, "args": {"name": name}}
@@ -68,5 +66,4 @@ def merge(run_dir: Path) -> Path | None:
     for e in events:
         e["pid"] = pids[e["pid"]]
     out = Path(run_dir) / "trace.json"
-    out.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
-    return out
+    return files.write_json(out, {"traceEvents": meta + events, "displayTimeUnit": "ms"}, indent=None)

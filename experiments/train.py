@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import config as config_mod
+from . import files
 from .config import RunConfig
 from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
@@ -109,7 +110,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     if env.rank != 0:
         return None
     model_cpu = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save(model_cpu, run_dir / "model.pt")
+    files.save_torch(model_cpu, run_dir / "model.pt")
     eval_metrics = task.evaluate(model, dataset, cfg.eval_batch_size, dtype, device)
     summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model),
                         first_step=first)

@@ -9,27 +9,35 @@ one line naming the rank and the error; the traceback goes to RUN_DIR/logs/rank<
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
 from . import config as config_mod
+from . import files
+from .config import RunConfig
 from .distenv import DistEnv
 from .train import train
 
 SERVERS_FILE = "servers.json"
 
 
-def run_worker(run_dir: Path, env: DistEnv | None = None, resume: bool = False) -> int:
+def run_worker(run_dir: Path, env: DistEnv | None = None, resume: bool = False,
+               cfg: RunConfig | None = None) -> int:
+    """Train one worker of the run in run_dir; return the exit code.
+
+    cfg: the resolved config (default: run_dir/config.json, which `psar run` wrote before
+    starting this process). `psar worker` passes its own: the shared config.json is for
+    the record and other readers, never read back by the process that wrote it.
+    """
     run_dir = Path(run_dir)
     env = env or DistEnv.from_environ()
-    addresses = run_dir / SERVERS_FILE
-    if not env.servers and addresses.exists():  # written by `psar run` for its own servers
-        env = dataclasses.replace(env, servers=tuple(json.loads(addresses.read_text())))
     try:
-        cfg = config_mod.load(run_dir / "config.json")
+        addresses = run_dir / SERVERS_FILE
+        if not env.servers and addresses.exists():  # written by `psar run` for its own servers
+            env = dataclasses.replace(env, servers=tuple(files.read_json(addresses, what="server list")))
+        cfg = cfg or config_mod.load(run_dir / "config.json")
         train(cfg, env, run_dir, resume)
         return 0
     except KeyboardInterrupt:

@@ -98,6 +98,8 @@ class PSClient:
         self.heartbeat_error: str | None = None
         self.last_heard: dict[int, float] = {}  # shard -> when it last answered a heartbeat
         self.forgotten: set[int] = set()  # shards that no longer know this worker (restarted)
+        self.joins = 0  # completed joins; heartbeats carry it, so answers from before a rejoin are told apart
+        self._joins_lock = threading.Lock()  # a join and the heartbeat thread's verdict on a reply
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -141,7 +143,9 @@ class PSClient:
                 values[k] = t
             self.versions[s] = msg.get("version")
             self.clocks[s] = body_of[s].get("clock", 0)
-        self.forgotten.clear()
+        with self._joins_lock:
+            self.joins += 1
+            self.forgotten.clear()
         self._start_heartbeat()
         return layout, min(self.versions.values()), values
 
@@ -297,7 +301,9 @@ class PSClient:
                     hint += f"; handshake with {self.addresses[s]} failed: {why}" if why else ""
                 raise PeerTimeout(f"worker {self.worker}: no reply from {where} within {timeout_s:g} s "
                                   f"to {h.kind} (req {sorted(h.pending)}){hint}")
-            self._progress(left)
+            # Wake at least every heartbeat interval: what the heartbeats learn (a shard gone
+            # silent, or restarted) must end this wait, not the timeout.
+            self._progress(min(left, self.heartbeat_s) if self._hb_thread is not None else left)
         h.keep.clear()
         if h.error is not None:
             raise h.error
@@ -310,11 +316,13 @@ class PSClient:
         silence_s = max(3 * self.heartbeat_s, 2.0)
         now = time.monotonic()
         pending = sorted(set(h.pending.values()))
-        restarted = [s for s in pending if s in self.forgotten and h.kind != "join"]
+        # Any shard, not only those this wait is for: a reply from another shard may be held
+        # back until the other workers take their next step, which needs that shard rejoined.
+        restarted = sorted(self.forgotten) if h.kind != "join" else []
         if restarted:
             where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in restarted)
             raise PSError(f"worker {self.worker}: {where} restarted and no longer knows this worker; "
-                          f"{h.kind} (req {sorted(h.pending)}) will not be answered")
+                          f"{h.kind} (req {sorted(h.pending)}) cannot go on until it joins again")
         gone = [s for s in pending if now - self.last_heard.get(s, now) > silence_s]
         if gone:
             where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in gone)
@@ -369,9 +377,10 @@ class PSClient:
 
     def _heartbeat_loop(self) -> None:
         transports = [self._transport(a, send_timeout_s=self.heartbeat_s) for a in self.addresses]
-        header = encode({"op": "heartbeat", "worker": self.worker, "req": 0})
         try:
             while not self._hb_stop.wait(self.heartbeat_s):
+                joins = self.joins
+                header = encode({"op": "heartbeat", "worker": self.worker, "req": joins})
                 for s, t in enumerate(transports):
                     while t.readable(0):  # replies: proof of life; errors are kept
                         self.last_heard[s] = time.monotonic()
@@ -382,8 +391,11 @@ class PSClient:
                             self.heartbeat_error = f"{t.address}: malformed heartbeat reply: {e}"
                         if msg is not None and msg.op == "error":
                             self.heartbeat_error = f"{t.address}: {msg.get('error')}"
-                            if "has not joined" in msg.get("error"):  # it restarted and forgot us
-                                self.forgotten.add(s)
+                            # It restarted and forgot us; an answer to a heartbeat sent
+                            # before our last join says nothing about that join.
+                            with self._joins_lock:
+                                if "has not joined" in msg.get("error") and msg.req >= self.joins:
+                                    self.forgotten.add(s)
                     try:
                         t.send(header)
                     except TransportError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-WORKER_LOSS_POLICIES = ("drop", "abort")
+WORKER_LOSS_POLICIES = ("mode", "drop", "abort")
 ASYNC_SCALES = ("mean", "sum")
 
 
@@ -28,8 +28,10 @@ class PSConfig:
     worker_timeout_s: float = 30.0
     """A worker not heard from for this long is lost."""
 
-    on_worker_loss: str = "abort"
-    """What a shard does when a worker is lost: "drop" it from the barrier, or "abort" the run."""
+    on_worker_loss: str = "mode"
+    """What a shard does when a worker is lost: "drop" it (the others go on), "abort" the run,
+    or "mode": drop under async and ssp, which have no barrier to hold, abort under sync,
+    whose steps would otherwise quietly average fewer workers."""
 
     async_scale: str = "mean"
     """Async/ssp pushes: "mean" scales each by 1/N (a round of N pushes moves as far as one
@@ -69,6 +71,12 @@ class PSConfig:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) must be smaller than worker_timeout_s "
                 f"({self.worker_timeout_s}), or live workers would be declared lost")
+
+    def loss_policy(self, mode: str) -> str:
+        """on_worker_loss as it applies to a shard in `mode` ("sync", "async" or "ssp")."""
+        if self.on_worker_loss != "mode":
+            return self.on_worker_loss
+        return "abort" if mode == "sync" else "drop"
 
     @property
     def max_message_bytes(self) -> int:

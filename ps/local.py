@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,7 +16,7 @@ from ps.config import PSConfig
 from ps.layout import Layout, split_values
 from ps.security import load_server_keys
 from ps.server import ShardServer
-from ps.transport import ServerTransport
+from ps.transport import ServerTransport, TransportError
 
 log = logging.getLogger("psar.ps.local")
 _names = itertools.count()
@@ -49,28 +50,55 @@ class LocalCluster:
         if len(addresses) != layout.num_shards:
             raise ValueError(f"{len(addresses)} addresses for {layout.num_shards} shards")
         self.config, self.context = config, context
-        self.servers = [ShardServer(s, layout, split_values(layout, params, s), make_optimizer, mode, num_workers,
-                                    config) for s in range(layout.num_shards)]
-        curve = load_server_keys(config.curve_dir) if config.curve_dir else None
+        self._new_server = lambda s: ShardServer(s, layout, split_values(layout, params, s), make_optimizer,
+                                                 mode, num_workers, config)
+        self.servers = [self._new_server(s) for s in range(layout.num_shards)]
+        self._curve = load_server_keys(config.curve_dir) if config.curve_dir else None
         self.transports: list[ServerTransport] = []
         try:
             for a in addresses:
-                self.transports.append(ServerTransport(a, config.max_message_bytes, config.timeout_s, context,
-                                                       curve=curve))
+                self.transports.append(self._bind(a))
         except Exception:
             self._close_transports()
             raise
         self.addresses = [t.address for t in self.transports]
         self.results: dict[int, str] = {}
-        self._stop = threading.Event()
-        self.threads = [threading.Thread(target=self._serve, args=(s,), name=f"ps-shard-{s}", daemon=True)
-                        for s in range(layout.num_shards)]
-        for t in self.threads:
-            t.start()
+        self._stops = [threading.Event() for _ in self.servers]
+        self.threads = [self._start(s) for s in range(layout.num_shards)]
+
+    def _bind(self, address: str) -> ServerTransport:
+        return ServerTransport(address, self.config.max_message_bytes, self.config.timeout_s, self.context,
+                               curve=self._curve)
+
+    def _start(self, s: int) -> threading.Thread:
+        thread = threading.Thread(target=self._serve, args=(s,), name=f"ps-shard-{s}", daemon=True)
+        thread.start()
+        return thread
+
+    def restart(self, s: int, timeout_s: float = 10.0) -> None:
+        """Stop shard s and start a new one on its address from its state, as `psar server
+        --resume` does from a checkpoint: same values and clocks, no workers joined."""
+        self._stops[s].set()
+        self.threads[s].join(timeout_s)
+        self.transports[s].close()
+        state = self.servers[s].state_dict()
+        self.servers[s] = self._new_server(s)
+        self.servers[s].load_state_dict(state)
+        deadline = time.monotonic() + timeout_s
+        while True:  # zmq lets go of the old socket's port in its own I/O thread, a moment later
+            try:
+                self.transports[s] = self._bind(self.addresses[s])
+                break
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._stops[s] = threading.Event()
+        self.threads[s] = self._start(s)
 
     def _serve(self, s: int) -> None:
         try:
-            self.results[s] = self.servers[s].serve(self.transports[s], self._stop)
+            self.results[s] = self.servers[s].serve(self.transports[s], self._stops[s])
         except BaseException as e:  # recorded so that a test sees it rather than a silent thread
             log.exception("shard %d: serve loop failed", s)
             self.results[s] = f"crashed: {type(e).__name__}: {e}"
@@ -91,7 +119,8 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """End the serve loops and close the sockets."""
-        self._stop.set()
+        for stop in self._stops:
+            stop.set()
         self.join(timeout_s)
         self._close_transports()
 

@@ -360,7 +360,7 @@ class ShardServer:
 
     def _lose(self, w: int, reason: str) -> None:
         self.lost[w] = reason
-        if self.config.on_worker_loss == "abort":
+        if self.config.loss_policy(self.mode) == "abort":
             self.aborted = f"shard {self.shard} aborted: {reason}"
             log.error("%s", self.aborted)
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -66,6 +67,29 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
             scale = a[k].double().abs().max().item() or 1.0
             worst = max(worst, (a[k].double() - b[k].double()).abs().max().item() / scale)
     return worst
+
+
+STARTED: list[subprocess.Popen] = []
+"""Processes a test started by hand (register them with `started`); killed when it ends."""
+
+
+def started(proc: subprocess.Popen) -> subprocess.Popen:
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A test that fails half-way must not leave its processes training into the next test."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.communicate(timeout=10)
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            pass
 
 
 @pytest.fixture(scope="session")

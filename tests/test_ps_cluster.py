@@ -260,3 +260,31 @@ def test_timeouts_and_error_replies_name_the_server():
                 c.wait(c.push(3, 0, grads))
             with pytest.raises(ValueError, match="key 99"):
                 c.push(0, 0, {99: torch.ones(1)})
+
+
+@pytest.mark.timeout(20)
+def test_restart_of_another_shard_is_noticed_while_waiting_on_one():
+    """A worker waiting on shard 0 alone (its pull held for the other worker's push) learns at
+    once that shard 1 restarted and forgot it: the other worker cannot step until it rejoins,
+    so the wait could only end in a timeout. After rejoining, answers to heartbeats sent
+    before the join do not count as a second restart."""
+    layout, init = setup()
+    shard0 = [k.id for k in layout.shard_keys(0)]
+    # tcp: a DEALER reconnects to a new socket bound on the same tcp address, not on inproc.
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=0.1), "sync", 2, PSConfig(**FAST),
+                      address="tcp") as cluster:
+        with cluster.client(0) as c0:
+            c0.join()
+            grads = split_values(layout, [torch.ones(s.shape, dtype=torch.float64) for s in SPECS])
+            c0.wait(c0.push(0, 0, grads))
+            pull = c0.pull(keys=shard0, min_version=1)  # held: worker 1 has not pushed
+            cluster.restart(1)
+            started = time.monotonic()
+            with pytest.raises(PSError, match=r"shard 1\) restarted and no longer knows this worker"):
+                c0.wait(pull)
+            assert time.monotonic() - started < 2.0, "noticed only when the pull timed out"
+            c0.abandon()
+            c0.join()
+            time.sleep(20 * FAST["heartbeat_s"])  # late answers to earlier heartbeats arrive
+            assert not c0.forgotten
+            c0.wait(c0.pull(keys=shard0))

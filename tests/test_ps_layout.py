@@ -124,7 +124,11 @@ def test_config_validation(field, value, message):
 
 def test_config_defaults():
     cfg = PSConfig()
-    assert (cfg.staleness, cfg.on_worker_loss, cfg.async_scale) == (2, "abort", "mean")
+    assert (cfg.staleness, cfg.on_worker_loss, cfg.async_scale) == (2, "mode", "mean")
     assert cfg.max_message_bytes == 1024 << 20
+    # No barrier to hold under async and ssp: a lost worker is dropped unless told otherwise.
+    assert [cfg.loss_policy(m) for m in ("sync", "async", "ssp")] == ["abort", "drop", "drop"]
+    assert PSConfig(on_worker_loss="drop").loss_policy("sync") == "drop"
+    assert PSConfig(on_worker_loss="abort").loss_policy("async") == "abort"
     with pytest.raises(AttributeError):
         cfg.staleness = 3  # frozen

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from experiments import checkpoint
-from conftest import wait_for_steps
+from ps.config import PSConfig
+from ps.engine import MODES
+from conftest import started, wait_for_steps
 from experiments.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
@@ -23,9 +25,9 @@ FAST_LIVENESS = ["--set", "ps.timeout_s=6", "--set", "ps.heartbeat_s=0.2", "--se
 
 
 def psar(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "experiments.cli", *map(str, args)], cwd=ROOT,
+    return started(subprocess.Popen([sys.executable, "-m", "experiments.cli", *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))))
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -80,10 +82,13 @@ def test_worker_whose_server_is_gone_names_it(tmp_path):
 
 
 @pytest.mark.timeout(300)
-# ps-ssp shares ps-async's path here (the lost worker leaves the live set the clock bound uses).
-@pytest.mark.parametrize("engine,policy", [("ps-sync", "drop"), ("ps-sync", "abort"), ("ps-async", "drop")])
+# None: the default, which drops a lost worker under ps-async and ps-ssp and aborts ps-sync.
+@pytest.mark.parametrize("engine,policy", [("ps-sync", "drop"), ("ps-sync", None), ("ps-async", None),
+                                           ("ps-ssp", None)])
 def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
-    extra = FAST_LIVENESS + ["--set", f"ps.on_worker_loss={policy}", "--set", "checkpoint.every=50"]
+    extra = FAST_LIVENESS + ["--set", "checkpoint.every=50"]
+    extra += ["--set", f"ps.on_worker_loss={policy}"] if policy else []
+    policy = policy or PSConfig().loss_policy(MODES[engine])
     addresses, servers, workers = start_cluster(tmp_path, engine=engine, steps=500, shards=1, extra=extra)
     wait_for_steps(tmp_path / "run", 1, 20)
     workers[1].send_signal(signal.SIGKILL)
