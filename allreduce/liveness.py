@@ -29,7 +29,8 @@ class Liveness:
         try:
             # A connection of our own: the process group's is busy with its own traffic.
             self._store = dist.distributed_c10d._get_default_store().clone()
-            self._store.set_timeout(timedelta(seconds=max(2.0, 4 * interval_s)))
+            self._store_timeout_s = max(2.0, 4 * interval_s)
+            self._store.set_timeout(timedelta(seconds=self._store_timeout_s))
         except Exception:  # no store to stamp (a launcher without one): plain errors then
             return
         self._stamp()
@@ -79,6 +80,12 @@ class Liveness:
             raise LostRank(self.explain(err)) from err
 
     def close(self) -> None:
+        """Stop stamping and let go of the store connection now, while the interpreter is
+        whole: a thread still inside a store call, or a store torn down, at interpreter exit
+        can abort the process ("terminate called without an active exception")."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2 * self.interval_s + 1)
+            # Long enough for a stamp blocked on a store that is gone to time out.
+            self._thread.join(timeout=self._store_timeout_s + self.interval_s + 1)
+            self._thread = None
+        self._store = None

@@ -19,6 +19,7 @@ COLUMNS = [
     ("mb_per_worker_step", "MB/worker/step"),
     ("staleness_median", "staleness p50"),
     ("staleness_p99", "staleness p99"),
+    ("note", "note"),
 ]
 
 
@@ -39,6 +40,22 @@ def _eval_text(summary: dict) -> str:
         if key in ev:
             return f"{key} {ev[key]:.4f}"
     return ""
+
+
+def _note(run: Run) -> str:
+    """Why a figure is missing, or rests on little."""
+    s = run.summary
+    if s.get("samples_per_sec") is None:
+        return ("no samples/s: the workers never trained at the same time past their first step"
+                if s["workers"] > 1 else "no samples/s: too few steps")
+    return ""
+
+
+def failed_rows(failures: list[dict]) -> list[dict]:
+    """Rows for grid cells whose run failed: the table shows them, with the error."""
+    return [{key: None for key, _ in COLUMNS} | {"engine": f["engine"], "workers": f["workers"],
+            "servers": f.get("servers", ""), "note": "failed: " + f["error"].splitlines()[0][:200]}
+            for f in failures]
 
 
 def rows(runs: list[Run]) -> list[dict]:
@@ -63,6 +80,7 @@ def rows(runs: list[Run]) -> list[dict]:
             "mb_per_worker_step": s["bytes_per_worker_per_step"] / 1e6,
             "staleness_median": median(staleness),
             "staleness_p99": quantile(staleness, 0.99),
+            "note": _note(run),
         })
     return out
 

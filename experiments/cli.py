@@ -34,14 +34,19 @@ def _friendly(fn):
     return wrapper
 
 
-def run_options(fn):
-    """Options shared by every command that resolves a run's config."""
-    options = [
-        click.option("--engine", type=click.Choice(list(ENGINES)), default=None,
-                     help="Gradient synchronisation engine."),
-        click.option("--steps", type=int, default=None, help="Optimizer steps (default: the experiment's)."),
-        click.option("--seed", type=int, default=None, help="Seed of model, data and shards."),
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None),
+def run_options_for(engines=tuple(ENGINES), default_engine=None):
+    """Options shared by every command that resolves a run's config; --engine offers
+    `engines` (none: the command has no --engine)."""
+    engine = [click.option("--engine", type=click.Choice(list(engines)), default=default_engine,
+                           help="Gradient synchronisation engine "
+                           f"[default: {default_engine or RunConfig.engine}].")] if engines else []
+    return functools.partial(_run_options, engine + [
+        click.option("--steps", type=int, default=None,
+                     help="Optimizer steps [default: the experiment's, see `psar list`]."),
+        click.option("--seed", type=int, default=None,
+                     help=f"Seed of model, data and shards [default: {RunConfig.seed}]."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+                     help="Where the workers compute: cpu (Gloo) or cuda (NCCL) [default: cpu]."),
         click.option("--curve", type=click.Path(file_okay=False), default=None,
                      help="Key directory from `psar keys`: CurveZMQ authentication and "
                      "encryption between parameter-server shards and workers."),
@@ -49,15 +54,35 @@ def run_options(fn):
                      help="Write a Chrome trace (trace.json): forward, backward, every message."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override any config key, e.g. --set allreduce.algorithm=ring."),
-    ]
+    ])
+
+
+def _run_options(options, fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
+run_options = run_options_for()
+
+
 def _with_curve(overrides, curve) -> tuple[str, ...]:
     """--curve DIR is ps.curve_dir, made absolute so every process finds it."""
     return tuple(overrides) + ((f"ps.curve_dir={Path(curve).resolve()}",) if curve else ())
+
+
+def describe_summary(summary: dict) -> str:
+    """One line on a finished run; a figure the run could not measure reads "-" with why."""
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    ev = ", ".join(f"{k} {num(v, '.4f')}" for k, v in (summary.get("eval") or {}).items())
+    rate = summary.get("samples_per_sec")
+    rate_text = (f"{rate:.0f} samples/s" if rate is not None else
+                 "samples/s not measured (no stretch of time in which every worker trained past "
+                 "its first step)")
+    return (f"{summary['experiment']}/{summary['engine']} x{summary['workers']}: final loss "
+            f"{num(summary.get('final_loss'), '.4f')}, eval {ev or '-'}, {rate_text}")
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -85,30 +110,49 @@ def list_cmd() -> None:
 
 
 @main.command()
-@click.argument("experiment", type=click.Choice(list(presets.PRESETS)), required=False)
-@click.option("--workers", type=int, default=None, help="Number of workers (data shards).")
-@click.option("--servers", type=int, default=None, help="Parameter-server shards (ps-* engines).")
+@click.argument("experiment", type=click.Choice(list(presets.PRESETS)), required=False, metavar="EXPERIMENT")
+@click.option("--workers", type=int, default=None,
+              help=f"Number of workers (data shards) [default: {RunConfig.workers}].")
+@click.option("--servers", type=int, default=None,
+              help=f"Parameter-server shards (ps-* engines) [default: {RunConfig.servers}].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="Continue the run in this directory from its last checkpoint "
-              "(its config; --steps and --set may change it).")
+              "(its config; --steps and --set may change it). A finished run is continued "
+              "only as a copy in --out.")
 @run_options
 @_friendly
 def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, device, curve, trace,
         overrides) -> None:
-    """Train EXPERIMENT with one engine on this machine and write a run directory."""
+    """Train EXPERIMENT with one engine on this machine and write a run directory.
+
+    EXPERIMENT is one of `psar list`'s. Example:
+
+    \b
+        psar run cnn --engine ps-sync --workers 2 --servers 2 --steps 50 --out runs/cnn-ps
+        psar run --resume runs/cnn-ps --steps 100 --out runs/cnn-ps-100
+    """
     overrides = _with_curve(overrides, curve)
     from . import config as config_mod
     from .config import resolve
     from .launcher import launch
 
     if resume_dir is not None:
-        if experiment or workers or servers or out or engine or seed is not None:
+        from .launcher import resumable_copy
+
+        if experiment or workers or servers or engine or seed is not None:
             raise click.UsageError("--resume continues a run as it was configured: give only "
-                                   "--steps, --trace or --set with it")
+                                   "--steps, --trace, --set or --out with it")
         cfg = resolve(config_mod.load(resume_dir / "config.json"), overrides, steps=steps, trace=trace)
-        run_dir = resume_dir
+        if out is not None:  # results already there stay as they are; a copy goes on
+            run_dir = resumable_copy(cfg, resume_dir, out)
+        elif (resume_dir / "summary.json").exists():
+            raise click.ClickException(
+                f"{resume_dir} has finished (it has a summary.json), and resuming it in place would "
+                f"overwrite its results: add --out NEW_DIR to go on from its last checkpoint there")
+        else:
+            run_dir = resume_dir
     else:
         if experiment is None:
             raise click.UsageError("missing EXPERIMENT (or --resume RUN_DIR)")
@@ -116,14 +160,12 @@ def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, devi
                            steps=steps, seed=seed, device=device, trace=trace)
         run_dir = out or default_run_dir(cfg)
     summary = launch(cfg, run_dir, resume=resume_dir is not None)
-    ev = ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items())
-    click.echo(f"{cfg.experiment}/{cfg.engine} x{cfg.workers}: final loss {summary['final_loss']:.4f}, "
-               f"eval {ev}, {summary['samples_per_sec']:.0f} samples/s")
+    click.echo(describe_summary(summary))
     click.echo(f"run directory: {run_dir}")
 
 
 @main.command()
-@click.argument("experiment", type=click.Choice(list(presets.PRESETS)))
+@click.argument("experiment", type=click.Choice(list(presets.PRESETS)), metavar="EXPERIMENT")
 @click.option("--rank", type=int, default=None, help="This worker's rank (default: $RANK).")
 @click.option("--world", type=int, default=None, help="Number of workers (default: $WORLD_SIZE).")
 @click.option("--servers", "addresses", default="", callback=lambda c, p, v: _addresses(v),
@@ -136,8 +178,14 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
     """Run one worker of a multi-node job (torchrun, Slurm or by hand).
 
     All-reduce and ddp meet through torch.distributed's env:// rendezvous (MASTER_ADDR,
-    MASTER_PORT), e.g. `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:PORT
-    $(which psar) worker quickstart --engine allreduce --out runs/x`.
+    MASTER_PORT); the parameter-server engines need --servers. Examples:
+
+    \b
+        torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:29500 \\
+            $(which psar) worker quickstart --engine allreduce --out runs/x
+        MASTER_ADDR=HOST MASTER_PORT=29500 psar worker quickstart --engine allreduce \\
+            --rank 0 --world 2 --out runs/x
+        psar worker cnn --engine ps-sync --servers tcp://srv0:5555 --rank 0 --world 2 --out runs/y
     """
     overrides = _with_curve(overrides, curve)
     from .distenv import DistEnv
@@ -149,10 +197,22 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
                        servers=len(addresses) or None, steps=steps, seed=seed, device=device, trace=trace)
     if cfg.engine in PS_MODES and not addresses:
         raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
+    if ENGINES[cfg.engine].rendezvous and not env.master:
+        raise click.UsageError(
+            f"--engine {cfg.engine} meets its peers through torch.distributed's rendezvous: set "
+            "MASTER_ADDR and MASTER_PORT (rank 0's host and a free port there) for every worker, "
+            "or start the workers with torchrun, which sets them")
     prepare_run_dir(cfg, out)
     code = run_worker(out, env, cfg=cfg)
     if code:
         raise SystemExit(code)
+    if env.rank == 0:  # rank 0 wrote the summary
+        from . import files
+
+        click.echo(describe_summary(files.read_json(out / "summary.json", timeout_s=0)))
+    else:
+        click.echo(f"rank {env.rank}: {cfg.steps} steps done; its records: {out / 'metrics'}/rank{env.rank}.jsonl")
+    click.echo(f"run directory: {out}")
 
 
 @main.command()
@@ -170,11 +230,23 @@ def bench(steps, rounds, workers, out) -> None:
     bench_mod.run(click.echo, steps=steps, rounds=rounds, workers=workers, out=out)
 
 
-def _addresses(value: str) -> tuple[str, ...]:
+def _addresses(value: str, bind: bool = False) -> tuple[str, ...]:
+    """tcp://HOST:PORT addresses, checked now rather than found wrong after a timeout."""
+    import socket
+
     addresses = tuple(a.strip() for a in value.split(",") if a.strip())
     for a in addresses:
-        if not a.startswith("tcp://") or ":" not in a[6:]:
+        host, _, port = a[6:].rpartition(":") if a.startswith("tcp://") else ("", "", "")
+        if not host or not port:
             raise click.BadParameter(f"{a!r} is not an address of the form tcp://HOST:PORT")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise click.BadParameter(f"{a!r}: port {port!r} is not a number from 1 to 65535")
+        if bind and host in ("*", "0.0.0.0"):
+            continue
+        try:
+            socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except OSError as err:
+            raise click.BadParameter(f"{a!r}: host {host!r} does not resolve ({err})") from None
     return addresses
 
 
@@ -182,19 +254,29 @@ def _addresses(value: str) -> tuple[str, ...]:
 @click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True,
               help="Address to serve at, tcp://HOST:PORT (127.0.0.1 keeps it on this host; "
               "tcp://0.0.0.0:PORT accepts other hosts).")
-@click.option("--experiment", type=click.Choice(list(presets.PRESETS)), required=True)
-@click.option("--workers", type=int, required=True, help="Number of workers that will join.")
+@click.option("--experiment", type=click.Choice(list(presets.PRESETS)), required=True,
+              help="The experiment the workers run (the shard builds the same initial model).")
+@click.option("--workers", type=int, required=True,
+              help="Number of workers that will join, each within ps.timeout_s (60 s unless "
+              "--set) of the shard's start, or it counts as lost.")
 @click.option("--shard", default="0/1", show_default=True, metavar="i/S",
               help="This server's shard i of S shards.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory: this shard's counters (metrics/server<i>.json), trace and "
               "checkpoints (checkpoint/server<i>.pt).")
 @click.option("--resume", is_flag=True, help="Start from this shard's checkpoint in --out.")
-@run_options
+@run_options_for(PS_MODES, "ps-sync")
 @_friendly
 def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, device, curve, trace,
            overrides) -> None:
-    """Serve one parameter-server shard of a multi-node run until every worker has left."""
+    """Serve one parameter-server shard of a multi-node run until every worker has left.
+
+    Example, shard 0 of 2 for two workers on other hosts:
+
+    \b
+        psar server --bind tcp://0.0.0.0:5555 --experiment cnn --workers 2 --shard 0/2 \\
+            --engine ps-sync --out runs/cnn-ps
+    """
     overrides = _with_curve(overrides, curve)
     from .ps_server import serve_shard
 
@@ -202,9 +284,7 @@ def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, d
         index, count = (int(x) for x in shard.split("/"))
     except ValueError:
         raise click.BadParameter(f"{shard!r} is not of the form i/S", param_hint="--shard") from None
-    _addresses(bind)
-    if engine not in PS_MODES:
-        raise click.UsageError(f"--engine must be one of {', '.join(PS_MODES)}")
+    _addresses(bind, bind=True)
     cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
                        steps=steps, seed=seed, device=device, trace=trace)
     result = serve_shard(cfg, index, count, bind, out, resume)
@@ -223,7 +303,7 @@ def _csv(kind):
 
 
 @main.command()
-@click.argument("name", type=click.Choice(list(presets.PRESETS) + list(COMPARISONS)))
+@click.argument("name", type=click.Choice(list(presets.PRESETS) + list(COMPARISONS)), metavar="NAME")
 @click.option("--engines", default=None, callback=_csv(str),
               help="Comma-separated engines to compare [default: the comparison's, or "
               "local,ddp,allreduce,ps-sync,ps-async,ps-ssp].")
@@ -234,20 +314,26 @@ def _csv(kind):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory (default: runs/compare-NAME-TIME).")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Draw the figures too.")
-@run_options
+@run_options_for(engines=())
 @_friendly
-def compare(name, engines, worker_counts, server_counts, out, plots, engine, steps, seed, device, curve,
+def compare(name, engines, worker_counts, server_counts, out, plots, steps, seed, device, curve,
             trace, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
-    engine changing; write summary.csv, summary.md and the figures."""
+    engine changing; write summary.csv, summary.md and the figures.
+
+    NAME is an experiment or a named comparison of `psar list`; the options given here win
+    over the comparison's own settings. Example:
+
+    \b
+        psar compare quickstart --engines allreduce,ps-sync --workers 1,2 --out runs/cmp
+        psar compare straggler --steps 30
+    """
     overrides = _with_curve(overrides, curve)
     from analysis.results import load_runs
-    from analysis.table import markdown, rows, write
+    from analysis.table import failed_rows, markdown, rows, write
 
     from .compare import run_grid
 
-    if engine:
-        raise click.UsageError("compare takes --engines (a list), not --engine")
     grid = COMPARISONS.get(name)
     experiment = grid.experiment if grid else name
     engines = engines or list(grid.engines if grid else DEFAULT_ENGINES)
@@ -258,23 +344,28 @@ def compare(name, engines, worker_counts, server_counts, out, plots, engine, ste
     worker_counts = worker_counts or list(grid.workers if grid else (1, 2))
     server_counts = server_counts or list(grid.servers if grid else (1,))
     overrides = (grid.overrides if grid else ()) + tuple(overrides)
+    steps = steps if steps is not None else (grid.steps if grid else None)
     if grid:
         click.echo(f"{grid.name}: {grid.claim}")
     out = out or Path("runs") / f"compare-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dirs = run_grid(experiment, engines, worker_counts, server_counts, out, overrides, steps,
-                        seed, device, trace, echo=click.echo)
+    run_dirs, failures = run_grid(experiment, engines, worker_counts, server_counts, out, overrides,
+                                  steps, seed, device, trace, echo=click.echo)
     runs = load_runs(run_dirs)
-    table = rows(runs)
+    table = rows(runs) + failed_rows(failures)
     csv_path, md_path = write(table, out)
     click.echo("")
     click.echo(markdown(table))
     click.echo(f"table: {md_path} and {csv_path}")
-    if plots:
+    if plots and runs:
         from analysis.plots import plot_all
 
         for path in plot_all(runs, out):
             click.echo(f"figure: {path}")
     click.echo(f"runs: {out / 'runs'}")
+    if failures:
+        cells = ", ".join(f"{f['engine']} x{f['workers']}" for f in failures)
+        raise click.ClickException(f"{len(failures)} of {len(failures) + len(runs)} runs failed "
+                                   f"({cells}); the table shows why")
 
 
 @main.command()

@@ -7,15 +7,19 @@ from typing import Callable
 
 from .presets import build_config
 from .engines import get_engine
-from .launcher import launch
+from .launcher import LaunchError, launch
 
 
 def run_grid(experiment: str, engines: list[str], workers: list[int], servers: list[int],
              out: Path, overrides=(), steps: int | None = None, seed: int | None = None,
              device: str | None = None, trace: bool | None = None,
-             echo: Callable[[str], None] = print) -> list[Path]:
-    """Launch every (engine, workers[, servers]) run into out/runs/ and return the run dirs."""
-    run_dirs = []
+             echo: Callable[[str], None] = print) -> tuple[list[Path], list[dict]]:
+    """Launch every (engine, workers[, servers]) run into out/runs/.
+
+    Returns the directories of the runs that finished, and one dict per run that failed
+    (engine, workers, servers, error): a failed cell is reported, the grid goes on.
+    """
+    run_dirs, failures = [], []
     for engine_name in engines:
         for n in workers:
             for s in servers if get_engine(engine_name).uses_servers else [1]:
@@ -25,6 +29,12 @@ def run_grid(experiment: str, engines: list[str], workers: list[int], servers: l
                 run_dir = Path(out) / "runs" / f"{engine_name}-w{n}{tag}"
                 shards = f", {s} server shard(s)" if tag else ""
                 echo(f"running {experiment} with {engine_name} on {n} worker(s){shards} -> {run_dir}")
-                launch(cfg, run_dir)
+                try:
+                    launch(cfg, run_dir)
+                except LaunchError as err:
+                    echo(f"  failed: {err}")
+                    failures.append({"engine": engine_name, "workers": n,
+                                     "servers": s if tag else "", "error": str(err)})
+                    continue
                 run_dirs.append(run_dir)
-    return run_dirs
+    return run_dirs, failures

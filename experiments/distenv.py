@@ -18,6 +18,8 @@ class DistEnv:
     """Workers on this host (shares the CPU cores)."""
     servers: tuple[str, ...] = ()
     """Parameter-server shard addresses, shard order (ps-* engines)."""
+    master: str = ""
+    """MASTER_ADDR:MASTER_PORT of torch.distributed's env:// rendezvous; "" when either is unset."""
 
     @classmethod
     def from_environ(cls, rank: int | None = None, world: int | None = None,
@@ -30,7 +32,8 @@ class DistEnv:
         local_world = _int(env, "LOCAL_WORLD_SIZE", world)
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world} workers")
-        return cls(rank, world, local_rank, local_world, tuple(servers))
+        addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+        return cls(rank, world, local_rank, local_world, tuple(servers), f"{addr}:{port}" if addr and port else "")
 
 
 def _int(env, name: str, default: int) -> int:

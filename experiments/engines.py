@@ -48,6 +48,11 @@ class EngineSpec:
     build: Callable[[RunConfig, DistEnv, torch.device, Trace | None], Engine]
     """Makes the engine; given a tracer's record function when the run is traced."""
 
+    @property
+    def rendezvous(self) -> bool:
+        """Its workers meet through torch.distributed's env:// rendezvous (MASTER_ADDR/PORT)."""
+        return self.processes_per_worker and not self.uses_servers
+
 
 def _local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from .local_engine import LocalEngine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 from . import files
+from .checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from .config import RunConfig
 from .engines import get_engine
 from .trace import merge as merge_trace
@@ -60,6 +62,8 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     if len(shapes) != 1:
         raise ValueError(f"jobs of one batch need the same processes, got {sorted(shapes)}")
     nprocs, nservers = shapes.pop()
+    for cfg, run_dir in jobs if resume else []:  # before anything in the run directory changes
+        require_checkpoints(cfg, run_dir)
     run_dirs = [prepare_run_dir(cfg, run_dir) for cfg, run_dir in jobs]
     ports = [free_port() for _ in jobs]
     for run_dir in run_dirs if nservers else []:
@@ -74,11 +78,36 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
              for s in range(nservers)]
     procs += [(f"rank {r}", [sys.executable, "-m", "experiments.worker", *again, *dirs],
                dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nprocs)]
-    run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet)
+    run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume)
     for (cfg, _), run_dir in zip(jobs, run_dirs):
         if cfg.trace:
             merge_trace(run_dir)  # now with the servers' events too
     return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
+
+
+def require_checkpoints(cfg: RunConfig, run_dir: Path) -> None:
+    """Raise FileNotFoundError naming the checkpoints a resume of cfg in run_dir lacks."""
+    nprocs, nservers = process_shape(cfg)
+    needed = [worker_path(run_dir, r) for r in range(nprocs)]
+    needed += [server_path(run_dir, s) for s in range(nservers)]
+    missing = [str(p) for p in needed if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"cannot resume {run_dir}: no checkpoint {', '.join(missing)} (was it "
+                                "run with --set checkpoint.every=K, and did it reach step K?)")
+
+
+def resumable_copy(cfg: RunConfig, run_dir: Path, out: Path) -> Path:
+    """Copy what a resume of run_dir needs (config, checkpoints, metrics) to the new run
+    directory `out`, leaving run_dir untouched; return out."""
+    run_dir, out = Path(run_dir), Path(out)
+    require_checkpoints(cfg, run_dir)
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists: name a new directory for the resumed copy")
+    out.mkdir(parents=True)
+    shutil.copy2(run_dir / "config.json", out / "config.json")
+    for folder in (CHECKPOINT_DIR, "metrics"):
+        shutil.copytree(run_dir / folder, out / folder, ignore=shutil.ignore_patterns("server*.json"))
+    return out
 
 
 def process_shape(cfg: RunConfig) -> tuple[int, int]:
@@ -98,11 +127,13 @@ def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | N
 
 
 def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: Path,
-                  deadline_s: float | None = None, show_progress: bool = False) -> None:
+                  deadline_s: float | None = None, show_progress: bool = False,
+                  append: bool = False) -> None:
     """Start (name, argv, env) processes and wait until all exit 0.
 
     Each one's output goes to log_dir/<name>.log (rank 0's stderr stays on the terminal when
-    it is one, for the progress bar). A failing process fails the job, naming it.
+    it is one, for the progress bar); append: after what is there (a resumed run's logs keep
+    the first part's). A failing process fails the job, naming it.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +142,7 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
     try:
         for name, argv, env in procs:
             log_path = log_dir / f"{name.replace(' ', '')}.log"
-            with open(log_path, "w") as log:
+            with open(log_path, "a" if append else "w") as log:
                 proc = subprocess.Popen(argv, env=env, stdout=log,
                                         stderr=None if (name == "rank 0" and tty) else log)
             started.append((name, proc, log_path))

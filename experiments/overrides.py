@@ -49,7 +49,11 @@ def _set(obj: Any, path: list[str], raw: str, full_key: str) -> Any:
     try:
         return dataclasses.replace(obj, **{name: coerce(raw, hint)})
     except (TypeError, ValueError) as err:
-        raise OverrideError(f"{full_key}={raw!r}: {err}") from None
+        # A validator's message often starts by naming the setting again: say it once.
+        text = str(err)
+        for echo in (f"{name}={raw!r}: ", f"{name}={raw}: "):
+            text = text.removeprefix(echo)
+        raise OverrideError(f"--set {full_key}={raw}: {text}") from None
 
 
 def coerce(raw: str, hint: Any) -> Any:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from experiments.cli import main
+from experiments.cli import describe_summary, main
 from experiments.launcher import free_port
 from experiments.presets import PRESETS, build_config
 
@@ -123,3 +123,64 @@ def test_curve_keys_and_an_encrypted_run(tmp_path):
     saved = json.loads((tmp_path / "run/config.json").read_text())
     assert saved["ps"]["curve_dir"] == str((tmp_path / "keys").resolve())
     _check_run_dir(tmp_path / "run", "quickstart", "ps-sync", 2, 5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_compare_reports_a_failed_cell_and_goes_on(tmp_path):
+    # ddp refuses an injected message delay (its messages are inside torch); local runs.
+    result = invoke("compare", "quickstart", "--engines", "ddp,local", "--workers", 2, "--steps", 3,
+                    "--set", "fault.delay_ms=1", "--no-plots", "--out", tmp_path / "cmp")
+    assert result.exit_code == 1, result.output
+    assert "1 of 2 runs failed (ddp x2)" in result.output
+    table = (tmp_path / "cmp/summary.md").read_text()
+    ddp, = [line for line in table.splitlines() if line.startswith("| ddp ")]
+    assert "failed: rank" in ddp and "fault.delay_ms cannot be applied to ddp" in ddp
+    local, = [line for line in table.splitlines() if line.startswith("| local ")]
+    assert "failed" not in local
+    assert (tmp_path / "cmp/runs/local-w2/summary.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_worker_by_hand_checks_its_rendezvous_and_addresses_up_front(tmp_path):
+    env = {"MASTER_ADDR": "", "MASTER_PORT": ""}
+    result = invoke("worker", "quickstart", "--engine", "allreduce", "--rank", 0, "--world", 1,
+                    "--out", tmp_path / "w", env=env)
+    assert result.exit_code == 2 and "set MASTER_ADDR and MASTER_PORT" in result.output
+    for address, message in [("tcp://127.0.0.1:99999", "port '99999' is not a number from 1 to 65535"),
+                             ("tcp://no-such-host.invalid:5555", "does not resolve")]:
+        result = invoke("worker", "quickstart", "--engine", "ps-sync", "--servers", address,
+                        "--rank", 0, "--world", 1, "--out", tmp_path / "w")
+        assert result.exit_code == 2 and message in result.output, result.output
+    text = "".join(invoke("server", "--help").output.split())  # however click wraps it
+    assert "--engine[ps-sync|ps-async|ps-ssp]Gradientsynchronisationengine[default:ps-sync]" in text
+    assert "withinps.timeout_s" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_resume_never_damages_results_already_there(tmp_path):
+    done, bare = tmp_path / "done", tmp_path / "bare"
+    for run_dir, sets in ((done, ["--set", "checkpoint.every=2"]), (bare, [])):
+        result = invoke("run", "quickstart", "--engine", "local", "--workers", 1, "--steps", 4,
+                        "--out", run_dir, *sets)
+        assert result.exit_code == 0, result.output
+    before = {p: p.read_bytes() for d in (done, bare) for p in d.rglob("*") if p.is_file()}
+    result = invoke("run", "--resume", done)
+    assert result.exit_code == 1 and "add --out NEW_DIR" in result.output
+    result = invoke("run", "--resume", bare, "--steps", 6, "--out", tmp_path / "nowhere")
+    assert result.exit_code == 1 and "no checkpoint" in result.output and "checkpoint.every" in result.output
+    assert not (tmp_path / "nowhere").exists()
+    assert {p: p.read_bytes() for d in (done, bare) for p in d.rglob("*") if p.is_file()} == before
+    result = invoke("run", "--resume", done, "--steps", 6, "--out", tmp_path / "more")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "more/summary.json").read_text())["steps"] == 6
+    assert {p: p.read_bytes() for d in (done, bare) for p in d.rglob("*") if p.is_file()} == before
+
+
+def test_run_line_says_why_a_figure_is_missing():
+    summary = {"experiment": "logreg-sparse", "engine": "ps-async", "workers": 2, "final_loss": 0.69,
+               "eval": {"accuracy": 0.5}, "samples_per_sec": None}
+    line = describe_summary(summary)
+    assert line.startswith("logreg-sparse/ps-async x2: final loss 0.6900, eval accuracy 0.5000")
+    assert "samples/s not measured" in line

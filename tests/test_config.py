@@ -28,7 +28,7 @@ def test_override_nested_keys_and_types():
     ("optim.lr=fast", "expected a number"),
     ("allreduce.algorithm=tree", "expected one of library, ring"),
     ("allreduce.compression=int8", "expected one of none, fp16, bf16"),
-    ("dtype=float16", "dtype='float16'"),
+    ("dtype=float16", "--set dtype=float16: expected one of float32, float64$"),
     ("allreduce=ring", "is a section"),
     ("steps", "not of the form key=value"),
     ("workers=0", "workers=0"),

@@ -10,7 +10,7 @@ import torch
 
 from conftest import max_param_diff, run_jobs
 from experiments import checkpoint
-from experiments.launcher import launch_batch, process_shape
+from experiments.launcher import launch, launch_batch, process_shape
 from experiments.presets import build_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -66,3 +66,14 @@ def test_checkpoints_are_written_atomically(resumed):
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint.every"):
         checkpoint.load(tmp_path / "nothing.pt")
+
+
+def test_resume_without_checkpoints_changes_nothing(tmp_path):
+    cfg = build_config("quickstart", engine="ps-sync", steps=4)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "config.json").write_text("the first run's config")
+    (tmp_path / "logs/rank0.log").write_text("the first run's log")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint .*rank0.pt, .*rank1.pt, .*server0.pt"):
+        launch(cfg, tmp_path, resume=True)
+    assert (tmp_path / "config.json").read_text() == "the first run's config"
+    assert (tmp_path / "logs/rank0.log").read_text() == "the first run's log"
