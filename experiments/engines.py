@@ -79,8 +79,11 @@ def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None
 def _ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from ps.engine import MODES, PSEngine
 
+    from .agreement import settings
+
     # fault.delay_ms is applied by the servers, which hold every reply back.
-    return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps, trace)
+    return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps, trace,
+                    settings=settings(cfg))
 
 
 ENGINES: dict[str, EngineSpec] = {

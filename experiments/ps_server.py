@@ -20,6 +20,7 @@ from ps.security import load_server_keys
 from ps.server import ShardServer
 from ps.transport import ServerTransport
 
+from . import agreement
 from . import config as config_mod
 from . import files
 from .checkpoint import load as load_checkpoint
@@ -55,7 +56,8 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
                          cfg.ps, trace=tracer.record if tracer.enabled else None,
                          reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
                          checkpoint_every=cfg.checkpoint.every if path else 0,
-                         save=lambda state: save_atomic(state, path))
+                         save=lambda state: save_atomic(state, path),
+                         settings=agreement.settings(cfg, for_server=True))
     if resume:
         if path is None:
             raise ValueError("--resume needs the run directory (--out) that holds the checkpoint")

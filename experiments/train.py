@@ -19,6 +19,7 @@ import torch
 from . import config as config_mod
 from . import files
 from .config import RunConfig
+from .agreement import check_rendezvous_peers
 from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
 from .distenv import DistEnv
@@ -66,6 +67,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
 
     tracer = Tracer(run_dir, f"rank {env.rank}", cfg.trace)
     engine = get_engine(cfg.engine).build(cfg, env, device, tracer.record if cfg.trace else None)
+    check_rendezvous_peers(cfg, env.rank)  # the parameter-server shards check at join instead
     module = engine.attach(model, checkpoints.optimizer_factory(cfg.optim.build))
     feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, device)
                for shard in engine.shards]

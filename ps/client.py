@@ -98,6 +98,7 @@ class PSClient:
         self.heartbeat_error: str | None = None
         self.last_heard: dict[int, float] = {}  # shard -> when it last answered a heartbeat
         self.forgotten: set[int] = set()  # shards that no longer know this worker (restarted)
+        self.settings: dict[str, Any] | None = None  # sent with every join
         self.joins = 0  # completed joins; heartbeats carry it, so answers from before a rejoin are told apart
         self._joins_lock = threading.Lock()  # a join and the heartbeat thread's verdict on a reply
         self._hb_stop = threading.Event()
@@ -109,10 +110,15 @@ class PSClient:
 
     # -- ps-lite calls -------------------------------------------------------------------------
 
-    def join(self) -> tuple[Layout, int, dict[int, torch.Tensor]]:
+    def join(self, settings: dict[str, Any] | None = None) -> tuple[Layout, int, dict[int, torch.Tensor]]:
         """Register with every shard: (layout, smallest version, {key id: initial values}).
-        Blocks (at most timeout_s); starts the heartbeat thread."""
-        h = self._start("join", {s: ({"op": "join"}, None) for s in range(len(self.addresses))})
+        settings: this worker's {name: scalar} run settings, which the shards compare with
+        theirs (a mismatch is a PSError naming each). Blocks (at most timeout_s); starts the
+        heartbeat thread."""
+        if settings is not None:
+            self.settings = dict(settings)  # kept for a rejoin
+        header = {"op": "join", **({"settings": self.settings} if self.settings is not None else {})}
+        h = self._start("join", {s: (header, None) for s in range(len(self.addresses))})
         self._wait_replies(h, self.timeout_s)
         layouts, body_of = {}, {}
         for s, msg in h.replies.items():

@@ -30,15 +30,16 @@ class PSEngine:
     """Engine protocol (attach / backward / step / close) over server shards at `addresses`."""
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
-                 mode: str, config: PSConfig, trace=None) -> None:
-        """trace: optional callable(name, start, end, thread=...) for every push and pull."""
+                 mode: str, config: PSConfig, trace=None, settings: dict | None = None) -> None:
+        """trace: optional callable(name, start, end, thread=...) for every push and pull;
+        settings: the run settings the shards compare with theirs at join."""
         if mode not in MODES.values():
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
             raise ValueError("the parameter-server engines need server addresses (--servers)")
         self.rank, self.world, self.device, self.mode, self.config = rank, world, device, mode, config
         self.addresses = list(addresses)
-        self.trace = trace
+        self.trace, self.settings = trace, settings
         self.shards = [rank]
         self._server_stats: list[dict] = []
         self.updates_lost = 0
@@ -49,7 +50,7 @@ class PSEngine:
                                heartbeat_s=self.config.heartbeat_s,
                                max_message_mb=self.config.max_message_mb,
                                curve_dir=self.config.curve_dir, curve_name=self.config.curve_name)
-        layout, version, values = self.client.join()
+        layout, version, values = self.client.join(self.settings)
         mine = [ParamSpec.of(n, p) for n, p in self._named]
         if list(layout.specs) != mine:
             diff = next((f"server has {a}, this worker has {b}" for a, b in zip(layout.specs, mine)

@@ -24,7 +24,7 @@ OPS = REQUESTS + REPLIES
 # op -> (required fields beyond op/v/worker/req, optional fields)
 _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
-    "join": (set(), set()),
+    "join": (set(), {"settings"}),
     "push": ({"step", "version"} | _TENSORS, set()),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left"}),
     "heartbeat": (set(), set()),
@@ -203,6 +203,8 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         _fail(f"header field 'error' is {type(h['error']).__name__}; expected a str")
     if "body" in h and not isinstance(h["body"], dict):
         _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
+    if "settings" in h:
+        _check_settings(h["settings"], limits)
 
     keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
     seen = set()
@@ -252,6 +254,22 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
             _fail(f"key {k}: tensor frame is {view.nbytes} bytes; expected {nbytes} (numel * itemsize)")
     tensors = [_tensor(v, TORCH_DTYPES[d], s) for v, d, s in zip(views, dtypes, shapes)]
     return Message(h, tensors)
+
+
+def _check_settings(settings: Any, limits: Limits) -> None:
+    """A join's settings: a flat map of str to None, bool, int, float or str, bounded."""
+    if not isinstance(settings, dict):
+        _fail(f"header field 'settings' is {type(settings).__name__}; expected a dict")
+    if len(settings) > limits.max_map_len:
+        _fail(f"header field 'settings' has {len(settings)} entries; at most {limits.max_map_len}")
+    for k, v in settings.items():
+        if not isinstance(k, str) or len(k) > limits.max_str_len:
+            _fail(f"header field 'settings' has a key {str(k)[:40]!r}; expected a str of at most "
+                  f"{limits.max_str_len} characters")
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            _fail(f"setting {k!r} is a {type(v).__name__}; expected None, a bool, number or str")
+        if isinstance(v, str) and len(v) > limits.max_str_len:
+            _fail(f"setting {k!r} is a str of {len(v)} characters; at most {limits.max_str_len}")
 
 
 def _tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

@@ -77,13 +77,17 @@ class ShardServer:
             goes on serving meanwhile.
         checkpoint_every, save: save(state_dict()) each time the version reaches a multiple
             of checkpoint_every (sync: steps; async/ssp: worker-steps, so every x num_workers).
+        settings: {name: scalar} this shard runs with and every worker must share; a join
+            whose settings differ is refused, naming each. A setting the shard does not have
+            (one only workers use) must equal the first joined worker's. None: not checked.
     """
 
     def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
                  make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], mode: str,
                  num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic,
                  trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0,
-                 checkpoint_every: int = 0, save: Callable[[dict], None] | None = None):
+                 checkpoint_every: int = 0, save: Callable[[dict], None] | None = None,
+                 settings: dict[str, Any] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < layout.num_shards:
@@ -94,6 +98,8 @@ class ShardServer:
         self.config, self.clock = config, clock
         self.trace, self.reply_delay_s = trace, reply_delay_s
         self.save = save
+        self.settings = settings
+        self._first_settings: tuple[int, dict[str, Any]] | None = None  # (worker, its settings)
         self.checkpoint_every = checkpoint_every * (1 if mode == "sync" else num_workers)
         self.keys = [k.id for k in layout.shard_keys(shard)]
         if set(values) != set(self.keys):
@@ -194,6 +200,7 @@ class ShardServer:
     def _on_join(self, peer: bytes, msg: Message) -> list[Reply]:
         if msg.worker in self.left:
             raise _Reject(f"worker {msg.worker} has already left this run")
+        self._check_settings(msg.worker, msg.get("settings"))
         self.joined.add(msg.worker)
         self.counters["joins"] += 1
         body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
@@ -208,6 +215,21 @@ class ShardServer:
         if self.mode == "sync":
             self._maybe_step()
         return [self._ok(peer, msg)]
+
+    def _check_settings(self, w: int, theirs: dict[str, Any] | None) -> None:
+        if self.settings is None or theirs is None:
+            return
+        first_w, first = self._first_settings or (w, theirs)
+        diff = []
+        for key in sorted(set(theirs) | set(self.settings) | set(first)):
+            mine, who = (self.settings, f"shard {self.shard}") if key in self.settings else (first, f"worker {first_w}")
+            a, b = theirs.get(key, "(unset)"), mine.get(key, "(unset)")
+            if a != b:
+                diff.append(f"{key}: worker {w} has {a!r}, {who} has {b!r}")
+        if diff:
+            raise _Reject(f"worker {w} was started with other settings than the run's: {', '.join(diff)}; "
+                          "start every process of a run with the same experiment, --steps, --seed and --set")
+        self._first_settings = self._first_settings or (w, theirs)
 
     @property
     def finished(self) -> bool:

@@ -107,3 +107,27 @@ def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
         # Stopped cleanly: the shard's state at the abort is on disk, ready for --resume.
         state = checkpoint.load(checkpoint.server_path(tmp_path / "run", 0))
         assert state["version"] >= 20
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_with_other_settings_is_refused(tmp_path):
+    """One worker given another --seed (a shard checks at join), then two all-reduce workers
+    given other --steps (rank 0 checks at rendezvous): each is refused, naming the setting."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--engine", "ps-sync", *FAST_LIVENESS]
+    server = psar("server", "--bind", address, "--experiment", "quickstart", "--workers", 2,
+                  "--out", tmp_path / "ps", *common)
+    workers = [psar("worker", "quickstart", "--servers", address, "--rank", rank, "--world", 2,
+                    "--steps", 20, "--out", tmp_path / "ps", *common, *seed)
+               for rank, seed in ((0, []), (1, ["--seed", 3]))]
+    code, out = finish(workers[1], 120)
+    assert code != 0 and "seed: worker 1 has 3, shard 0 has 0" in out, out
+    for proc in (workers[0], server):
+        finish(proc, 120)
+    port = str(free_port())
+    workers = [psar("worker", "quickstart", "--engine", "allreduce", "--rank", rank, "--world", 2,
+                    "--steps", steps, "--out", tmp_path / "ar", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+               for rank, steps in ((0, 20), (1, 25))]
+    for proc in workers:
+        code, out = finish(proc, 120)
+        assert code != 0 and "rank 1 has other settings than rank 0: steps: rank 1 has 25, rank 0 has 20" in out, out

@@ -94,6 +94,11 @@ BAD = {
     "bin map key": (lambda: [msgpack.packb({b"": 1, **_push()[0]}, use_bin_type=True), *_push()[1]], "not allowed"),
     "list as dtype": (lambda: _set_first("dtypes", ["float64"]), "dtype ['float64'] is not one of"),
     "not a buffer": (lambda: ["a str is not a frame"], "byte buffers"),
+    "settings not a map": (lambda: [msgpack.packb({"op": "join", "v": 1, "worker": 1, "req": 1, "settings": [1]})],
+                           "'settings' is list"),
+    "setting of a list": (lambda: [msgpack.packb({"op": "join", "v": 1, "worker": 1, "req": 1,
+                                                  "settings": {"seed": [0]}})], "setting 'seed' is a list"),
+    "settings on a push": (lambda: _frames(settings={"seed": 0}), "['settings'] not allowed"),
 }
 
 

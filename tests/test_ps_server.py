@@ -201,3 +201,18 @@ def test_constructor_validates():
         ShardServer(0, LAYOUT, {}, sgd, "sync", 2)
     with pytest.raises(ValueError, match="float64"):
         ShardServer(0, LAYOUT, {k: v.float() for k, v in values.items()}, sgd, "sync", 2)
+
+
+def test_join_with_other_settings_is_refused_naming_each():
+    """The shard compares what it runs with; settings only workers use are compared with the
+    first worker that joined."""
+    init = [torch.zeros(s.shape, dtype=torch.float64) for s in SPECS]
+    server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), lambda p: torch.optim.SGD(p, lr=0.1),
+                         "sync", 3, PSConfig(), clock=FakeClock(), settings={"seed": 0, "optim.lr": 0.1})
+    mine = {"seed": 0, "optim.lr": 0.1, "steps": 20}
+    assert call(server, 0, "join", settings=mine)[0].op == "ok"
+    err = call(server, 1, "join", settings={**mine, "seed": 3, "steps": 30})[0].get("error")
+    assert "seed: worker 1 has 3, shard 0 has 0" in err and "steps: worker 1 has 30, worker 0 has 20" in err
+    assert "optim.lr" not in err
+    assert call(server, 2, "join", settings=mine)[0].op == "ok"
+    assert server.stats()["joined_workers"] == [0, 2]
