@@ -71,6 +71,16 @@ def _with_curve(overrides, curve) -> tuple[str, ...]:
     return tuple(overrides) + ((f"ps.curve_dir={Path(curve).resolve()}",) if curve else ())
 
 
+def _warn_unused(cfgs: list[RunConfig], overrides, servers_given: bool) -> None:
+    """Say which settings given on the command line no run of cfgs reads."""
+    from .relevance import unused
+
+    lines = [unused(cfg, overrides, servers_given) for cfg in cfgs]
+    for line in lines[0] if lines else []:
+        if all(line in other for other in lines[1:]):
+            click.echo(f"psar: warning: {line}", err=True)
+
+
 def describe_summary(summary: dict) -> str:
     """One line on a finished run; a figure the run could not measure reads "-" with why."""
     def num(value, fmt):
@@ -158,6 +168,7 @@ def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, devi
             raise click.UsageError("missing EXPERIMENT (or --resume RUN_DIR)")
         cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=servers,
                            steps=steps, seed=seed, device=device, trace=trace)
+        _warn_unused([cfg], overrides, servers is not None)
         run_dir = out or default_run_dir(cfg)
     summary = launch(cfg, run_dir, resume=resume_dir is not None)
     click.echo(describe_summary(summary))
@@ -197,6 +208,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
                        servers=len(addresses) or None, steps=steps, seed=seed, device=device, trace=trace)
     if cfg.engine in PS_MODES and not addresses:
         raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
+    _warn_unused([cfg], overrides, bool(addresses))
     if ENGINES[cfg.engine].rendezvous and not env.master:
         raise click.UsageError(
             f"--engine {cfg.engine} meets its peers through torch.distributed's rendezvous: set "
@@ -287,6 +299,7 @@ def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, d
     _addresses(bind, bind=True)
     cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
                        steps=steps, seed=seed, device=device, trace=trace)
+    _warn_unused([cfg], overrides, False)
     result = serve_shard(cfg, index, count, bind, out, resume)
     click.echo(f"shard {index}/{count}: {result}")
 
@@ -348,6 +361,8 @@ def compare(name, engines, worker_counts, server_counts, out, plots, steps, seed
     if grid:
         click.echo(f"{grid.name}: {grid.claim}")
     out = out or Path("runs") / f"compare-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _warn_unused([build_config(experiment, overrides, engine=e, workers=n, steps=steps, seed=seed)
+                  for e in engines for n in worker_counts], overrides, server_counts != [1])
     run_dirs, failures = run_grid(experiment, engines, worker_counts, server_counts, out, overrides,
                                   steps, seed, device, trace, echo=click.echo)
     runs = load_runs(run_dirs)

@@ -90,3 +90,27 @@ def test_throughput_counts_steps_while_every_rank_trains(per_rank, expected):
     from experiments.metrics import throughput
 
     assert throughput(per_rank) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("engine,overrides,workers,expected", [
+    ("ps-ssp", ["allreduce.compression=fp16"], 2, ["allreduce.compression has no effect on --engine ps-ssp"]),
+    ("ddp", ["allreduce.compression=fp16"], 2, []),
+    ("ddp", ["allreduce.algorithm=ring"], 2, ["allreduce.algorithm has no effect on --engine ddp; only allreduce"]),
+    ("allreduce", ["ps.staleness=3"], 2, ["ps.staleness has no effect on --engine allreduce; only ps-ssp"]),
+    ("ps-sync", ["ps.staleness=3"], 2, ["ps.staleness has no effect on --engine ps-sync"]),
+    ("ps-ssp", ["ps.staleness=3", "optim.lr=0.2"], 2, []),
+    ("local", ["fault.slow_rank=5", "fault.slow_factor=2"], 2, ["fault.slow_rank=5 has no effect: there are 2 workers"]),
+    ("allreduce", ["fault.slow_rank=1"], 2, ["fault.slow_rank=1 has no effect with fault.slow_factor=1"]),
+])
+def test_settings_the_engine_never_reads_are_named(engine, overrides, workers, expected):
+    from experiments.relevance import unused
+
+    lines = unused(build_config("quickstart", overrides, engine=engine, workers=workers), overrides)
+    assert len(lines) == len(expected) and all(e in line for e, line in zip(expected, lines)), lines
+
+
+def test_servers_with_an_engine_without_servers_is_named():
+    from experiments.relevance import unused
+
+    assert unused(build_config("quickstart", engine="allreduce", servers=2), servers_given=True) == [
+        "servers has no effect on --engine allreduce; only ps-sync, ps-async, ps-ssp read it"]
