@@ -44,7 +44,34 @@ def load_run(path: Path) -> Run:
 
 
 def load_runs(paths) -> list[Run]:
-    return [load_run(p) for p in paths]
+    """The runs in `paths`: run directories, or folders holding them (a `psar compare` output,
+    whose runs are in its runs/, or any folder of run directories)."""
+    return [load_run(p) for p in expand(paths)]
+
+
+def expand(paths) -> list[Path]:
+    """Run directories named by `paths`: each path itself if it holds a summary.json, else the
+    run directories found in it (in its runs/ first, as `psar compare` writes them)."""
+    out = []
+    for path in map(Path, paths):
+        if (path / "summary.json").exists() or not path.is_dir():
+            out.append(path)
+            continue
+        inner = path / "runs" if (path / "runs").is_dir() else path
+        found = sorted(p for p in inner.iterdir() if (p / "summary.json").exists())
+        if not found:
+            raise ValueError(f"{path} is neither a finished run directory (no summary.json) nor a "
+                             "folder of them")
+        out.extend(found)
+    return out
+
+
+def by_experiment(runs: list[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by experiment: only runs of one experiment belong in one figure."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.summary["experiment"], []).append(run)
+    return groups
 
 
 def quantile(values: list[float], q: float) -> float | None:

@@ -389,14 +389,20 @@ def compare(name, engines, worker_counts, server_counts, out, plots, steps, seed
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
 @_friendly
 def plot(run_dirs, out) -> None:
-    """Draw the comparison figures and table of finished RUN_DIRS (nothing is rerun)."""
+    """Draw the comparison figures and table of finished RUN_DIRS (nothing is rerun).
+
+    A RUN_DIR may also be a folder of runs, such as a `psar compare --out` folder. Runs of
+    several experiments get a table and figures each, in OUT/EXPERIMENT/.
+    """
     from analysis.plots import plot_all
-    from analysis.results import load_runs
+    from analysis.results import by_experiment, load_runs
     from analysis.table import rows, write
 
-    runs = load_runs(run_dirs)
-    for path in (*write(rows(runs), out), *plot_all(runs, out)):
-        click.echo(str(path))
+    groups = by_experiment(load_runs(run_dirs))
+    for experiment, runs in groups.items():
+        where = out / experiment if len(groups) > 1 else out
+        for path in (*write(rows(runs), where), *plot_all(runs, where)):
+            click.echo(str(path))
 
 
 @main.command("model")

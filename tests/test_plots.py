@@ -193,3 +193,28 @@ def test_throughput_ideal_line_scales_the_fewest_workers_linearly(runs, tmp_path
     assert list(ideal[0].get_xdata()) == [1, 2]
     base = one.summary["samples_per_sec"]
     assert list(ideal[0].get_ydata()) == pytest.approx([base, 2 * base])
+
+
+@multiprocess
+def test_plot_takes_a_compare_folder_and_keeps_experiments_apart(runs, tmp_path):
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from experiments.cli import main
+
+    folder = tmp_path / "cmp" / "runs"
+    for run in runs[:2]:
+        shutil.copytree(run.path, folder / run.path.name)
+    other = folder / "other"
+    shutil.copytree(runs[2].path, other)
+    summary = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**summary, "experiment": "cnn"}))
+    result = CliRunner().invoke(main, ["plot", str(tmp_path / "cmp"), "--out", str(tmp_path / "fig")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "fig/quickstart/summary.md").read_text().count("\n| ") == 2  # header excluded
+    assert (tmp_path / "fig/cnn/summary.md").read_text().count("\n| ") == 1
+    assert (tmp_path / "fig/quickstart/loss_vs_step.png").exists()
+    result = CliRunner().invoke(main, ["plot", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "neither a finished run directory" in result.output
