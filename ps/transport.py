@@ -99,8 +99,9 @@ def _events(monitor: zmq.Socket | None) -> list[tuple[int, int]]:
     return out
 
 
-def _handshake_text(event: int, value: int, server: bool) -> str:
-    """Why a handshake failed, from the server's or the client's side."""
+def _handshake_text(event: int, value: int, server: bool, curve: bool = True) -> str:
+    """Why a handshake failed, from the server's or the client's side (curve: whether this
+    client speaks CURVE)."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (f"the authenticator refused the client's CURVE public key (ZAP status {value}): it is not "
                 f"among the allowed client keys" if server else
@@ -114,9 +115,13 @@ def _handshake_text(event: int, value: int, server: bool) -> str:
                 if server else "CURVE handshake failed (cryptographic error)")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         return f"handshake protocol error 0x{value:08x}"
-    return (f"handshake failed without detail (errno {value})" if server else
-            f"handshake failed without detail (errno {value}); with CURVE this is what a wrong "
-            f"server public key looks like")
+    if server:
+        return f"handshake failed without detail (errno {value})"
+    if not curve:
+        return (f"handshake failed without detail (errno {value}); this worker uses no CURVE: if "
+                "the server was started with --curve, give the worker the same key directory")
+    return (f"handshake failed without detail (errno {value}); with CURVE this is what a wrong "
+            "server public key looks like, or a server started without --curve")
 
 
 # -- one ZAP authenticator per context ---------------------------------------------------------
@@ -281,6 +286,7 @@ class ClientTransport:
         self._sock = (context or default_context()).socket(zmq.DEALER)
         _configure(self._sock, max_message_bytes, send_timeout_s, hwm)
         self._handshake_error: str | None = None
+        self._curve = curve is not None
         self._monitor = None
         try:
             if curve is not None:
@@ -320,8 +326,11 @@ class ClientTransport:
         """Why the last handshake with the server failed, None if it succeeded (or none was
         tried yet). Call from the thread that uses this transport."""
         for event, value in _events(self._monitor):
-            self._handshake_error = (None if event == zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                     else _handshake_text(event, value, server=False))
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake_error = None
+            elif event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self._handshake_error is None:
+                # A retry that fails without detail says less than the failure before it.
+                self._handshake_error = _handshake_text(event, value, server=False, curve=self._curve)
         return self._handshake_error
 
     def close(self) -> None:

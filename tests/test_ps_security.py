@@ -291,3 +291,14 @@ def test_nothing_on_the_wire_is_pickled(keys, monkeypatch, curve):
     for got, start in zip(join_values(LAYOUT, snapshot), join_values(LAYOUT, values)):
         assert torch.equal(got, start - 0.25)
     assert all(torch.equal(result.values[k], snapshot[k]) for k in snapshot)
+
+
+def test_a_plain_client_is_not_told_about_server_keys():
+    import zmq
+
+    from ps.transport import _handshake_text
+
+    plain = _handshake_text(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 32, server=False, curve=False)
+    assert "this worker uses no CURVE" in plain and "server public key" not in plain
+    curve = _handshake_text(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 32, server=False, curve=True)
+    assert "wrong server public key" in curve and "without --curve" in curve
