@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 from . import style  # first: selects the Agg backend before pyplot loads
 from .results import Run
@@ -152,7 +152,8 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
 
 def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
     """Samples/s against workers, one line per engine label and server count, each with its
-    ideal linear scaling from its smallest worker count (dashed, same colour)."""
+    ideal linear scaling from its smallest worker count (dashed, same colour); a point of
+    several runs is their median, with a bar from the slowest to the fastest."""
     groups: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     first: dict[str, Run] = {}
     for run in sorted(runs, key=_order):
@@ -167,10 +168,14 @@ def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
                  "throughput, all workers (samples/s)") as ax:
         for name, by_workers in groups.items():
             run, workers = first[name], sorted(by_workers)
-            throughput = [mean(by_workers[n]) for n in workers]
+            throughput = [median(by_workers[n]) for n in workers]
             colour = style.colour(run.label)
             marker = MARKERS[(run.summary.get("servers", 1) - 1) % len(MARKERS)]
             ax.plot(workers, throughput, color=colour, marker=marker, label=name)
+            if any(len(by_workers[n]) > 1 for n in workers):
+                spread = [[t - min(by_workers[n]) for n, t in zip(workers, throughput)],
+                          [max(by_workers[n]) - t for n, t in zip(workers, throughput)]]
+                ax.errorbar(workers, throughput, yerr=spread, fmt="none", ecolor=colour, capsize=4)
             if len(workers) > 1:
                 ax.plot(workers, [throughput[0] * n / workers[0] for n in workers],
                         color=colour, linestyle="--", linewidth=1)
@@ -184,8 +189,9 @@ def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
 
 
 def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
-    """A stacked bar per run of the mean step: compute, communication, waiting (step_split);
-    tick labels take the run's engine colour."""
+    """A stacked bar per run of the mean step: compute, communication, waiting (step_split),
+    its total written on top; tick labels take the run's engine colour. ddp's communication
+    runs inside its backward, so its bar is all compute: a footnote on the figure says so."""
     runs = sorted((r for r in runs if r.records()), key=_order)
     if not runs:
         return None
@@ -198,12 +204,18 @@ def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
         for part, key in (("compute", "compute_s"), ("communication", "comm_s"),
                           ("waiting", "wait_s")):
             heights = [1e3 * split[key] for split in splits]
-            ax.bar(x, heights, 0.6, bottom=bottom, label=part, **style.COMPONENTS[part])
+            bars = ax.bar(x, heights, 0.6, bottom=bottom, label=part, **style.COMPONENTS[part])
             bottom = [b + h for b, h in zip(bottom, heights)]
-        ax.set_xticks(x, [style.label_of(run, workers=True) for run in runs],
-                      rotation=30, ha="right")
+        ax.bar_label(bars, labels=[f"{total:.3g}" for total in bottom], fontsize="x-small", padding=2)
+        ax.set_ylim(0, 1.12 * max(bottom, default=1.0) or 1.0)  # room for the totals
+        ddp = any(run.engine == "ddp" for run in runs)
+        ax.set_xticks(x, [style.label_of(run, workers=True) + ("*" if run.engine == "ddp" else "")
+                          for run in runs], rotation=30, ha="right")
         for tick, run in zip(ax.get_xticklabels(), runs):
             tick.set_color(style.colour(run.label))
+        if ddp:
+            ax.figure.text(0.01, 0.01, "* ddp communicates inside backward: its time counts as compute",
+                           fontsize="x-small", color="#4d4d4d")
     return path
 
 
@@ -234,5 +246,12 @@ FIGURES = (loss_vs_step, loss_vs_time, throughput_vs_workers, step_breakdown, st
 
 
 def plot_all(runs: list[Run], out_dir: Path) -> list[Path]:
-    """Write every figure the runs have content for; return their paths."""
-    return [path for figure in FIGURES if (path := figure(runs, out_dir)) is not None]
+    """Write every figure the runs have content for; return their paths. Of a cell run several
+    times (--repeats), throughput shows every run (median and range); the other figures its
+    first run."""
+    first: dict[tuple, Run] = {}
+    for run in runs:
+        first.setdefault(_order(run), run)
+    one_each = list(first.values())
+    return [path for figure in FIGURES
+            if (path := figure(runs if figure is throughput_vs_workers else one_each, out_dir)) is not None]

@@ -11,7 +11,9 @@ COLUMNS = [
     ("engine", "engine"),
     ("workers", "workers"),
     ("servers", "servers"),
+    ("runs", "runs"),
     ("samples_per_sec", "samples/s"),
+    ("samples_per_sec_range", "samples/s range"),
     ("speedup", "speed-up vs 1 worker"),
     ("final_loss", "final loss"),
     ("eval", "eval"),
@@ -21,6 +23,13 @@ COLUMNS = [
     ("staleness_p99", "staleness p99"),
     ("note", "note"),
 ]
+"""Every column of summary.csv; summary.md leaves out those that are empty in every row
+(runs and the range appear with --repeats, note where a figure needs one)."""
+
+OPTIONAL = ("runs", "samples_per_sec_range", "note")
+
+FEW_STEPS = 10
+"""A throughput from fewer steady steps than this is marked in the note."""
 
 
 def _staleness(run: Run) -> list[float]:
@@ -42,13 +51,22 @@ def _eval_text(summary: dict) -> str:
     return ""
 
 
-def _note(run: Run) -> str:
-    """Why a figure is missing, or rests on little."""
-    s = run.summary
-    if s.get("samples_per_sec") is None:
-        return ("no samples/s: the workers never trained at the same time past their first step"
-                if s["workers"] > 1 else "no samples/s: too few steps")
-    return ""
+def _notes(runs: list[Run]) -> str:
+    """Why a figure of a cell is missing, or rests on little."""
+    notes = []
+    for run in runs:
+        s = run.summary
+        if s.get("samples_per_sec") is None:
+            notes.append("no samples/s: the workers never trained at the same time past their first "
+                         "step" if s["workers"] > 1 else "no samples/s: too few steps")
+        elif (steady := len(run.metrics.get(0, [])) - 1) < FEW_STEPS:
+            notes.append(f"samples/s from {max(steady, 0)} steps only")
+    return "; ".join(dict.fromkeys(notes))
+
+
+def _cell(run: Run) -> tuple:
+    """The grid cell a run belongs to: repeats of one cell are summarised in one row."""
+    return run.label, run.summary["workers"], run.summary.get("servers", 1) if run.engine.startswith("ps-") else ""
 
 
 def failed_rows(failures: list[dict]) -> list[dict]:
@@ -59,30 +77,44 @@ def failed_rows(failures: list[dict]) -> list[dict]:
 
 
 def rows(runs: list[Run]) -> list[dict]:
-    one_worker = {run.label: run.summary["samples_per_sec"] for run in runs
-                  if run.summary["workers"] == 1 and run.summary.get("samples_per_sec")}
+    """One row per grid cell (engine label, workers, servers). A cell run several times
+    (--repeats) shows the median samples/s and final loss and the samples/s range; the
+    other columns pool the records of its runs."""
+    cells: dict[tuple, list[Run]] = {}
+    for run in sorted(runs, key=_cell):
+        cells.setdefault(_cell(run), []).append(run)
+    rates = {cell: [r.summary["samples_per_sec"] for r in group if r.summary.get("samples_per_sec")]
+             for cell, group in cells.items()}
+    one_worker = {cell[0]: median(rates[cell]) for cell in cells if cell[1] == 1 and rates[cell]}
     out = []
-    for run in sorted(runs, key=lambda r: (r.label, r.summary["workers"], r.summary.get("servers", 1))):
-        s = run.summary
-        records = [r for r in run.records() if r["step"] >= 1] or run.records()
+    for cell, group in cells.items():
+        label, workers, servers = cell
+        records = [r for run in group for r in (_steady(run))]
         step_time = sum(r["step_s"] for r in records)
-        staleness = _staleness(run)
-        base = one_worker.get(run.label)
+        staleness = [v for run in group for v in _staleness(run)]
+        rate, base = median(rates[cell]), one_worker.get(label)
         out.append({
-            "engine": run.label,
-            "workers": s["workers"],
-            "servers": s.get("servers", 1) if run.engine.startswith("ps-") else "",
-            "samples_per_sec": s["samples_per_sec"],
-            "speedup": s["samples_per_sec"] / base if base and s["samples_per_sec"] else None,
-            "final_loss": s["final_loss"],
-            "eval": _eval_text(s),
+            "engine": label,
+            "workers": workers,
+            "servers": servers,
+            "runs": len(group) if len(group) > 1 else None,
+            "samples_per_sec": rate,
+            "samples_per_sec_range": (f"{min(rates[cell]):.0f}-{max(rates[cell]):.0f}"
+                                      if len(rates[cell]) > 1 else None),
+            "speedup": rate / base if base and rate else None,
+            "final_loss": median([r.summary["final_loss"] for r in group if r.summary["final_loss"] is not None]),
+            "eval": _eval_text(group[0].summary),
             "comm_share": sum(r["comm_s"] for r in records) / step_time if step_time else None,
-            "mb_per_worker_step": s["bytes_per_worker_per_step"] / 1e6,
+            "mb_per_worker_step": sum(r.summary["bytes_per_worker_per_step"] for r in group) / len(group) / 1e6,
             "staleness_median": median(staleness),
             "staleness_p99": quantile(staleness, 0.99),
-            "note": _note(run),
+            "note": _notes(group) or None,
         })
     return out
+
+
+def _steady(run: Run) -> list[dict]:
+    return [r for r in run.records() if r["step"] >= 1] or run.records()
 
 
 def _fmt(value) -> str:
@@ -94,10 +126,12 @@ def _fmt(value) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |",
-             "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    shown = [(key, title) for key, title in COLUMNS
+             if key not in OPTIONAL or any(row.get(key) not in (None, "") for row in table)]
+    lines = ["| " + " | ".join(title for _, title in shown) + " |",
+             "|" + "|".join("---" for _ in shown) + "|"]
     for row in table:
-        lines.append("| " + " | ".join(_fmt(row[key]) for key, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(row.get(key)) for key, _ in shown) + " |")
     return "\n".join(lines) + "\n"
 
 

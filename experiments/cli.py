@@ -327,9 +327,12 @@ def _csv(kind):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory (default: runs/compare-NAME-TIME).")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Draw the figures too.")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+              help="Run the grid this many times; the table gives each cell's median samples/s "
+              "and range, the throughput figure draws the range.")
 @run_options_for(engines=())
 @_friendly
-def compare(name, engines, worker_counts, server_counts, out, plots, steps, seed, device, curve,
+def compare(name, engines, worker_counts, server_counts, out, plots, repeats, steps, seed, device, curve,
             trace, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
     engine changing; write summary.csv, summary.md and the figures.
@@ -364,7 +367,7 @@ def compare(name, engines, worker_counts, server_counts, out, plots, steps, seed
     _warn_unused([build_config(experiment, overrides, engine=e, workers=n, steps=steps, seed=seed)
                   for e in engines for n in worker_counts], overrides, server_counts != [1])
     run_dirs, failures = run_grid(experiment, engines, worker_counts, server_counts, out, overrides,
-                                  steps, seed, device, trace, echo=click.echo)
+                                  steps, seed, device, trace, echo=click.echo, repeats=repeats)
     runs = load_runs(run_dirs)
     table = rows(runs) + failed_rows(failures)
     csv_path, md_path = write(table, out)

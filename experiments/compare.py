@@ -13,28 +13,35 @@ from .launcher import LaunchError, launch
 def run_grid(experiment: str, engines: list[str], workers: list[int], servers: list[int],
              out: Path, overrides=(), steps: int | None = None, seed: int | None = None,
              device: str | None = None, trace: bool | None = None,
-             echo: Callable[[str], None] = print) -> tuple[list[Path], list[dict]]:
-    """Launch every (engine, workers[, servers]) run into out/runs/.
+             echo: Callable[[str], None] = print, repeats: int = 1) -> tuple[list[Path], list[dict]]:
+    """Launch every (engine, workers[, servers]) run into out/runs/, `repeats` times: the
+    whole grid once, then again, so that a noisy minute touches one run of each cell, not
+    all of them (run directories get -r2, -r3, ... after the first).
 
     Returns the directories of the runs that finished, and one dict per run that failed
     (engine, workers, servers, error): a failed cell is reported, the grid goes on.
     """
-    run_dirs, failures = [], []
+    cells = []
     for engine_name in engines:
+        with_servers = get_engine(engine_name).uses_servers
         for n in workers:
-            for s in servers if get_engine(engine_name).uses_servers else [1]:
+            for s in servers if with_servers else [1]:
                 cfg = build_config(experiment, overrides, engine=engine_name, workers=n, servers=s,
                                    steps=steps, seed=seed, device=device, trace=trace)
-                tag = f"-s{s}" if get_engine(engine_name).uses_servers else ""
-                run_dir = Path(out) / "runs" / f"{engine_name}-w{n}{tag}"
-                shards = f", {s} server shard(s)" if tag else ""
-                echo(f"running {experiment} with {engine_name} on {n} worker(s){shards} -> {run_dir}")
-                try:
-                    launch(cfg, run_dir)
-                except LaunchError as err:
-                    echo(f"  failed: {err}")
-                    failures.append({"engine": engine_name, "workers": n,
-                                     "servers": s if tag else "", "error": str(err)})
-                    continue
-                run_dirs.append(run_dir)
+                cells.append((cfg, f"{engine_name}-w{n}" + (f"-s{s}" if with_servers else ""),
+                              f"{n} worker(s)" + (f", {s} server shard(s)" if with_servers else "")))
+    run_dirs, failures = [], []
+    for repeat in range(1, repeats + 1):
+        for cfg, name, shape in cells:
+            run_dir = Path(out) / "runs" / (name + (f"-r{repeat}" if repeat > 1 else ""))
+            echo(f"running {experiment} with {cfg.engine} on {shape} -> {run_dir}")
+            try:
+                launch(cfg, run_dir)
+            except LaunchError as err:
+                echo(f"  failed: {err}")
+                failures.append({"engine": cfg.engine, "workers": cfg.workers,
+                                 "servers": cfg.servers if get_engine(cfg.engine).uses_servers else "",
+                                 "error": str(err)})
+                continue
+            run_dirs.append(run_dir)
     return run_dirs, failures

@@ -1,0 +1,38 @@
+"""The comparison table on hand-written runs: one row per grid cell, repeats summarised by
+their median and range, and a note wherever a figure is missing or rests on little."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from analysis.results import Run
+from analysis.table import failed_rows, markdown, rows
+
+
+def _run(engine: str, workers: int, rate: float | None, steps: int = 20, loss: float = 1.0) -> Run:
+    summary = dict(experiment="quickstart", engine=engine, workers=workers, servers=1, samples_per_sec=rate,
+                   final_loss=loss, eval={"accuracy": 0.5}, bytes_per_worker_per_step=2e6)
+    records = [dict(step=s, comm_s=0.25, step_s=1.0, loss=loss) for s in range(steps)]
+    return Run(Path(f"/runs/{engine}-{workers}-{rate}"), {}, summary, {0: records})
+
+
+def test_repeats_of_a_cell_are_one_row_with_median_and_range():
+    table = rows([_run("allreduce", 1, 100.0), _run("allreduce", 2, 100.0, loss=2.0),
+                  _run("allreduce", 2, 300.0, loss=4.0), _run("allreduce", 2, 260.0, loss=3.0)])
+    one, two = table
+    assert (one["runs"], one["samples_per_sec"], one["samples_per_sec_range"]) == (None, 100.0, None)
+    assert (two["runs"], two["samples_per_sec"], two["samples_per_sec_range"]) == (3, 260.0, "100-300")
+    assert two["speedup"] == 2.6 and two["final_loss"] == 3.0 and two["comm_share"] == 0.25
+    text = markdown(table)
+    assert "| runs |" in text and "| samples/s range |" in text and "| 2 |  | 3 | 260 | 100-300 |" in text
+
+
+def test_notes_say_why_a_figure_is_missing_or_thin_and_empty_columns_are_left_out():
+    plain = markdown(rows([_run("ps-sync", 2, 500.0)]))
+    assert "runs" not in plain and "range" not in plain and "note" not in plain
+    table = rows([_run("ps-async", 2, None), _run("local", 1, 50.0, steps=6)])
+    notes = {row["engine"]: row["note"] for row in table}
+    assert notes == {"ps-async": "no samples/s: the workers never trained at the same time past their first step",
+                     "local": "samples/s from 5 steps only"}
+    failed = failed_rows([{"engine": "ddp", "workers": 2, "servers": "", "error": "rank 1 exited\nmore"}])
+    assert failed[0]["note"] == "failed: rank 1 exited" and "| ddp | 2 |" in markdown(failed)
