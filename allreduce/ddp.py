@@ -26,10 +26,11 @@ class DDPEngine:
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         ids = [self.device] if self.device.type == "cuda" else None
-        self._ddp = DistributedDataParallel(
-            model, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
-            broadcast_buffers=True,
-        )
+        with self._liveness.naming_lost_ranks():  # DDP broadcasts rank 0's state here
+            self._ddp = DistributedDataParallel(
+                model, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
+                broadcast_buffers=True,
+            )
         wire = WIRE_DTYPES[self.config.compression]
         if wire is not None:  # the same wire compression as the allreduce engine
             self._ddp.register_comm_hook(self.world, _cast_hook(wire))
@@ -37,7 +38,7 @@ class DDPEngine:
         itemsize = 2 if wire is not None else params[0].element_size()
         self._grad_bytes = bus_bytes(sum(p.numel() for p in params) * itemsize, self.world)
         self.optimizer = make_optimizer(params)
-        return self._ddp
+        return _NamingLostRanks(self._ddp, self._liveness)
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._liveness.naming_lost_ranks():  # DDP's all-reduces finish inside backward
@@ -55,6 +56,19 @@ class DDPEngine:
         with self._liveness.naming_lost_ranks():
             shutdown()
         self._liveness.close()
+
+
+class _NamingLostRanks(torch.nn.Module):
+    """DDP broadcasts rank 0's buffers inside forward, a collective like the others: a rank
+    lost while it runs is named too, not reported as a raw connection error."""
+
+    def __init__(self, ddp: DistributedDataParallel, liveness: Liveness) -> None:
+        super().__init__()
+        self.ddp, self._liveness = ddp, liveness
+
+    def forward(self, *args, **kwargs):
+        with self._liveness.naming_lost_ranks():
+            return self.ddp(*args, **kwargs)
 
 
 def _cast_hook(wire: torch.dtype):

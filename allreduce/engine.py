@@ -32,7 +32,8 @@ class AllReduceEngine:
         self._liveness = Liveness(rank, world)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
-        broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+        with self._liveness.naming_lost_ranks():
+            broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self._buffers = [b for b in model.buffers()]
         self._collective = make_collective(self.config.algorithm, self.rank, self.world,
                                            self.trace, self.delay_s)
