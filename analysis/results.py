@@ -29,6 +29,30 @@ class Run:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]
 
 
+TARGET_WINDOW = 5
+"""Steps averaged when deciding that a run reached its target loss (one lucky batch is not)."""
+
+
+def time_to_target(run: Run, target: float | None = None) -> tuple[int, float] | None:
+    """(steps, seconds) until the training loss, averaged over the workers and over the last
+    TARGET_WINDOW steps, first reached `target` (default: the run's target_loss); seconds
+    count from the start of the loop to the moment every worker had finished that step.
+    None if there is no target or the run never reached it."""
+    target = target if target is not None else run.config.get("target_loss") or 0.0
+    if not target:
+        return None
+    by_step: dict[int, list[dict]] = {}
+    for record in run.records():
+        by_step.setdefault(record["step"], []).append(record)
+    window: list[float] = []
+    for step in sorted(by_step):
+        records = by_step[step]
+        window = (window + [sum(r["loss"] for r in records) / len(records)])[-TARGET_WINDOW:]
+        if len(window) == TARGET_WINDOW and sum(window) / TARGET_WINDOW <= target:
+            return step + 1, max(r["time"] for r in records)
+    return None
+
+
 def load_run(path: Path) -> Run:
     path = Path(path)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from .results import Run, median, quantile
+from .results import Run, median, quantile, time_to_target
 
 COLUMNS = [
     ("engine", "engine"),
@@ -16,6 +16,8 @@ COLUMNS = [
     ("samples_per_sec_range", "samples/s range"),
     ("speedup", "speed-up vs 1 worker"),
     ("final_loss", "final loss"),
+    ("steps_to_target", "steps to target"),
+    ("time_to_target_s", "time to target (s)"),
     ("eval", "eval"),
     ("comm_share", "comm share of step"),
     ("mb_per_worker_step", "MB/worker/step"),
@@ -26,7 +28,7 @@ COLUMNS = [
 """Every column of summary.csv; summary.md leaves out those that are empty in every row
 (runs and the range appear with --repeats, note where a figure needs one)."""
 
-OPTIONAL = ("runs", "samples_per_sec_range", "note")
+OPTIONAL = ("runs", "samples_per_sec_range", "steps_to_target", "time_to_target_s", "note")
 
 FEW_STEPS = 10
 """A throughput from fewer steady steps than this is marked in the note."""
@@ -93,6 +95,8 @@ def rows(runs: list[Run]) -> list[dict]:
         step_time = sum(r["step_s"] for r in records)
         staleness = [v for run in group for v in _staleness(run)]
         rate, base = median(rates[cell]), one_worker.get(label)
+        reached = [hit for run in group if (hit := time_to_target(run))]
+        target = group[0].config.get("target_loss") or 0.0
         out.append({
             "engine": label,
             "workers": workers,
@@ -103,6 +107,9 @@ def rows(runs: list[Run]) -> list[dict]:
                                       if len(rates[cell]) > 1 else None),
             "speedup": rate / base if base and rate else None,
             "final_loss": median([r.summary["final_loss"] for r in group if r.summary["final_loss"] is not None]),
+            "steps_to_target": (median([s for s, _ in reached]) if reached else
+                                "not reached" if target else None),
+            "time_to_target_s": median([t for _, t in reached]) if reached else None,
             "eval": _eval_text(group[0].summary),
             "comm_share": sum(r["comm_s"] for r in records) / step_time if step_time else None,
             "mb_per_worker_step": sum(r.summary["bytes_per_worker_per_step"] for r in group) / len(group) / 1e6,

@@ -85,6 +85,9 @@ class RunConfig:
     """Longest wait on any peer (rendezvous, collective) before the run fails."""
     eval_batch_size: int = 512
     """Batch size of the final evaluation on the test split."""
+    target_loss: float = 0.0
+    """Time to target: the comparison table gives the steps and seconds until the training
+    loss (mean over workers, over the last 5 steps) first reaches this; 0: none."""
     trace: bool = False
     """Write a Chrome trace (trace.json) of every process's forward, backward and messages."""
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -12,7 +12,7 @@ from .models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
 def quickstart() -> RunConfig:
     """MLP 64-128-10 on scikit-learn's 8x8 digits: a whole comparison in under a minute."""
     return RunConfig(experiment="quickstart", model=MLPConfig(64, (128,), 10),
-                     data=DigitsConfig(size=8), steps=150, batch_size=32,
+                     data=DigitsConfig(size=8), steps=150, batch_size=32, target_loss=0.15,
                      optim=OptimConfig("sgd", lr=0.1, momentum=0.9))
 
 
@@ -20,7 +20,7 @@ def mlp_wide() -> RunConfig:
     """784-4096-4096-10 (about 20 M parameters, 80 MB of float32 gradients per step): the
     communication-bound case."""
     return RunConfig(experiment="mlp-wide", model=MLPConfig(784, (4096, 4096), 10),
-                     data=DigitsConfig(size=28), steps=30, batch_size=64,
+                     data=DigitsConfig(size=28), steps=30, batch_size=64, target_loss=0.8,
                      optim=OptimConfig("sgd", lr=0.05, momentum=0.9))
 
 
@@ -28,13 +28,14 @@ def cnn() -> RunConfig:
     """Two conv layers with BatchNorm on digits upsampled to 28x28; BatchNorm statistics
     follow rank 0 (broadcast every step), its batch statistics stay per worker."""
     return RunConfig(experiment="cnn", model=CNNConfig(), data=DigitsConfig(size=28),
-                     steps=100, batch_size=32, optim=OptimConfig("sgd", lr=0.02, momentum=0.9))
+                     steps=100, batch_size=32, target_loss=0.15,
+                     optim=OptimConfig("sgd", lr=0.02, momentum=0.9))
 
 
 def gpt_char() -> RunConfig:
     """A 2-block pre-norm character transformer on the Python standard library's own source."""
     return RunConfig(experiment="gpt-char", model=GPTConfig(), data=CharCorpusConfig(),
-                     steps=200, batch_size=16, optim=OptimConfig("adamw", lr=1e-3))
+                     steps=200, batch_size=16, target_loss=2.0, optim=OptimConfig("adamw", lr=1e-3))
 
 
 def logreg_sparse() -> RunConfig:
@@ -42,7 +43,7 @@ def logreg_sparse() -> RunConfig:
     lock-free updates rarely collide."""
     return RunConfig(experiment="logreg-sparse", model=LogRegConfig(2**13),
                      data=SparseConfig(samples=100_000, features=2**13), steps=400,
-                     batch_size=32, optim=OptimConfig("sgd", lr=5.0))
+                     batch_size=32, target_loss=0.55, optim=OptimConfig("sgd", lr=5.0))
 
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {
@@ -61,8 +62,9 @@ def get_preset(name: str) -> RunConfig:
 
 
 def describe(name: str) -> str:
-    doc = PRESETS[name].__doc__ or ""
-    return " ".join(doc.split())
+    doc = " ".join((PRESETS[name].__doc__ or "").split())
+    cfg = PRESETS[name]()
+    return f"{doc} [{cfg.steps} steps, target loss {cfg.target_loss:g}]"
 
 
 def build_config(experiment: str, overrides=(), **fields) -> RunConfig:

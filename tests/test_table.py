@@ -36,3 +36,23 @@ def test_notes_say_why_a_figure_is_missing_or_thin_and_empty_columns_are_left_ou
                      "local": "samples/s from 5 steps only"}
     failed = failed_rows([{"engine": "ddp", "workers": 2, "servers": "", "error": "rank 1 exited\nmore"}])
     assert failed[0]["note"] == "failed: rank 1 exited" and "| ddp | 2 |" in markdown(failed)
+
+
+def test_time_to_target_needs_the_loss_held_over_five_steps():
+    from analysis.results import time_to_target
+
+    losses = [2.0, 1.0, 0.1, 2.0, 2.0, 0.5, 0.5, 0.4, 0.4, 0.4, 0.4, 0.3]
+    records = {rank: [dict(step=s, loss=loss + 0.1 * rank, time=float(s + 1 + rank), comm_s=0.0, step_s=1.0)
+                      for s, loss in enumerate(losses)] for rank in (0, 1)}
+    run = Run(Path("/runs/x"), {"target_loss": 0.5}, {"engine": "ps-sync", "workers": 2, "servers": 1,
+                                                       "samples_per_sec": 1.0, "final_loss": 0.3, "eval": {},
+                                                       "bytes_per_worker_per_step": 0}, records)
+    # Step 2's lucky batch (mean over ranks 0.15) is not the target reached: the 5-step mean of
+    # the worker means first gets to 0.5 over steps 5..9 (0.55 0.55 0.45 0.45 0.45: 0.49), so
+    # 10 steps, done by both ranks at rank 1's time for step 9.
+    assert time_to_target(run) == (10, 11.0)
+    assert time_to_target(run, 0.01) is None and time_to_target(run, 0.0) is None
+    row, = rows([run])
+    assert (row["steps_to_target"], row["time_to_target_s"]) == (10, 11.0)
+    assert "| steps to target | time to target (s) |" in markdown([row])
+    assert rows([Run(run.path, {"target_loss": 0.01}, run.summary, records)])[0]["steps_to_target"] == "not reached"
