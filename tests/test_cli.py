@@ -184,3 +184,21 @@ def test_run_line_says_why_a_figure_is_missing():
     line = describe_summary(summary)
     assert line.startswith("logreg-sparse/ps-async x2: final loss 0.6900, eval accuracy 0.5000")
     assert "samples/s not measured" in line
+
+
+def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
+    import experiments.compare
+
+    seen = {}
+
+    def grid(experiment, engines, workers, servers, out, overrides, steps, *args, **kwargs):
+        seen.update(experiment=experiment, engines=engines, workers=workers, steps=steps, overrides=overrides)
+        return [], []
+
+    monkeypatch.setattr(experiments.compare, "run_grid", grid)
+    result = invoke("compare", "straggler", "--steps", 15, "--engines", "ps-async", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert seen["steps"] == 15 and seen["engines"] == ["ps-async"] and seen["experiment"] == "cnn"
+    assert not any(o.startswith("steps=") for o in seen["overrides"])
+    invoke("compare", "straggler", "--out", tmp_path)
+    assert seen["steps"] == 60
