@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import max_param_diff, run_jobs
-from netns import Network, NetnsError, unavailable
+from experiments.network import Network, NetworkError, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -48,7 +48,7 @@ def net():
     network = Network(("a", "b", "c"))
     try:
         network.up()
-    except NetnsError as err:
+    except NetworkError as err:
         pytest.fail(f"could not build the test network: {err}")
     try:
         network.check_tcp(CHECK_PORT)

@@ -1,0 +1,316 @@
+"""An emulated cluster on one Linux machine: one network namespace per host, each joined to a
+bridge by a veth whose two ends are shaped with tc, so that a host sends at RATE and receives
+at RATE, as a full-duplex NIC does.
+
+Everything is made inside namespaces this module creates (the bridge too), so nothing in the
+machine's own namespace changes and the hosts' subnet exists only among them. Names carry
+the creating process's id and a token of the run (psar-PID-TOKEN-HOST), so runs never
+collide; `clean_stale()` deletes what a killed run left (its process is gone). Needs root
+and iproute2 (`ip`, `tc`): `unavailable()` says why not, in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+CMD_TIMEOUT_S = 20
+PREFIX = "psar-"
+IFNAME = "psar0"
+"""Every host's interface to the bridge has this name, in its own namespace."""
+SUBNET = "10.213.0"
+
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+class NetworkError(RuntimeError):
+    """A namespace, link or qdisc could not be made; the message has the command and its error."""
+
+
+def parse_rate(rate: str) -> float:
+    """tc's rate syntax ("200mbit", "1gbit", "10mbps": bytes) in bits per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", rate or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"rate {rate!r}: expected a number and one of tc's units "
+                         f"({', '.join(_UNITS)}), e.g. 200mbit")
+    bits = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if bits <= 0:
+        raise ValueError(f"rate {rate!r} must be above 0")
+    return bits
+
+
+def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run an iproute2 command; a failure raises NetworkError with the command and stderr."""
+    cmd = tuple(map(str, cmd))
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise NetworkError(f"`{' '.join(cmd)}` did not end within {CMD_TIMEOUT_S} s") from None
+    except FileNotFoundError:
+        raise NetworkError(f"`{cmd[0]}` is not installed (iproute2)") from None
+    if check and res.returncode != 0:
+        raise NetworkError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
+    return res
+
+
+def unavailable() -> str | None:
+    """Why emulated hosts cannot be made here, in one line, or None if they can."""
+    if not os.uname().sysname == "Linux":
+        return f"emulated networks need Linux network namespaces, this is {os.uname().sysname}"
+    if os.geteuid() != 0:
+        return "emulated networks need root (network namespaces, veths and tc qdiscs)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"emulated networks need iproute2's `{tool}`, which is not on PATH"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        run("ip", "netns", "add", probe)
+        run("ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        run("tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "1mbit",
+            "burst", "32kb", "latency", "50ms")
+    except NetworkError as err:
+        return f"cannot build a shaped link here: {err}"
+    finally:
+        run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def has_netem() -> bool:
+    """Whether this kernel has the netem qdisc (latency); tbf and htb are enough for rate."""
+    probe = f"{PREFIX}{os.getpid()}-netem"
+    try:
+        run("ip", "netns", "add", probe)
+        run("ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        return run("tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "netem", "delay", "1ms",
+                   check=False).returncode == 0
+    except NetworkError:
+        return False
+    finally:
+        run("ip", "netns", "del", probe, check=False)
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in run("ip", "netns", "list", check=False).stdout.splitlines()
+            if line.split()]
+
+
+def clean_stale() -> list[str]:
+    """Delete the namespaces of runs whose process is gone (a run killed before it could clean
+    up); returns their names. Live runs' namespaces are left alone."""
+    removed = []
+    for name in _namespaces():
+        m = re.match(rf"{PREFIX}(\d+)-", name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        _kill_inside(name)
+        if run("ip", "netns", "del", name, check=False).returncode == 0:
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(netns: str, attempts: int = 50) -> list[int]:
+    """SIGKILL every process in netns (only ones a run started there); the pids that stayed."""
+    pids: list[int] = []
+    for _ in range(attempts):
+        pids = [int(p) for p in run("ip", "netns", "pids", netns, check=False).stdout.split()]
+        if not pids:
+            return []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return pids
+
+
+@dataclass
+class Host:
+    name: str
+    """The host's name in the run ("w0", "s1")."""
+    netns: str
+    """Its namespace (`ip netns exec NETNS ...`)."""
+    addr: str
+    """Its IPv4 address on the run's private subnet."""
+
+    ifname: str = IFNAME
+
+    def argv(self, *cmd: str) -> list[str]:
+        """cmd, run on this host."""
+        return ["ip", "netns", "exec", self.netns, *map(str, cmd)]
+
+    def counters(self) -> dict[str, int]:
+        """Bytes and packets this host's link has sent and received so far."""
+        out = {}
+        for key in ("tx_bytes", "rx_bytes"):
+            res = run("ip", "netns", "exec", self.netns, "cat", f"/sys/class/net/{self.ifname}/statistics/{key}")
+            out[key] = int(res.stdout.strip())
+        return out
+
+
+@dataclass
+class Network:
+    """Hosts `names` on one bridge, every link shaped to `rate` both ways (tc tbf), with
+    `latency_ms` of netem delay each way where the kernel has netem.
+
+    Use as a context manager, or call up() and down(); down() runs on SIGTERM too, and
+    clean_stale() removes what a SIGKILLed run left.
+    """
+
+    names: tuple[str, ...]
+    rate: str = ""
+    latency_ms: float = 0.0
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    hosts: dict[str, Host] = field(default_factory=dict)
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}{os.getpid()}-{self.token}"
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.prefix}-br"
+
+    def _add_netns(self, name: str) -> None:
+        run("ip", "netns", "add", name)
+        self.created.append(name)
+        run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _shape(self, netns: str, dev: str) -> None:
+        """Egress of dev in netns: tbf at the rate, and netem delay in front where it exists."""
+        bits = parse_rate(self.rate)
+        # A burst of ~4 ms of traffic (at least a few MTUs) keeps tbf exact at high rates.
+        burst = max(16_000, int(bits / 8 * 0.004))
+        if self.latency_ms:
+            run("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                "delay", f"{self.latency_ms}ms")
+            parent = ("parent", "1:")
+        else:
+            parent = ("root",)
+        run("tc", "-n", netns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
+            "rate", self.rate, "burst", str(burst), "latency", "200ms")
+
+    def up(self) -> "Network":
+        """Build the hosts; on any failure, what was built is torn down and NetworkError raised."""
+        if len(self.names) > 250:
+            raise ValueError(f"{len(self.names)} hosts: at most 250 on one subnet")
+        try:
+            self._add_netns(self.bridge_ns)
+            run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+            run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
+            for i, name in enumerate(self.names):
+                host = Host(name, f"{self.prefix}-{name}", f"{SUBNET}.{i + 1}")
+                self._add_netns(host.netns)
+                port = f"p{i}"
+                # Both ends are born in the bridge's namespace, then one moves to the host's:
+                # the machine's own namespace never sees either.
+                run("ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", IFNAME)
+                run("ip", "-n", self.bridge_ns, "link", "set", IFNAME, "netns", host.netns)
+                run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0")
+                run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
+                run("ip", "-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
+                run("ip", "-n", host.netns, "link", "set", IFNAME, "up")
+                if self.rate:
+                    self._shape(host.netns, IFNAME)   # what the host sends
+                    self._shape(self.bridge_ns, port)  # what it receives
+                self.hosts[name] = host
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> list[str]:
+        """Kill what runs on the hosts, delete the namespaces (their veths and the bridge go
+        with them); returns what could not be removed (empty when all went)."""
+        problems = []
+        for netns in reversed(self.created):
+            stuck = _kill_inside(netns)
+            if stuck:
+                problems.append(f"processes {stuck} in {netns} would not die")
+            res = run("ip", "netns", "del", netns, check=False)
+            if res.returncode != 0:
+                problems.append(f"`ip netns del {netns}`: {res.stderr.strip()}")
+        self.created.clear()
+        problems += [f"namespace {n} is still there" for n in _namespaces() if n.startswith(self.prefix + "-")]
+        return problems
+
+    def check_tcp(self, port: int, timeout_s: float = 15.0) -> None:
+        """Every host can open a TCP connection to every other host's address (and reads back
+        which host answered); raises NetnsError naming the pair that cannot."""
+        listen = ("import socket,sys\n"
+                  "s=socket.create_server((sys.argv[1],int(sys.argv[2])))\n"
+                  "while True:\n"
+                  "    c,_=s.accept(); c.sendall(sys.argv[1].encode()); c.close()\n")
+        connect = ("import socket,sys,time\n"
+                   "end=time.monotonic()+float(sys.argv[2])\n"
+                   "for a in sys.argv[3:]:\n"
+                   "    while True:\n"
+                   "        try:\n"
+                   "            with socket.create_connection((a,int(sys.argv[1])),timeout=2) as c:\n"
+                   "                got=c.recv(64).decode()\n"
+                   "            break\n"
+                   "        except OSError as e:\n"
+                   "            if time.monotonic()>end: sys.exit(f'{a}: {e}')\n"
+                   "            time.sleep(0.1)\n"
+                   "    if got!=a: sys.exit(f'{a} answered as {got!r}')\n")
+        listeners = []
+        try:
+            for h in self.hosts.values():
+                listeners.append(subprocess.Popen(h.argv(sys.executable, "-c", listen, h.addr, port),
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            for src in self.hosts.values():
+                others = [h.addr for h in self.hosts.values() if h is not src]
+                try:
+                    res = subprocess.run(src.argv(sys.executable, "-c", connect, port, timeout_s, *others),
+                                         capture_output=True, text=True, timeout=timeout_s + 10)
+                except subprocess.TimeoutExpired:
+                    raise NetworkError(f"connectivity check from {src.netns} hung") from None
+                if res.returncode != 0:
+                    raise NetworkError(f"{src.netns} ({src.addr}) cannot reach another host over "
+                                     f"TCP port {port}: {res.stderr.strip()}")
+        finally:
+            for p in listeners:
+                p.kill()
+                p.wait(timeout=10)
+
+    def __enter__(self) -> "Network":
+        self._old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.down()
+        finally:
+            for sig, handler in self._old.items():
+                signal.signal(sig, handler)
+
+    def describe(self) -> dict:
+        """What summary.json records about the network."""
+        return {"rate": self.rate, "rate_bits": parse_rate(self.rate) if self.rate else None,
+                "latency_ms": self.latency_ms, "hosts": {n: h.addr for n, h in self.hosts.items()},
+                "made_with": "network namespaces, a bridge, veth links shaped with tc tbf on both ends"
+                             + (" and netem delay" if self.latency_ms else "")}
+
+
+def _interrupt(signum, frame):
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so that the namespaces are removed on the way out."""
+    raise KeyboardInterrupt(f"signal {signum}")

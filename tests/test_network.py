@@ -1,0 +1,120 @@
+"""Emulated hosts: shaped links carry their rate each way at once, and nothing is left behind,
+even by a run that was killed. Needs root and iproute2; skipped elsewhere, with the reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import network
+from experiments.network import Network, parse_rate
+
+REASON = network.unavailable()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated hosts unavailable: {REASON}")
+
+# Receive for SECONDS on the host's address; meanwhile send to the peer as fast as it takes.
+BLAST = """
+import socket, sys, threading, time
+me, peer, port, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+server = socket.create_server((me, port))
+got = []
+def receive():
+    conn, _ = server.accept()
+    start, n = None, 0
+    while True:
+        data = conn.recv(1 << 16)
+        if not data:
+            break
+        if start is None:
+            start = time.monotonic()
+        n += len(data)
+        last = time.monotonic()
+    got.append(n * 8 / (last - start))
+t = threading.Thread(target=receive); t.start()
+for _ in range(100):
+    try:
+        out = socket.create_connection((peer, port), timeout=5); break
+    except OSError:
+        time.sleep(0.05)
+chunk = b"x" * (1 << 16)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    out.sendall(chunk)
+out.close(); t.join(30)
+print(got[0])
+"""
+
+
+@pytest.mark.parametrize("rate,bits", [("200mbit", 200e6), ("1gbit", 1e9), ("10mbps", 80e6), ("1.5kbit", 1500)])
+def test_parse_rate(rate, bits):
+    assert parse_rate(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["", "fast", "200", "-1mbit", "200 mb"])
+def test_parse_rate_refuses(rate):
+    with pytest.raises(ValueError, match="rate"):
+        parse_rate(rate)
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_each_way_runs_at_the_rate_at_once():
+    """Full duplex: a and b send to each other at the same time, and each receives at RATE."""
+    with Network(("a", "b"), rate="200mbit") as net:
+        a, b = net.hosts["a"], net.hosts["b"]
+        procs = [subprocess.Popen(h.argv(sys.executable, "-c", BLAST, h.addr, peer.addr, 6000, 2.0),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for h, peer in ((a, b), (b, a))]
+        rates = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            rates.append(float(out))
+        counters = a.counters()
+    print(f"200mbit link, both ways at once: {rates[0] / 1e6:.1f} and {rates[1] / 1e6:.1f} Mbit/s")
+    for measured in rates:
+        assert abs(measured / 200e6 - 1) < 0.15, f"{measured / 1e6:.0f} Mbit/s on a 200mbit link"
+    assert counters["tx_bytes"] > 0.8 * 2.0 * 200e6 / 8 and counters["rx_bytes"] > 0.8 * 2.0 * 200e6 / 8
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_nothing_is_left_and_a_killed_runs_leftovers_are_cleaned():
+    with Network(("a", "b"), rate="100mbit") as net:
+        names = [h.netns for h in net.hosts.values()] + [net.bridge_ns]
+        assert set(names) <= set(network._namespaces())
+    assert not set(names) & set(network._namespaces())
+    # A run killed with SIGKILL cannot clean up; the next one removes what it left.
+    code = ("from experiments.network import Network\nimport time,sys\n"
+            "n = Network(('x',), rate='10mbit').up()\nprint(n.prefix, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    prefix = proc.stdout.readline().strip()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    left = [n for n in network._namespaces() if n.startswith(prefix)]
+    assert len(left) == 2, left
+    removed = network.clean_stale()
+    assert set(left) <= set(removed)
+    assert not [n for n in network._namespaces() if n.startswith(prefix)]
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_sigterm_removes_the_network():
+    code = ("from experiments.network import Network\nimport time\n"
+            "with Network(('x', 'y'), rate='10mbit') as n:\n"
+            "    print(n.prefix, flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    prefix = proc.stdout.readline().strip()
+    assert [n for n in network._namespaces() if n.startswith(prefix)]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    time.sleep(0.2)
+    assert not [n for n in network._namespaces() if n.startswith(prefix)]
