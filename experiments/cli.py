@@ -66,6 +66,19 @@ def _run_options(options, fn):
 run_options = run_options_for()
 
 
+def net_option(fn):
+    """--net RATE: the run on an emulated cluster, for `psar run` and `psar compare`."""
+    return click.option("--net", "net", default=None, metavar="RATE",
+                        help="Emulated cluster: each worker (and, with --set net.placement=separate, "
+                        "each server shard) on a host of its own, every link shaped to RATE each way "
+                        "(tc units: 200mbit, 1gbit). Needs root. --set net.latency_ms=X adds delay.")(fn)
+
+
+def _with_net(overrides, net) -> tuple[str, ...]:
+    """--net RATE is net.rate, set before the --set options (net.latency_ms needs it)."""
+    return ((f"net.rate={net}",) if net else ()) + tuple(overrides)
+
+
 def _with_curve(overrides, curve) -> tuple[str, ...]:
     """--curve DIR is ps.curve_dir, made absolute so every process finds it."""
     return tuple(overrides) + ((f"ps.curve_dir={Path(curve).resolve()}",) if curve else ())
@@ -131,9 +144,10 @@ def list_cmd() -> None:
               default=None, help="Continue the run in this directory from its last checkpoint "
               "(its config; --steps and --set may change it). A finished run is continued "
               "only as a copy in --out.")
+@net_option
 @run_options
 @_friendly
-def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, device, curve, trace,
+def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed, device, curve, trace,
         overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory.
 
@@ -143,7 +157,7 @@ def run(experiment, workers, servers, out, resume_dir, engine, steps, seed, devi
         psar run cnn --engine ps-sync --workers 2 --servers 2 --steps 50 --out runs/cnn-ps
         psar run --resume runs/cnn-ps --steps 100 --out runs/cnn-ps-100
     """
-    overrides = _with_curve(overrides, curve)
+    overrides = _with_net(_with_curve(overrides, curve), net)
     from . import config as config_mod
     from .config import resolve
     from .launcher import launch
@@ -330,9 +344,10 @@ def _csv(kind):
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Run the grid this many times; the table gives each cell's median samples/s "
               "and range, the throughput figure draws the range.")
+@net_option
 @run_options_for(engines=())
 @_friendly
-def compare(name, engines, worker_counts, server_counts, out, plots, repeats, steps, seed, device, curve,
+def compare(name, engines, worker_counts, server_counts, out, plots, repeats, net, steps, seed, device, curve,
             trace, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
     engine changing; write summary.csv, summary.md and the figures.
@@ -344,7 +359,7 @@ def compare(name, engines, worker_counts, server_counts, out, plots, repeats, st
         psar compare quickstart --engines allreduce,ps-sync --workers 1,2 --out runs/cmp
         psar compare straggler --steps 30
     """
-    overrides = _with_curve(overrides, curve)
+    overrides = _with_net(_with_curve(overrides, curve), net)
     from analysis.results import load_runs
     from analysis.table import failed_rows, markdown, rows, write
 

@@ -14,6 +14,7 @@ from ps.config import PSConfig
 from . import data, files, models
 from .checkpoint import CheckpointConfig
 from .faults import FaultConfig
+from .network import NetConfig
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -100,6 +101,8 @@ class RunConfig:
     """Injected faults (a slow worker, a slow link)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints (checkpoint.every=K), for --resume."""
+    net: NetConfig = field(default_factory=NetConfig)
+    """An emulated cluster: a host per worker (and per separate shard), shaped links (--net)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "workers", "servers", "eval_batch_size"):
@@ -118,7 +121,7 @@ class RunConfig:
 
 
 def _section_types() -> dict[str, type]:
-    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig]
+    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]
     return {c.__name__: c for c in classes if isinstance(c, type)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from . import files
 from .checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from .config import RunConfig
 from .engines import get_engine
+from .sites import free_port, sites_for
 from .trace import merge as merge_trace
 from .train import prepare_run_dir
 from .worker import SERVERS_FILE
@@ -22,12 +22,6 @@ from .worker import SERVERS_FILE
 
 class LaunchError(RuntimeError):
     """A process of the run failed; the message names it and quotes its last words."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -61,28 +55,45 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     shapes = {process_shape(cfg) for cfg, _ in jobs}
     if len(shapes) != 1:
         raise ValueError(f"jobs of one batch need the same processes, got {sorted(shapes)}")
+    if len(jobs) > 1 and any(cfg.net.rate for cfg, _ in jobs):  # each its own network and counters
+        return [launch_batch([job], deadline_s, quiet, resume)[0] for job in jobs]
     nprocs, nservers = shapes.pop()
     for cfg, run_dir in jobs if resume else []:  # before anything in the run directory changes
         require_checkpoints(cfg, run_dir)
-    run_dirs = [prepare_run_dir(cfg, run_dir) for cfg, run_dir in jobs]
-    ports = [free_port() for _ in jobs]
-    for run_dir in run_dirs if nservers else []:
-        addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(nservers)]
-        files.write_json(run_dir / SERVERS_FILE, addresses)
-    dirs = [str(d) for d in run_dirs]
-    base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]),
-                PSAR_MASTER_PORTS=",".join(map(str, ports)), PYTHONUNBUFFERED="1")
-    again = ["--resume"] if resume else []
-    procs = [(f"server {s}", [sys.executable, "-m", "experiments.ps_server", *again, str(s), *dirs], base)
-             for s in range(nservers)]
-    procs += [(f"rank {r}", [sys.executable, "-m", "experiments.worker", *again, *dirs],
-               dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nprocs)]
-    run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume)
+    with sites_for(jobs[0][0].net, nprocs, nservers) as sites:
+        run_dirs = [prepare_run_dir(sites.adjust(cfg), run_dir) for cfg, run_dir in jobs]
+        ports = [sites.master_port(i) for i in range(len(jobs))]
+        for run_dir in run_dirs if nservers else []:
+            addresses = [f"tcp://{sites.server(s).addr}:{sites.server_port(s)}" for s in range(nservers)]
+            files.write_json(run_dir / SERVERS_FILE, addresses)
+        dirs = [str(d) for d in run_dirs]
+        base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                    MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(ports[0]),
+                    PSAR_MASTER_PORTS=",".join(map(str, ports)), PYTHONUNBUFFERED="1")
+        again = ["--resume"] if resume else []
+        procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.ps_server",
+                                                        *again, str(s), *dirs]), base)
+                 for s in range(nservers)]
+        procs += [(f"rank {r}", sites.worker(r).wrap([sys.executable, "-m", "experiments.worker", *again, *dirs]),
+                   _gloo_interface(dict(base, RANK=str(r), LOCAL_RANK=str(r)), sites.worker(r).ifname))
+                  for r in range(nprocs)]
+        run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume)
+        network = sites.record()
+    summaries = []
     for (cfg, _), run_dir in zip(jobs, run_dirs):
         if cfg.trace:
             merge_trace(run_dir)  # now with the servers' events too
-    return [json.loads((run_dir / "summary.json").read_text()) for run_dir in run_dirs]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if network is not None:
+            summary["network"] = network
+            files.write_json(run_dir / "summary.json", summary)
+        summaries.append(summary)
+    return summaries
+
+
+def _gloo_interface(env: dict[str, str], ifname: str) -> dict[str, str]:
+    """On an emulated host Gloo must use the host's link, not whatever its hostname resolves to."""
+    return dict(env, GLOO_SOCKET_IFNAME=ifname) if ifname else env
 
 
 def require_checkpoints(cfg: RunConfig, run_dir: Path) -> None:

@@ -118,3 +118,36 @@ def test_sigterm_removes_the_network():
     proc.wait(timeout=30)
     time.sleep(0.2)
     assert not [n for n in network._namespaces() if n.startswith(prefix)]
+
+
+@needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_shaped_runs_compute_what_loopback_computes(tmp_path):
+    """ps-sync with its shard on a host of its own, and all-reduce, each on hosts joined by
+    shaped links, end with the parameters of the local reference (float64, 1e-10)."""
+    from conftest import max_param_diff, run_job
+
+    sets = ("dtype=float64", "threads=1")
+    _, reference = run_job(tmp_path, "quickstart", "local", steps=12, overrides=sets)
+    for engine, extra in (("ps-sync", ("net.placement=separate",)), ("allreduce", ())):
+        summary, state = run_job(tmp_path, "quickstart", engine, steps=12,
+                                 overrides=sets + ("net.rate=1gbit", *extra))
+        assert max_param_diff(state, reference) <= 1e-10, engine
+        hosts = summary["network"]["hosts"]
+        assert set(hosts) == ({"w0", "w1", "s0"} if engine == "ps-sync" else {"w0", "w1"})
+        assert all(h["tx_bytes"] > 0 and h["rx_bytes"] > 0 for h in hosts.values())
+    assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]
+
+
+@needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_failed_shaped_run_leaves_no_host_behind(tmp_path):
+    from experiments.launcher import LaunchError, launch
+    from experiments.presets import build_config
+
+    cfg = build_config("quickstart", ["net.rate=100mbit", "batch_size=100000"], engine="allreduce", steps=2)
+    with pytest.raises(LaunchError, match="rank [01]"):
+        launch(cfg, tmp_path / "run", deadline_s=100, quiet=True)
+    assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]

@@ -1,0 +1,128 @@
+"""Where the processes of a run live: all on loopback, or each on a host of an emulated
+cluster (--net RATE). The launcher asks a Sites object for each process's address and for
+the command line that starts it there; nothing else knows whether a link is shaped."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from dataclasses import dataclass
+
+from .config import RunConfig
+from .network import NetConfig, Network, clean_stale, has_netem, parse_rate, unavailable
+
+MASTER_PORT = 29500  # an emulated host is a new namespace: its ports are all free
+SERVER_PORT = 5555
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One process's place: its address, and how to start a command there."""
+
+    addr: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+    ifname: str = ""
+    """The interface Gloo must use ("" on loopback: its own choice)."""
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return [*self.prefix, *argv]
+
+
+class Loopback:
+    """Every process on 127.0.0.1, on ports that are free now."""
+
+    def __enter__(self) -> "Loopback":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def adjust(self, cfg: RunConfig) -> RunConfig:
+        return cfg
+
+    def worker(self, rank: int) -> Site:
+        return Site()
+
+    def server(self, shard: int) -> Site:
+        return Site()
+
+    def master_port(self, job: int) -> int:
+        return free_port()
+
+    def server_port(self, shard: int) -> int:
+        return free_port()
+
+    def record(self) -> dict | None:
+        return None
+
+
+class Emulated:
+    """A host per worker and, with net.placement=separate, per server shard (co-located
+    shard i shares worker i's host), every link shaped to net.rate each way."""
+
+    def __init__(self, net: NetConfig, workers: int, servers: int) -> None:
+        self.net, self.workers, self.servers = net, workers, servers
+        self.network: Network | None = None
+        self.latency_by = ""
+
+    def __enter__(self) -> "Emulated":
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(f"--net {self.net.rate}: {reason}")
+        clean_stale()  # what a killed run left behind
+        separate = self.net.placement == "separate"
+        names = [f"w{r}" for r in range(self.workers)] + [f"s{s}" for s in range(self.servers if separate else 0)]
+        netem = bool(self.net.latency_ms) and has_netem()
+        self.latency_by = ("netem" if netem else "engine (fault.delay_ms)") if self.net.latency_ms else ""
+        self.network = Network(tuple(names), self.net.rate, self.net.latency_ms if netem else 0.0)
+        self.network.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.network is not None:
+            self.network.__exit__(*exc)
+
+    def adjust(self, cfg: RunConfig) -> RunConfig:
+        """Latency the kernel cannot add (no netem) is added by the engines instead."""
+        if self.latency_by.startswith("engine"):
+            fault = dataclasses.replace(cfg.fault, delay_ms=cfg.fault.delay_ms + self.net.latency_ms)
+            return dataclasses.replace(cfg, fault=fault)
+        return cfg
+
+    def _site(self, name: str) -> Site:
+        host = self.network.hosts[name]
+        return Site(host.addr, tuple(host.argv()), host.ifname)
+
+    def worker(self, rank: int) -> Site:
+        return self._site(f"w{rank}")
+
+    def server(self, shard: int) -> Site:
+        separate = self.net.placement == "separate"
+        return self._site(f"s{shard}" if separate else f"w{shard % self.workers}")
+
+    def master_port(self, job: int) -> int:
+        return MASTER_PORT + job
+
+    def server_port(self, shard: int) -> int:
+        return SERVER_PORT + shard  # co-located shards share a host, not a port
+
+    def record(self) -> dict:
+        """The network for summary.json: what it was and what each host's link carried."""
+        bits = parse_rate(self.net.rate)
+        hosts = {}
+        for name, host in self.network.hosts.items():
+            c = host.counters()
+            hosts[name] = {"addr": host.addr, **c,
+                           "link_s": max(c["tx_bytes"], c["rx_bytes"]) * 8 / bits}
+        return {**self.network.describe(), "placement": self.net.placement,
+                "latency_by": self.latency_by, "hosts": hosts}
+
+
+def sites_for(net: NetConfig, workers: int, servers: int) -> Loopback | Emulated:
+    return Emulated(net, workers, servers) if net.rate else Loopback()
