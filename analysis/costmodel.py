@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .linkmodel import run_link_time
 from .results import Run, median
 
 MIB = 2**20
@@ -266,9 +267,11 @@ def run_buckets(run: Run, nbytes: float) -> int:
 
 # ---------------------------------------------------------------- validation against runs
 
-def validate(model: CostModel, runs: Iterable[Run]) -> list[dict]:
+def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
     """Predicted against measured step time, one row per run, each with its own T_c and M.
 
+    A run on an emulated network (--net) is predicted from its link's rate alone
+    (analysis/linkmodel.py), the others from the fitted model (None: only networked runs).
     ddp runs are left out: DDP communicates inside backward, so its compute and communication
     are not measured apart and T_c cannot be read off them.
     """
@@ -282,11 +285,18 @@ def validate(model: CostModel, runs: Iterable[Run]) -> list[dict]:
         nbytes = wire_bytes(run)
         buckets = run_buckets(run, nbytes) if label in LIBRARY_LABELS + RING_LABELS else None
         compute_s = compute_time(run)
-        predicted = model.predict_step(label, workers, servers or 1, nbytes, compute_s, buckets or 1)
+        link = run_link_time(run, nbytes)
+        if link is not None:
+            predicted, basis = compute_s + link, f"link {run.summary['network']['rate']}"
+        elif model is None:
+            raise ValueError(f"{run.path} ran on loopback: its prediction needs a bench fit (--bench)")
+        else:
+            predicted = model.predict_step(label, workers, servers or 1, nbytes, compute_s, buckets or 1)
+            basis = "bench fit"
         measured = measured_step(run)
         rows.append({"label": label, "workers": workers, "servers": servers,
                      "M_MB": nbytes / 1e6, "buckets": buckets, "compute_s": compute_s,
-                     "predicted_s": predicted, "measured_s": measured,
+                     "predicted_s": predicted, "measured_s": measured, "basis": basis,
                      "error": predicted / measured - 1.0})
     return sorted(rows, key=lambda r: (r["label"], r["workers"], r["servers"] or 0))
 
@@ -294,14 +304,14 @@ def validate(model: CostModel, runs: Iterable[Run]) -> list[dict]:
 def format_validation(rows: list[dict], tolerance: float = 0.25) -> str:
     """A plain text table of validate()'s rows, ending with how many are within `tolerance`."""
     head = (f"{'engine':<18} {'N':>4} {'S':>4} {'M(MB)':>9} {'B':>3} {'compute(s)':>11} "
-            f"{'predicted(s)':>13} {'measured(s)':>12} {'error':>8}")
+            f"{'predicted(s)':>13} {'measured(s)':>12} {'error':>8}  basis")
     lines = [head]
     for r in rows:
         servers = "-" if r["servers"] is None else str(r["servers"])
         buckets = "-" if r.get("buckets") is None else str(r["buckets"])
         lines.append(f"{r['label']:<18} {r['workers']:>4} {servers:>4} {r['M_MB']:>9.3f} {buckets:>3} "
                      f"{r['compute_s']:>11.4f} {r['predicted_s']:>13.4f} {r['measured_s']:>12.4f} "
-                     f"{r['error']:>+8.1%}")
+                     f"{r['error']:>+8.1%}  {r.get('basis', '')}")
     within = sum(1 for r in rows if abs(r["error"]) <= tolerance)
     lines.append(f"within {tolerance:.0%}: {within} of {len(rows)} runs")
     return "\n".join(lines)

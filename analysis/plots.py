@@ -25,13 +25,14 @@ MARKERS = ("o", "s", "D", "^", "v")  # by server count: 1, 2, 3, ...
 # -- shared set-up -----------------------------------------------------------------------
 
 @contextmanager
-def _figure(path: Path, title: str, xlabel: str, ylabel: str):
-    """Yield the axes of a new figure; then label it, add the legend, save it to `path`
-    and close it (also when drawing failed, so no figure leaks)."""
+def _figure(path: Path, title: str, xlabel: str, ylabel: str, runs: list[Run] = ()):
+    """Yield the axes of a new figure; then label it (the title names the runs' network),
+    add the legend, save it to `path` and close it (also when drawing failed, so no figure
+    leaks)."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     try:
         yield ax
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.set(title=title + _network(runs), xlabel=xlabel, ylabel=ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
@@ -39,6 +40,17 @@ def _figure(path: Path, title: str, xlabel: str, ylabel: str):
         fig.savefig(path, dpi=style.DPI)
     finally:
         plt.close(fig)
+
+
+def _network(runs: list[Run]) -> str:
+    """" on 200mbit links" for runs on an emulated network (the placements, when they differ
+    from co-located); "" on loopback."""
+    nets = {(n["rate"], n.get("placement", "colocated")) for run in runs if (n := run.summary.get("network"))}
+    if not nets:
+        return ""
+    rates = sorted({rate for rate, _ in nets})
+    separate = any(p == "separate" for _, p in nets)
+    return f"\non {', '.join(rates)} links" + (" (some shards on hosts of their own)" if separate else "")
 
 
 def _order(run: Run) -> tuple:
@@ -127,7 +139,7 @@ def loss_vs_step(runs: list[Run], out_dir: Path) -> Path | None:
         return None
     path = Path(out_dir) / "loss_vs_step.png"
     with _figure(path, "Training loss by step", "step (optimizer updates)",
-                 "training loss, mean over ranks (nats)") as ax:
+                 "training loss, mean over ranks (nats)", runs) as ax:
         for run in runs:
             loss = _mean_loss(run)
             ax.plot(list(loss), list(loss.values()), **_line(run, runs))
@@ -141,7 +153,7 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
         return None
     path = Path(out_dir) / "loss_vs_time.png"
     with _figure(path, "Training loss by wall-clock time", "wall-clock time, rank 0 (s)",
-                 "training loss, mean over ranks (nats)") as ax:
+                 "training loss, mean over ranks (nats)", runs) as ax:
         for run in runs:
             loss = _mean_loss(run)
             rank0 = run.metrics[0]
@@ -165,7 +177,7 @@ def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
         return None
     path = Path(out_dir) / "throughput_vs_workers.png"
     with _figure(path, "Throughput against workers", "workers (log2 scale)",
-                 "throughput, all workers (samples/s)") as ax:
+                 "throughput, all workers (samples/s)", runs) as ax:
         for name, by_workers in groups.items():
             run, workers = first[name], sorted(by_workers)
             throughput = [median(by_workers[n]) for n in workers]
@@ -198,7 +210,7 @@ def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
     splits = [step_split(run) for run in runs]
     path = Path(out_dir) / "step_breakdown.png"
     with _figure(path, "Where a step's time goes (warm-up step left out)",
-                 "run (engine label x workers)", "mean time per step and rank (ms)") as ax:
+                 "run (engine label x workers)", "mean time per step and rank (ms)", runs) as ax:
         x = range(len(runs))
         bottom = [0.0] * len(runs)
         for part, key in (("compute", "compute_s"), ("communication", "comm_s"),
@@ -230,7 +242,7 @@ def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
     width = 0.8 / len(series)
     path = Path(out_dir) / "staleness_histogram.png"
     with _figure(path, "Staleness of pushes", "staleness (server versions)",
-                 "fraction of pushes") as ax:
+                 "fraction of pushes", runs) as ax:
         for i, (run, counts) in enumerate(series):
             total = sum(counts.values())
             offset = (i - (len(series) - 1) / 2) * width

@@ -21,6 +21,9 @@ COLUMNS = [
     ("eval", "eval"),
     ("comm_share", "comm share of step"),
     ("mb_per_worker_step", "MB/worker/step"),
+    ("step_s", "step (s)"),
+    ("theory_step_s", "link theory (s)"),
+    ("measured_over_theory", "measured/theory"),
     ("staleness_median", "staleness p50"),
     ("staleness_p99", "staleness p99"),
     ("note", "note"),
@@ -28,7 +31,8 @@ COLUMNS = [
 """Every column of summary.csv; summary.md leaves out those that are empty in every row
 (runs and the range appear with --repeats, note where a figure needs one)."""
 
-OPTIONAL = ("runs", "samples_per_sec_range", "steps_to_target", "time_to_target_s", "note")
+OPTIONAL = ("runs", "samples_per_sec_range", "steps_to_target", "time_to_target_s", "step_s",
+            "theory_step_s", "measured_over_theory", "note")
 
 FEW_STEPS = 10
 """A throughput from fewer steady steps than this is marked in the note."""
@@ -67,8 +71,12 @@ def _notes(runs: list[Run]) -> str:
 
 
 def _cell(run: Run) -> tuple:
-    """The grid cell a run belongs to: repeats of one cell are summarised in one row."""
-    return run.label, run.summary["workers"], run.summary.get("servers", 1) if run.engine.startswith("ps-") else ""
+    """The grid cell a run belongs to: repeats of one cell are summarised in one row. On an
+    emulated network a ps-* run's servers say where the shards were: "2 separate"."""
+    if not run.engine.startswith("ps-"):
+        return run.label, run.summary["workers"], ""
+    servers, net = run.summary.get("servers", 1), run.summary.get("network")
+    return run.label, run.summary["workers"], f"{servers} {net.get('placement', 'colocated')}" if net else servers
 
 
 def failed_rows(failures: list[dict]) -> list[dict]:
@@ -83,7 +91,7 @@ def rows(runs: list[Run]) -> list[dict]:
     (--repeats) shows the median samples/s and final loss and the samples/s range; the
     other columns pool the records of its runs."""
     cells: dict[tuple, list[Run]] = {}
-    for run in sorted(runs, key=_cell):
+    for run in sorted(runs, key=lambda r: (*_cell(r)[:2], str(_cell(r)[2]))):
         cells.setdefault(_cell(run), []).append(run)
     rates = {cell: [r.summary["samples_per_sec"] for r in group if r.summary.get("samples_per_sec")]
              for cell, group in cells.items()}
@@ -96,6 +104,7 @@ def rows(runs: list[Run]) -> list[dict]:
         staleness = [v for run in group for v in _staleness(run)]
         rate, base = median(rates[cell]), one_worker.get(label)
         reached = [hit for run in group if (hit := time_to_target(run))]
+        theory = _link_theory(group)
         target = group[0].config.get("target_loss") or 0.0
         out.append({
             "engine": label,
@@ -113,11 +122,30 @@ def rows(runs: list[Run]) -> list[dict]:
             "eval": _eval_text(group[0].summary),
             "comm_share": sum(r["comm_s"] for r in records) / step_time if step_time else None,
             "mb_per_worker_step": sum(r.summary["bytes_per_worker_per_step"] for r in group) / len(group) / 1e6,
+            **theory,
             "staleness_median": median(staleness),
             "staleness_p99": quantile(staleness, 0.99),
             "note": _notes(group) or None,
         })
     return out
+
+
+def _link_theory(group: list[Run]) -> dict:
+    """On an emulated network: the measured step, the step the link model predicts from the
+    rate (compute + the busiest link's bytes at the rate) and their ratio; else nothing."""
+    from .costmodel import compute_time, measured_step, wire_bytes
+    from .linkmodel import run_link_time
+
+    pairs = []
+    for run in group:
+        if run.summary.get("network") and run.records():
+            link = run_link_time(run, wire_bytes(run))
+            if link is not None:
+                pairs.append((measured_step(run), compute_time(run) + link))
+    if not pairs:
+        return {}
+    step, theory = median([m for m, _ in pairs]), median([t for _, t in pairs])
+    return {"step_s": step, "theory_step_s": theory, "measured_over_theory": step / theory}
 
 
 def _steady(run: Run) -> list[dict]:

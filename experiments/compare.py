@@ -5,31 +5,39 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from .comparisons import Variant
 from .presets import build_config
 from .engines import get_engine
 from .launcher import LaunchError, launch
 
 
-def run_grid(experiment: str, engines: list[str], workers: list[int], servers: list[int],
+def variants_of(engines: list[str], servers: list[int]) -> list[Variant]:
+    """The plain grid: every engine, and each ps-* engine with every shard count."""
+    return [Variant(e, s) for e in engines for s in (servers if get_engine(e).uses_servers else [1])]
+
+
+def run_grid(experiment: str, variants: list[Variant], workers: list[int],
              out: Path, overrides=(), steps: int | None = None, seed: int | None = None,
              device: str | None = None, trace: bool | None = None,
              echo: Callable[[str], None] = print, repeats: int = 1) -> tuple[list[Path], list[dict]]:
-    """Launch every (engine, workers[, servers]) run into out/runs/, `repeats` times: the
-    whole grid once, then again, so that a noisy minute touches one run of each cell, not
-    all of them (run directories get -r2, -r3, ... after the first).
+    """Launch every (variant, workers) run into out/runs/, `repeats` times: the whole grid
+    once, then again, so that a noisy minute touches one run of each cell, not all of them
+    (run directories get -r2, -r3, ... after the first).
 
     Returns the directories of the runs that finished, and one dict per run that failed
     (engine, workers, servers, error): a failed cell is reported, the grid goes on.
     """
     cells = []
-    for engine_name in engines:
-        with_servers = get_engine(engine_name).uses_servers
+    for variant in variants:
+        with_servers = get_engine(variant.engine).uses_servers
         for n in workers:
-            for s in servers if with_servers else [1]:
-                cfg = build_config(experiment, overrides, engine=engine_name, workers=n, servers=s,
-                                   steps=steps, seed=seed, device=device, trace=trace)
-                cells.append((cfg, f"{engine_name}-w{n}" + (f"-s{s}" if with_servers else ""),
-                              f"{n} worker(s)" + (f", {s} server shard(s)" if with_servers else "")))
+            s = variant.shards(n)
+            cfg = build_config(experiment, tuple(overrides) + variant.overrides, engine=variant.engine,
+                               workers=n, servers=s, steps=steps, seed=seed, device=device, trace=trace)
+            where = f"-{cfg.net.placement}" if with_servers and cfg.net.rate else ""
+            cells.append((cfg, f"{variant.engine}-w{n}" + (f"-s{s}{where}" if with_servers else ""),
+                          f"{n} worker(s)" + (f", {s} server shard(s){where.replace('-', ' ')}"
+                                              if with_servers else "")))
     run_dirs, failures = [], []
     for repeat in range(1, repeats + 1):
         for cfg, name, shape in cells:

@@ -7,6 +7,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One line of a comparison: an engine with its shard count and settings."""
+
+    engine: str
+    servers: int | str = 1
+    """Shards (ps-* engines): a count, or "N" for one per worker."""
+    overrides: tuple[str, ...] = ()
+    """`--set` overrides of this variant alone (after the comparison's)."""
+
+    def shards(self, workers: int) -> int:
+        return workers if self.servers == "N" else int(self.servers)
+
+
+@dataclass(frozen=True)
 class Comparison:
     name: str
     """What `psar compare` is given."""
@@ -22,6 +36,11 @@ class Comparison:
     """`--set` overrides applied to every run (`--set` on the command line comes after)."""
     steps: int | None = None
     """Steps of every run (None: the experiment's); `--steps` on the command line wins."""
+    variants: tuple[Variant, ...] = ()
+    """Engines with their own shard counts and settings, in place of engines x servers
+    (`--engines` and `--servers` then pick the variants' engines and counts)."""
+    net: str = ""
+    """The link rate the comparison is about (--net; the command line's wins); "": loopback."""
     claim: str = ""
     """The result the comparison reproduces, in one sentence."""
 
@@ -36,6 +55,20 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
         overrides=("fault.slow_rank=1", "fault.slow_factor=4"), steps=60,
         claim="One worker 4x slower: sync and all-reduce wait for it every step, async does "
               "not, and ssp waits only when the gap exceeds its staleness bound."),
+    Comparison(
+        "link-scaling", "mlp-mid", ("allreduce", "ps-sync"), (2, 4), steps=8, net="200mbit",
+        variants=(Variant("allreduce"), Variant("ps-sync", 1, ("net.placement=separate",)),
+                  Variant("ps-sync", "N", ("net.placement=colocated",))),
+        claim="On links of a fixed rate, the ring's bytes per link stay 2(N-1)/N of the gradient "
+              "as N grows, one server shard's link carries N times it, and N shards co-located "
+              "with the workers carry what the ring does."),
+    Comparison(
+        "spare-servers", "mlp-mid", ("allreduce", "ps-sync"), (4,), steps=8, net="200mbit",
+        variants=(Variant("allreduce"),) + tuple(Variant("ps-sync", k, ("net.placement=separate",))
+                                                  for k in (1, 2, 4)),
+        claim="Spare CPU hosts as server shards: with k shards of their own a worker's link carries "
+              "M each way and the shards N*M/k, so from k = N on the parameter server needs M/B "
+              "where the ring needs 2(N-1)/N*M/B (BytePS)."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,

@@ -24,6 +24,14 @@ def mlp_wide() -> RunConfig:
                      optim=OptimConfig("sgd", lr=0.05, momentum=0.9))
 
 
+def mlp_mid() -> RunConfig:
+    """784-2048-2048-10 (5.8 M parameters, 23 MB of float32 gradients per step): link-bound on
+    a few hundred Mbit/s while its compute stays small on 2 cores (--net comparisons)."""
+    return RunConfig(experiment="mlp-mid", model=MLPConfig(784, (2048, 2048), 10),
+                     data=DigitsConfig(size=28), steps=30, batch_size=64, target_loss=0.8,
+                     optim=OptimConfig("sgd", lr=0.05, momentum=0.9))
+
+
 def cnn() -> RunConfig:
     """Two conv layers with BatchNorm on digits upsampled to 28x28; BatchNorm statistics
     follow rank 0 (broadcast every step), its batch statistics stay per worker."""
@@ -49,6 +57,7 @@ def logreg_sparse() -> RunConfig:
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "quickstart": quickstart,
     "mlp-wide": mlp_wide,
+    "mlp-mid": mlp_mid,
     "cnn": cnn,
     "gpt-char": gpt_char,
     "logreg-sparse": logreg_sparse,

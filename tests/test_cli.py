@@ -191,8 +191,9 @@ def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
 
     seen = {}
 
-    def grid(experiment, engines, workers, servers, out, overrides, steps, *args, **kwargs):
-        seen.update(experiment=experiment, engines=engines, workers=workers, steps=steps, overrides=overrides)
+    def grid(experiment, variants, workers, out, overrides, steps, *args, **kwargs):
+        seen.update(experiment=experiment, engines=[v.engine for v in variants], workers=workers, steps=steps,
+                    overrides=overrides)
         return [], []
 
     monkeypatch.setattr(experiments.compare, "run_grid", grid)
