@@ -1,32 +1,41 @@
-"""The link model's bytes per host, case by case (M = 1, so the figures are fractions of M)."""
+"""The link model's bytes per host and phase, case by case (M = 1: fractions of M)."""
 
 import pytest
 
-from analysis.linkmodel import host_bytes, link_time
+from analysis.linkmodel import link_time, phases
+
+
+def _busiest(label, n, s, placement):
+    return [max(max(o, i) for o, i in phase.values()) for phase in phases(label, n, s, 1.0, placement)]
 
 
 @pytest.mark.parametrize("label,n,s,placement,expected", [
-    ("allreduce", 2, 1, "colocated", {"w0": 1.0, "w1": 1.0}),
-    ("allreduce/ring", 4, 1, "colocated", {f"w{i}": 1.5 for i in range(4)}),
-    ("ddp", 1, 1, "colocated", {"w0": 0.0}),
-    ("local", 2, 1, "colocated", {"w0": 0.0, "w1": 0.0}),
-    ("ps-sync", 2, 1, "separate", {"w0": 1.0, "w1": 1.0, "s0": 2.0}),
-    ("ps-sync", 4, 2, "separate", {"w0": 1.0, "w1": 1.0, "w2": 1.0, "w3": 1.0, "s0": 2.0, "s1": 2.0}),
-    ("ps-async", 4, 4, "colocated", {f"w{i}": 1.5 for i in range(4)}),  # the ring's
-    ("ps-sync", 4, 1, "colocated", {"w0": 3.0, "w1": 1.0, "w2": 1.0, "w3": 1.0}),
-    ("ps-sync", 2, 2, "colocated", {"w0": 1.0, "w1": 1.0}),
-    ("ps-sync", 1, 1, "colocated", {"w0": 0.0}),
+    ("allreduce", 2, 1, "colocated", [1.0]),
+    ("allreduce/ring", 4, 1, "colocated", [1.5]),
+    ("ddp", 1, 1, "colocated", [0.0]),
+    ("local", 2, 1, "colocated", []),
+    ("ps-sync", 2, 1, "separate", [2.0, 2.0]),      # the shard's link: N*M in, then N*M out
+    ("ps-sync", 4, 1, "separate", [4.0, 4.0]),      # twice the 2-worker time
+    ("ps-sync", 4, 2, "separate", [2.0, 2.0]),
+    ("ps-sync", 4, 4, "separate", [1.0, 1.0]),      # the workers' own links bound it
+    ("ps-async", 4, 4, "colocated", [0.75, 0.75]),  # the ring's 1.5 in all
+    ("ps-sync", 4, 1, "colocated", [3.0, 3.0]),     # shard 0's host serves the 3 others
+    ("ps-sync", 1, 1, "colocated", [0.0, 0.0]),
 ])
-def test_bytes_each_host_carries(label, n, s, placement, expected):
-    got = host_bytes(label, n, s, 1.0, placement)
-    assert {h: out for h, (out, _) in got.items()} == pytest.approx(expected)
-    assert all(out == inn for out, inn in got.values())  # every case here is symmetric
+def test_busiest_link_of_each_phase(label, n, s, placement, expected):
+    assert _busiest(label, n, s, placement) == pytest.approx(expected)
 
 
-def test_link_time_is_the_busiest_host_at_the_rate():
+def test_pull_phase_mirrors_the_push_phase():
+    push, pull = phases("ps-sync", 4, 2, 1.0, "separate")
+    assert push["w0"] == (1.0, 0.0) and pull["w0"] == (0.0, 1.0)
+    assert push["s1"] == (0.0, 2.0) and pull["s1"] == (2.0, 0.0)
+
+
+def test_link_time_at_the_rate():
     # 80.15 MB through a 200 Mbit/s link once each way: the interface's 3.2 s.
     assert link_time("allreduce", 2, 1, 80.15e6, 200e6) == pytest.approx(3.206)
-    assert link_time("ps-sync", 4, 1, 80.15e6, 200e6, "separate") == pytest.approx(2 * link_time(
-        "ps-sync", 2, 1, 80.15e6, 200e6, "separate"))
+    two, four = (link_time("ps-sync", n, 1, 80.15e6, 200e6, "separate") for n in (2, 4))
+    assert four == pytest.approx(2 * two)
     with pytest.raises(ValueError, match="placement"):
         link_time("ps-sync", 2, 1, 1.0, 1.0, "sideways")
