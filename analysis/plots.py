@@ -218,7 +218,8 @@ def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
             heights = [1e3 * split[key] for split in splits]
             bars = ax.bar(x, heights, 0.6, bottom=bottom, label=part, **style.COMPONENTS[part])
             bottom = [b + h for b, h in zip(bottom, heights)]
-        ax.bar_label(bars, labels=[f"{total:.3g}" for total in bottom], fontsize="x-small", padding=2)
+        ax.bar_label(bars, labels=[f"{t:.3g}" if t < 1000 else f"{t:.0f}" for t in bottom],
+                     fontsize="x-small", padding=2)
         ax.set_ylim(0, 1.12 * max(bottom, default=1.0) or 1.0)  # room for the totals
         ddp = any(run.engine == "ddp" for run in runs)
         ax.set_xticks(x, [style.label_of(run, workers=True) + ("*" if run.engine == "ddp" else "")

@@ -66,9 +66,10 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
         "spare-servers", "mlp-mid", ("allreduce", "ps-sync"), (4,), steps=8, net="200mbit",
         variants=(Variant("allreduce"),) + tuple(Variant("ps-sync", k, ("net.placement=separate",))
                                                   for k in (1, 2, 4)),
-        claim="Spare CPU hosts as server shards: with k shards of their own a worker's link carries "
-              "M each way and the shards N*M/k, so from k = N on the parameter server needs M/B "
-              "where the ring needs 2(N-1)/N*M/B (BytePS)."),
+        claim="Spare CPU hosts as server shards: with k shards of their own, a shard's link carries "
+              "N*M/k each way, so the step falls as k grows until the workers' own links bound it "
+              "at k = N (push M, then pull M: 2M/B, against the ring's 2(N-1)/N*M/B; a server "
+              "that answered each key's pulls while other keys are still pushed would need M/B)."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,
