@@ -287,7 +287,9 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
         compute_s = compute_time(run)
         link = run_link_time(run, nbytes)
         if link is not None:
-            predicted, basis = compute_s + link, f"link {run.summary['network']['rate']}"
+            net = run.summary["network"]
+            where = f", shards {net.get('placement', 'colocated')}" if label in PS_LABELS else ""
+            predicted, basis = compute_s + link, f"link {net['rate']}{where}"
         elif model is None:
             raise ValueError(f"{run.path} ran on loopback: its prediction needs a bench fit (--bench)")
         else:

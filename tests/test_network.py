@@ -129,9 +129,9 @@ def test_shaped_runs_compute_what_loopback_computes(tmp_path):
     from conftest import max_param_diff, run_job
 
     sets = ("dtype=float64", "threads=1")
-    _, reference = run_job(tmp_path, "quickstart", "local", steps=12, overrides=sets)
+    _, reference = run_job(tmp_path, "quickstart", "local", steps=6, overrides=sets)
     for engine, extra in (("ps-sync", ("net.placement=separate",)), ("allreduce", ())):
-        summary, state = run_job(tmp_path, "quickstart", engine, steps=12,
+        summary, state = run_job(tmp_path, "quickstart", engine, steps=6,
                                  overrides=sets + ("net.rate=1gbit", *extra))
         assert max_param_diff(state, reference) <= 1e-10, engine
         hosts = summary["network"]["hosts"]
