@@ -44,14 +44,37 @@ def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dic
 
 
 def wait_for_steps(run_dir: Path, rank: int, steps: int, timeout: float = 150.0) -> None:
-    """Until `rank` has logged `steps` steps: kill tests strike mid-run, not before."""
+    """Until `rank` has logged `steps` steps: kill tests strike mid-run, not before. If a
+    process registered with `started` ends first, or the time runs out, the test fails at once
+    with every such process's output (they are killed for it)."""
     path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
     deadline = time.monotonic() + timeout
+    why = f"did not reach step {steps} within {timeout} s"
     while time.monotonic() < deadline:
         if path.exists() and len(path.read_text().splitlines()) >= steps:
             return
+        ended = [p for p in STARTED if p.poll() is not None]
+        if ended:
+            why = f"had not reached step {steps} when a process of the run ended"
+            break
         time.sleep(0.1)
-    pytest.fail(f"rank {rank} did not reach step {steps} within {timeout} s")
+    done = len(path.read_text().splitlines()) if path.exists() else 0
+    pytest.fail(f"rank {rank} {why} (it logged {done}):\n{_outputs()}", pytrace=False)
+
+
+def _outputs() -> str:
+    """The output of every started process, killing those still running."""
+    parts = []
+    for proc in STARTED:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            out = "(no output)"
+        command = " ".join(map(str, proc.args[3:6])) if isinstance(proc.args, list) else str(proc.args)
+        parts.append(f"--- {command} (exit {proc.returncode}):\n{(out or '')[-1500:]}")
+    return "\n".join(parts)
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -21,7 +21,9 @@ from experiments.launcher import free_port
 pytestmark = [pytest.mark.multiprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST_LIVENESS = ["--set", "ps.timeout_s=6", "--set", "ps.heartbeat_s=0.2", "--set", "ps.worker_timeout_s=3"]
+# Heartbeats and liveness fast; the join window (ps.timeout_s) long enough for every process
+# to start under load (round 3 of a loaded `make stress` saw a worker join after more than 6 s).
+FAST_LIVENESS = ["--set", "ps.timeout_s=30", "--set", "ps.heartbeat_s=0.2", "--set", "ps.worker_timeout_s=3"]
 
 
 def psar(*args, env=None) -> subprocess.Popen:
@@ -114,7 +116,7 @@ def test_a_worker_with_other_settings_is_refused(tmp_path):
     """One worker given another --seed (a shard checks at join), then two all-reduce workers
     given other --steps (rank 0 checks at rendezvous): each is refused, naming the setting."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    common = ["--engine", "ps-sync", *FAST_LIVENESS]
+    common = ["--engine", "ps-sync", *FAST_LIVENESS, "--set", "ps.timeout_s=6"]  # worker 1 never joins
     server = psar("server", "--bind", address, "--experiment", "quickstart", "--workers", 2,
                   "--out", tmp_path / "ps", *common)
     workers = [psar("worker", "quickstart", "--servers", address, "--rank", rank, "--world", 2,
