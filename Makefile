@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/psar bench
+	$(PY) -m pytest -m long -s -p no:cacheprovider
 
 # Timing bugs: the multi-process tests ROUNDS times (LOAD=1 keeps every core busy meanwhile).
 ROUNDS ?= 10
