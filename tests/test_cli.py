@@ -108,6 +108,8 @@ def test_worker_reads_rank_and_world_from_the_environment(tmp_path):
     result = invoke("worker", "quickstart", "--engine", "allreduce", "--steps", 3, "--out",
                     tmp_path / "w", env=env)
     assert result.exit_code == 0, result.output
+    assert "quickstart/allreduce x1: final loss" in result.output  # what `psar run` prints
+    assert f"run directory: {tmp_path / 'w'}" in result.output
     _check_run_dir(tmp_path / "w", "quickstart", "allreduce", 1, 3)
 
 
