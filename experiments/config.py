@@ -26,7 +26,7 @@ class OptimConfig:
     """The optimizer every engine runs: locally (all-reduce, ddp, local) or on the server (ps-*)."""
 
     name: str = "sgd"
-    """'sgd' (with optional momentum), 'adam' or 'adamw'."""
+    """'sgd' (with optional momentum), 'adam', 'adamw' or 'adagrad'."""
     lr: float = 0.05
     """Learning rate."""
     momentum: float = 0.0
@@ -39,8 +39,8 @@ class OptimConfig:
     """Adam's second-moment decay."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"optim.name={self.name!r}: expected sgd, adam or adamw")
+        if self.name not in ("sgd", "adam", "adamw", "adagrad"):
+            raise ValueError(f"optim.name={self.name!r}: expected sgd, adam, adamw or adagrad")
         if not self.lr > 0:
             raise ValueError(f"optim.lr={self.lr}: must be > 0")
 
@@ -49,6 +49,8 @@ class OptimConfig:
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
                                    weight_decay=self.weight_decay)
+        if self.name == "adagrad":  # a row with no gradient is left as it is, as in a sparse update
+            return torch.optim.Adagrad(params, lr=self.lr, weight_decay=self.weight_decay)
         cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
         return cls(params, lr=self.lr, betas=(self.beta1, self.beta2),
                    weight_decay=self.weight_decay)
@@ -152,6 +154,10 @@ def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
 
     try:
         config = dataclasses.replace(base, **{k: v for k, v in fields.items() if v is not None})
-        return apply_overrides(config, overrides)
+        config = apply_overrides(config, overrides)
+        check = getattr(config.model, "check_data", None)  # after every override: they come one by one
+        if check is not None:
+            check(config.data)
+        return config
     except (TypeError, ValueError) as err:
         raise OverrideError(str(err)) from None

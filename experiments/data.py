@@ -7,6 +7,7 @@ the same tensors, and rank r of N gets the same shard and batches whatever the e
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-TASK_NAMES = ("classify", "lm", "binary")
+TASK_NAMES = ("classify", "lm", "binary", "click")
 
 # Fixed, corpus-independent vocabulary, so a model's shape never depends on the text read.
 VOCAB = "\n\t" + "".join(chr(c) for c in range(32, 127))
@@ -226,6 +227,64 @@ class SparseConfig:
         return Dataset(
             (indices[:cut], values[:cut]), targets[:cut], (indices[cut:], values[cut:]), targets[cut:], "binary"
         )
+
+
+@dataclass(frozen=True)
+class ClickConfig:
+    """Synthetic click logs in the DLRM setting: dense features plus one id per embedding
+    table, the ids Zipf-distributed (a few rows are hot, most are rarely touched), and labels
+    drawn from a planted model (per-id effects, pairwise latent interactions between tables,
+    a linear term in the dense features), so that the loss can really fall."""
+
+    samples: int = 200_000
+    """Number of examples, train and test together."""
+    dense: int = 13
+    """Dense features per example (Criteo's count)."""
+    tables: tuple[int, ...] = (2**18, 2**18, 2**18, 2**18)
+    """Rows of each embedding table; an example holds one id in each."""
+    zipf: float = 1.1
+    """Skew s of the ids: P(the k-th most frequent id) is proportional to 1/k**s (0: uniform)."""
+    test_fraction: float = 0.1
+    """Share of the examples held out for evaluation."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", tuple(self.tables))  # JSON gives a list
+        for name in ("samples", "dense"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.tables or any(type(r) is not int or r < 2 for r in self.tables):
+            raise ValueError(f"tables must be row counts >= 2, got {self.tables}")
+        if self.zipf < 0:
+            raise ValueError(f"zipf must be >= 0, got {self.zipf}")
+        _check_fraction("test_fraction", self.test_fraction)
+
+    def build(self, seed: int) -> Dataset:
+        g = _generator(seed)
+        n, latent = self.samples, 4
+        dense = torch.randn(n, self.dense, generator=g)
+        logit = dense @ (torch.randn(self.dense, generator=g) * 0.3)
+        ids, vectors = [], []
+        for rows in self.tables:
+            column = zipf_ids(n, rows, self.zipf, g)
+            ids.append(column)
+            logit += torch.randn(rows, generator=g)[column] * 0.8  # each id's own effect
+            vectors.append(torch.randn(rows, latent, generator=g)[column] / math.sqrt(latent))
+        for a in range(len(vectors)):  # what a dot-product interaction can learn
+            for b in range(a + 1, len(vectors)):
+                logit += (vectors[a] * vectors[b]).sum(dim=1)
+        targets = (torch.sigmoid(logit - 1.0) > torch.rand(n, generator=g)).to(torch.float32)
+        ids = torch.stack(ids, dim=1)
+        n_test = min(n - 1, max(1, round(n * self.test_fraction)))
+        cut = n - n_test
+        return Dataset((dense[:cut], ids[:cut]), targets[:cut], (dense[cut:], ids[cut:]), targets[cut:], "click")
+
+
+def zipf_ids(n: int, rows: int, s: float, g: torch.Generator) -> torch.Tensor:
+    """n ids in 0..rows-1, the k-th most frequent drawn with probability ~ 1/k**s; which id is
+    the k-th most frequent is a seeded permutation, so hot ids are spread over the table."""
+    weights = torch.arange(1, rows + 1, dtype=torch.float64).pow(-s)
+    ranks = torch.multinomial(weights, n, replacement=True, generator=g)
+    return torch.randperm(rows, generator=g)[ranks]
 
 
 def shard_indices(n: int, rank: int, world: int, seed: int) -> torch.Tensor:

@@ -214,3 +214,71 @@ class SparseLogReg(nn.Module):
 
     def forward(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return self.weight(indices, per_sample_weights=values).squeeze(-1) + self.bias
+
+
+@dataclass(frozen=True)
+class DLRMConfig:
+    """DLRM (Naumov et al., 2019): a bottom MLP over the dense features, one embedding table
+    per sparse feature, pairwise dot products between all of them, a top MLP to one logit."""
+
+    dense: int = 13
+    """Dense input features (the data's `dense`)."""
+    tables: tuple[int, ...] = (2**18, 2**18, 2**18, 2**18)
+    """Rows of each embedding table (the data's `tables`)."""
+    dim: int = 16
+    """Embedding width; the bottom MLP ends at this width too."""
+    bottom: tuple[int, ...] = (64,)
+    """Hidden widths of the bottom MLP."""
+    top: tuple[int, ...] = (64,)
+    """Hidden widths of the top MLP."""
+
+    def __post_init__(self) -> None:
+        for name in ("tables", "bottom", "top"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))  # JSON gives lists
+        _check_positive(self, "dense", "dim")
+        if not self.tables or any(r < 1 for r in self.tables):
+            raise ValueError(f"DLRMConfig.tables must be positive row counts, got {self.tables}")
+
+    def check_data(self, data: object) -> None:
+        """The data must have the features this model reads."""
+        for name in ("dense", "tables"):
+            if getattr(data, name, None) != getattr(self, name):
+                raise ValueError(f"model.{name}={getattr(self, name)} but data.{name}={getattr(data, name, None)}: "
+                                 f"set both (--set model.{name}=... --set data.{name}=...)")
+
+    def build(self) -> nn.Module:
+        return DLRM(self)
+
+
+def _mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if last_relu or i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """(dense (B, D) float, ids (B, T) int64) -> logits (B,)."""
+
+    def __init__(self, cfg: DLRMConfig) -> None:
+        super().__init__()
+        self.bottom = _mlp([cfg.dense, *cfg.bottom, cfg.dim], last_relu=True)
+        # sparse=False: every engine moves dense gradients today; rows an example did not touch
+        # get zeros, which SGD and Adagrad leave unchanged.
+        self.tables = nn.ModuleList(nn.Embedding(rows, cfg.dim) for rows in cfg.tables)
+        for table, rows in zip(self.tables, cfg.tables):
+            bound = 1.0 / math.sqrt(rows)  # DLRM's uniform(-1/sqrt(n), 1/sqrt(n))
+            nn.init.uniform_(table.weight, -bound, bound)
+        features = len(cfg.tables) + 1
+        self._pairs = torch.triu_indices(features, features, offset=1)
+        self.top = _mlp([cfg.dim + features * (features - 1) // 2, *cfg.top, 1], last_relu=False)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] != len(self.tables):
+            raise ValueError(f"DLRM has {len(self.tables)} tables but the batch has {ids.shape[1]} ids per example")
+        x = self.bottom(dense)
+        feats = torch.stack([x, *(t(ids[:, i]) for i, t in enumerate(self.tables))], dim=1)
+        dots = torch.bmm(feats, feats.transpose(1, 2))[:, self._pairs[0], self._pairs[1]]
+        return self.top(torch.cat([x, dots], dim=1)).squeeze(-1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .config import OptimConfig, RunConfig, resolve
-from .data import CharCorpusConfig, DigitsConfig, SparseConfig
-from .models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
+from .data import CharCorpusConfig, ClickConfig, DigitsConfig, SparseConfig
+from .models import CNNConfig, DLRMConfig, GPTConfig, LogRegConfig, MLPConfig
 
 
 def quickstart() -> RunConfig:
@@ -54,6 +54,14 @@ def logreg_sparse() -> RunConfig:
                      batch_size=32, target_loss=0.55, optim=OptimConfig("sgd", lr=5.0))
 
 
+def dlrm() -> RunConfig:
+    """DLRM-style click model: 4 embedding tables of 2^18 rows (dim 16, 67 MB), bottom and top
+    MLPs, on generated clicks with Zipf-skewed ids; Adagrad, whose sparse update is its dense
+    one. Smaller tables: --set model.tables=[4096,4096] --set data.tables=[4096,4096]."""
+    return RunConfig(experiment="dlrm", model=DLRMConfig(), data=ClickConfig(), steps=300,
+                     batch_size=128, target_loss=0.525, optim=OptimConfig("adagrad", lr=0.05))
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "quickstart": quickstart,
     "mlp-wide": mlp_wide,
@@ -61,6 +69,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "cnn": cnn,
     "gpt-char": gpt_char,
     "logreg-sparse": logreg_sparse,
+    "dlrm": dlrm,
 }
 
 

@@ -94,7 +94,45 @@ class Binary(Task):
         return int(((output > 0) == (targets > 0.5)).sum())
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Classify(), LanguageModel(), Binary())}
+class Click(Binary):
+    """Click prediction: Binary, evaluated by log loss and AUC (as DLRM and CTR models are)."""
+
+    name = "click"
+
+    def evaluate(self, model: nn.Module, dataset: Dataset, batch_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[str, float]:
+        metrics = super().evaluate(model, dataset, batch_size, dtype, device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                scores = torch.cat([model(*inputs).float().cpu()
+                                    for inputs, _ in test_batches(dataset, batch_size, dtype, device)])
+        finally:
+            model.train(was_training)
+        return {"log_loss": metrics["loss"], "auc": auc(scores, dataset.test_targets), **metrics}
+
+
+def auc(scores: torch.Tensor, targets: torch.Tensor) -> float:
+    """Area under the ROC curve: the chance that a random positive scores above a random
+    negative (ties count half), from the ranks of the scores (Mann-Whitney U)."""
+    scores, positive = scores.double().reshape(-1), targets.reshape(-1) > 0.5
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    # Tied scores share the mean of their ranks.
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    mean_rank = ends - (counts.double() - 1) / 2
+    ranks[order] = mean_rank[inverse]
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Classify(), LanguageModel(), Binary(), Click())}
 
 
 def get_task(name: str) -> Task:

@@ -158,5 +158,48 @@ def test_lm_bits_per_char_of_uniform_model():
 
 
 def test_get_task_unknown_names_known():
-    with pytest.raises(ValueError, match=r"'regress'.*\['binary', 'classify', 'lm'\]"):
+    with pytest.raises(ValueError, match=r"'regress'.*\['binary', 'classify', 'click', 'lm'\]"):
         get_task("regress")
+
+
+def test_dlrm_reads_dense_features_and_one_id_per_table():
+    from experiments.models import DLRMConfig
+
+    cfg = DLRMConfig(dense=5, tables=(50, 70, 90), dim=8, bottom=(16,), top=(16,))
+    model = cfg.build()
+    dense, ids = torch.randn(6, 5), torch.stack([torch.randint(0, r, (6,)) for r in cfg.tables], dim=1)
+    out = model(dense, ids)
+    assert out.shape == (6,)
+    out.sum().backward()
+    touched = ids[:, 1].unique()
+    grad = model.tables[1].weight.grad
+    assert grad[touched].abs().sum() > 0
+    untouched = torch.ones(70, dtype=torch.bool)
+    untouched[touched] = False
+    assert grad[untouched].abs().sum() == 0  # rows no example used get zeros: a sparse update's rows
+    with pytest.raises(ValueError, match="3 tables but the batch has 2"):
+        model(dense, ids[:, :2])
+
+
+def test_click_data_is_skewed_and_learnable_and_auc_is_mann_whitney():
+    from experiments.data import ClickConfig
+    from experiments.tasks import auc
+
+    data = ClickConfig(samples=20_000, dense=3, tables=(1000, 1000), zipf=1.1).build(0)
+    ids = data.train[1][:, 0]
+    counts = torch.bincount(ids, minlength=1000).sort(descending=True).values
+    assert counts[:10].sum() > 0.25 * len(ids)  # a few hot rows, as in click logs
+    assert 0.2 < data.train_targets.mean() < 0.8
+    assert auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0.0, 0.0, 1.0, 1.0])) == 0.75
+    assert auc(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0])) == 0.5  # ties count half
+    assert ClickConfig(samples=500, tables=(64,)).build(3).test[1].max() < 64
+
+
+def test_dlrm_model_and_data_must_agree():
+    from experiments.overrides import OverrideError
+    from experiments.presets import build_config
+
+    with pytest.raises(OverrideError, match="model.tables=.*but data.tables="):
+        build_config("dlrm", ["model.tables=[10,10]"])
+    cfg = build_config("dlrm", ["model.tables=[10,10]", "data.tables=[10,10]"])
+    assert cfg.model.tables == cfg.data.tables == (10, 10)
