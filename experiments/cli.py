@@ -126,7 +126,8 @@ def list_cmd() -> None:
         click.echo(f"  {name:15s} {presets.describe(name)}")
     click.echo("comparisons (psar compare NAME):")
     for grid in COMPARISONS.values():
-        click.echo(f"  {grid.name:15s} {grid.experiment}: {grid.claim}")
+        net = f" --net {grid.net}" if grid.net else ""
+        click.echo(f"  {grid.name:15s} {grid.experiment}{net}: {grid.claim}")
     click.echo("engines:")
     for spec in ENGINES.values():
         click.echo(f"  {spec.name:15s} {spec.summary}")
