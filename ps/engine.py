@@ -1,9 +1,11 @@
 """The parameter-server engines (ps-sync, ps-async, ps-ssp) on the worker side.
 
 Gradient hooks push each parameter's chunks to their shards as soon as backward has
-produced them, so pushes overlap the rest of backward and go to every shard at once;
-`step()` waits for the pushes, pulls the parameters (sync: the next version; ssp: within the
-staleness bound; async: whatever is current) and copies them into the model. The optimizer
+produced them, so pushes overlap the rest of backward and go to every shard at once. Under
+sync the hook also asks at once for that parameter's next values, which a shard sends as soon
+as every worker has pushed them: the pulls of early parameters come back while later ones
+are still being pushed. `step()` waits for the pushes and the pulls (async and ssp pull then:
+whatever is current, or within the staleness bound) and copies the values into the model. The optimizer
 runs on the servers, so the `make_optimizer` given to attach is not used here.
 
 Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
@@ -64,6 +66,7 @@ class PSEngine:
         self._step = version if self.mode == "sync" else max(self.client.clocks.values(), default=0)
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         self._pushes = []
+        self._pulls = []  # sync: one per parameter, sent from its hook
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
         return model
@@ -74,6 +77,9 @@ class PSEngine:
         # The chunks leave without a copy: param.grad stays untouched until step() waits.
         step = None if self.mode == "sync" else self._step  # sync: each shard's own version
         self._pushes.append((self._named[index][0], time.time(), self.client.push(step, None, grads)))
+        if self.mode == "sync":  # right behind the push on each connection: no extra round trip
+            self._pulls.append((self._named[index][0], time.time(),
+                                self.client.pull(list(grads), next_version=True)))
 
     def _load(self, values: dict[int, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -89,18 +95,15 @@ class PSEngine:
         start = time.perf_counter()
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
-        pulled_at = time.time()
         try:
-            if self.mode == "sync":  # each shard's next version: shards count their own steps
-                pull = self.client.pull(next_version=True)
-            else:  # ssp waits on the clock; async sends it only so the server can record the gap
-                pull = self.client.pull(clock=self._step + 1)
+            if self.mode != "sync":  # ssp waits on the clock; async sends it only so the server can record the gap
+                self._pulls = [(f"step {self._step}", time.time(), self.client.pull(clock=self._step + 1))]
             staleness = [self.client.wait(h) for _, _, h in self._pushes]
-            result = self.client.wait(pull)
+            results = [self.client.wait(h) for _, _, h in self._pulls]
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
-            self._pushes = []
+            self._pushes, self._pulls = [], []
             self._reconnect(err)
             self._step += 1
             return {"comm_s": time.perf_counter() - start, "bytes_sent": 0, "bytes_recv": 0,
@@ -108,10 +111,10 @@ class PSEngine:
         if self.trace is not None:
             for name, sent_at, h in self._pushes:  # a reply's time is when the client read it
                 self.trace(f"push {name}", sent_at, h.done_at, thread="push")
-            self.trace(f"pull step {self._step}", pulled_at, pull.done_at, thread="pull",
-                       waited_on_server_s=result.waited_s)
-        self._pushes = []
-        self._load(result.values)
+            for (name, sent_at, h), result in zip(self._pulls, results):
+                self.trace(f"pull {name}", sent_at, h.done_at, thread="pull", waited_on_server_s=result.waited_s)
+        self._pushes, self._pulls = [], []
+        self._load({k: v for result in results for k, v in result.values.items()})
         for _, p in self._named:
             p.grad = None
         self._step += 1
@@ -119,7 +122,7 @@ class PSEngine:
         sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         return {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
-                "wait_s": result.waited_s, "staleness": staleness}
+                "wait_s": max(r.waited_s for r in results), "staleness": staleness}
 
     def _reconnect(self, err: Exception) -> None:
         """A shard went away: wait (at most ps.reconnect_s) for it to come back from its

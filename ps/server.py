@@ -3,9 +3,12 @@
 ShardServer.handle(peer, frames) is the whole protocol and touches no socket, so it is
 tested directly; serve(transport) is the loop around it. Modes:
 
-- sync (BSP): gradients of a step are summed per key; when every live worker has pushed
-  every key of this shard, each key's grad is the mean over the workers that pushed it, the
-  optimizer steps once and the version goes up by one.
+- sync (BSP): gradients of a step are summed per key; as soon as every live worker has
+  pushed a key, its grad is the mean over the workers that pushed it and the optimizer
+  updates that key, and a pull waiting for it is answered at once, while other keys are
+  still arriving (pushes and pulls share the link's two directions). When every key is
+  updated the step is complete and the version goes up by one. Each key's update is what one
+  optimizer step over all of them does to it (the optimizers here are per tensor).
 - async (Hogwild-style): every push is applied on arrival (grad scaled by 1/N under
   async_scale="mean"); the version counts completed worker-steps on this shard.
 - ssp: async, and a pull with clock c waits until c - (slowest live worker's clock) <= s.
@@ -126,14 +129,14 @@ class ShardServer:
         self._partial: dict[int, dict[int, set[int]]] = {w: {} for w in self._workers}  # worker -> step -> keys
         self._sum: dict[int, torch.Tensor] = {}  # sync: key -> sum of the step's gradients
         self._pushed: dict[int, set[int]] = {}  # sync: key -> workers that pushed it this step
+        self._updated: set[int] = set()  # sync: keys already updated in this step
         self._deferred: list[_Deferred] = []
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0)
         self.staleness: dict[int, int] = {}
         self.waits = dict(count=0, total_s=0.0, max_s=0.0)
         self.max_clock_gap = 0
         self._last_malformed_log = float("-inf")
-        self._snap: dict[int, torch.Tensor] = {}
-        self._snap_updates = 0
+        self._snap: dict[int, torch.Tensor] = {}  # key -> its values as of its last update
 
     # -- the handler -------------------------------------------------------------------------
 
@@ -303,12 +306,15 @@ class ShardServer:
     def _live(self) -> set[int]:
         return set(self._workers) - set(self.lost) - self.left
 
-    def _apply(self, keys, label: str) -> None:
+    def _apply(self, keys, label: str, count: bool = True) -> None:
+        """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
+        skip every chunk without one). count: it is an update of the shard (the counter)."""
         start = time.time()
         self.optimizer.step()
         for k in keys:  # cheaper than zero_grad over every chunk when a push has few keys
             self.chunks[k].grad = None
-        self.counters["updates"] += 1
+            self._snap.pop(k, None)
+        self.counters["updates"] += int(count)
         if self.trace is not None:
             self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
 
@@ -326,24 +332,33 @@ class ShardServer:
         return True
 
     def _maybe_step(self) -> None:
-        """sync: apply the step once every live worker has pushed every key."""
+        """sync: update each key every live worker has pushed; once all are, the step is done."""
         live = self._live()
-        if not live or len(self._pushed) < len(self.keys):
+        if not live:
             return
-        if not all(live <= self._pushed[k] for k in self.keys):
-            return
-        for k, chunk in self.chunks.items():
-            chunk.grad = self._sum[k].div_(len(self._pushed[k]))
-        self._apply(self.keys, f"update (step {self.version}, {len(live)} workers)")
-        self._sum.clear()
-        self._pushed.clear()
-        self._bump()
+        for k in self.keys:
+            if k not in self._updated and k in self._pushed and live <= self._pushed[k]:
+                self.chunks[k].grad = self._sum.pop(k).div_(len(self._pushed[k]))
+                self._apply([k], f"update key {k} (step {self.version}, {len(live)} workers)", count=False)
+                self._updated.add(k)
+        if len(self._updated) == len(self.keys):
+            self.counters["updates"] += 1
+            self._updated.clear()
+            self._pushed.clear()
+            self._bump()
+
+    def _version_of(self, keys) -> int:
+        """The version the values of `keys` are at: sync keys updated in the current step are
+        one ahead of the shard."""
+        if self.mode != "sync" or not self._updated:
+            return self.version
+        return self.version + int(all(k in self._updated for k in keys))
 
     def _pull_ready(self, msg: Message) -> bool:
         min_version, clock = msg.get("min_version"), msg.get("clock")
         if msg.get("wait_left") and any(w != msg.worker for w in self._live()):
             return False
-        if min_version is not None and self.version < min_version:
+        if min_version is not None and self._version_of(msg.keys or self.keys) < min_version:
             return False
         if self.mode == "ssp" and clock is not None:
             live = self._live()
@@ -411,15 +426,14 @@ class ShardServer:
 
     def _values(self, peer: bytes, msg: Message, keys: list[int], **fields: Any) -> Reply:
         tensors = [self._snapshot(k) for k in keys]
-        header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self.version, "keys": list(keys)}
+        header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self._version_of(keys),
+                  "keys": list(keys)}
         return self._send(peer, encode({**header, **fields}, tensors))
 
     def _snapshot(self, k: int) -> torch.Tensor:
-        """A copy of chunk k as of the last update, shared by every pull until the next one.
+        """A copy of chunk k as of its last update, shared by every pull until the next one.
         Replies leave zero-copy and the optimizer updates chunks in place, so replies must
         never point at a chunk itself; a snapshot is never written after it is made."""
-        if self._snap_updates != self.counters["updates"]:
-            self._snap, self._snap_updates = {}, self.counters["updates"]
         if k not in self._snap:
             self._snap[k] = self.chunks[k].clone()
         return self._snap[k]
@@ -450,7 +464,7 @@ class ShardServer:
         self.version = int(state["version"])
         self.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
         self.counters.update(state["counters"])
-        self._snap, self._snap_updates = {}, -1
+        self._snap = {}
 
     def stats(self) -> dict[str, Any]:
         """Counters as a plain dict (str keys, msgpack-able)."""

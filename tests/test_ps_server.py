@@ -216,3 +216,30 @@ def test_join_with_other_settings_is_refused_naming_each():
     assert "optim.lr" not in err
     assert call(server, 2, "join", settings=mine)[0].op == "ok"
     assert server.stats()["joined_workers"] == [0, 2]
+
+
+def test_sync_answers_a_keys_pull_as_soon_as_every_worker_pushed_it():
+    """Per-key updates: once both workers pushed key k, a pull waiting for k is answered with
+    its new values (version 1) while other keys of the step are still to come; the shard's
+    step completes, counted once, when the last key is updated."""
+    server, init = make("sync")
+    assert len(KEYS) >= 3
+    g0, g1 = torch.arange(15.0, dtype=torch.float64), torch.full((15,), 3.0, dtype=torch.float64)
+    first, rest = KEYS[:1], KEYS[1:]
+    push(server, 0, 0, grads_of(g0), keys=first)
+    assert call(server, 0, "pull", keys=first, min_version=1) == []  # worker 1 has not pushed it
+    assert call(server, 1, "pull", keys=[], min_version=1) == []  # all keys: waits for the step
+    replies = push(server, 1, 0, grads_of(g1), keys=first)
+    assert [r.op for r in replies] == ["ok", "ok"]
+    early = replies[1]
+    assert early.worker == 0 and early.keys == first and early.get("version") == 1
+    expected = init - 0.5 * (g0 + g1) / 2
+    k0 = LAYOUT.keys[first[0]]
+    assert torch.equal(early.tensors[0], expected[:k0.numel])
+    assert server.version == 0 and server.stats()["updates"] == 0
+    push(server, 0, 0, grads_of(g0), keys=rest)
+    replies = push(server, 1, 0, grads_of(g1), keys=rest)
+    assert server.version == 1 and server.stats()["updates"] == 1
+    whole = [r for r in replies if r.worker == 1 and r.keys]
+    assert len(whole) == 1 and whole[0].get("version") == 1
+    assert torch.equal(values(server), expected)  # the same as one step over all keys

@@ -54,8 +54,10 @@ def test_ps_trace_has_pushes_pulls_and_server_updates(runs):
     processes = {e["process"] for e in events}
     assert processes == {"rank 0", "rank 1", "server 0", "server 1"}
     assert sum(e["name"].startswith("push ") for e in events) == 2 * 6 * 4  # 4 parameters
-    assert sum(e["name"].startswith("pull step") for e in events) == 2 * 6
-    assert sum(e["name"].startswith("update") for e in events if e["process"] == "server 0") == 6
+    assert sum(e["name"].startswith("pull ") for e in events) == 2 * 6 * 4  # sync: one per parameter
+    # sync: each of the shard's keys is updated once per step, as soon as both workers pushed it
+    updates = [e for e in events if e["process"] == "server 0" and e["name"].startswith("update key")]
+    assert updates and len(updates) % 6 == 0 and {e["args"]["version"] for e in updates} == set(range(6))
 
 
 def _comm(run_dir):
