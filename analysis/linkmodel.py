@@ -8,7 +8,8 @@ N workers and S shards:
 - ring all-reduce (ours or the backend's, and ddp), one phase: every host sends and receives
   2(N-1)/N * M (reduce-scatter, then all-gather, each sending while it receives).
 - parameter server, two phases: the pushes, then the pulls (a shard answers a pull with the
-  parameters the pushes produced, so the pulls cannot start before the pushes are in).
+  parameters the pushes produced). A bound from above: a shard answers each key's pulls as
+  soon as that key is updated, so pulls of keys pushed early overlap later pushes.
   Shards on hosts of their own: in each phase a worker's link carries M and a shard's N*M/S,
   so a step takes 2 * max(M, N*M/S) / RATE. Co-located, shard s on worker s mod N's host:
   what a worker pushes to its own host's shards and pulls back never leaves the host; host h

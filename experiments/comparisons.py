@@ -68,8 +68,8 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
                                                   for k in (1, 2, 4)),
         claim="Spare CPU hosts as server shards: with k shards of their own, a shard's link carries "
               "N*M/k each way, so the step falls as k grows until the workers' own links bound it "
-              "at k = N (push M, then pull M: 2M/B, against the ring's 2(N-1)/N*M/B; a server "
-              "that answered each key's pulls while other keys are still pushed would need M/B)."),
+              "at k = N (push M, then pull M: up to 2M/B, against the ring's 2(N-1)/N*M/B; the "
+              "more of the pull overlaps the push, the closer the parameter server gets to M/B)."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,
