@@ -16,7 +16,7 @@ from typing import Any
 from .config import RunConfig
 from .overrides import to_dict
 
-LOCAL = ("threads", "trace", "timeout_s", "eval_batch_size", "device", "checkpoint.",
+LOCAL = ("threads", "trace", "tensorboard", "timeout_s", "eval_batch_size", "device", "checkpoint.",
          "ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
          "ps.reconnect_s", "ps.max_message_mb", "net.")
 """Settings each process may choose for itself (keys, or prefixes ending in a dot)."""

@@ -52,6 +52,9 @@ def run_options_for(engines=tuple(ENGINES), default_engine=None):
                      "encryption between parameter-server shards and workers."),
         click.option("--trace", is_flag=True, default=None,
                      help="Write a Chrome trace (trace.json): forward, backward, every message."),
+        click.option("--tensorboard", is_flag=True, default=None,
+                     help="Write TensorBoard event files as the run trains (RUN_DIR/tensorboard/); "
+                     "needs the tensorboard extra."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override any config key, e.g. --set allreduce.algorithm=ring."),
     ])
@@ -77,6 +80,18 @@ def net_option(fn):
 def _with_net(overrides, net) -> tuple[str, ...]:
     """--net RATE is net.rate, set before the --set options (net.latency_ms needs it)."""
     return ((f"net.rate={net}",) if net else ()) + tuple(overrides)
+
+
+def _with_board(overrides, tensorboard) -> tuple[str, ...]:
+    """--tensorboard is tensorboard=true, refused at once where the package is missing."""
+    if not tensorboard:
+        return tuple(overrides)
+    from .board import available
+
+    missing = available()
+    if missing:
+        raise click.ClickException(missing)
+    return tuple(overrides) + ("tensorboard=true",)
 
 
 def _with_curve(overrides, curve) -> tuple[str, ...]:
@@ -149,7 +164,7 @@ def list_cmd() -> None:
 @run_options
 @_friendly
 def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed, device, curve, trace,
-        overrides) -> None:
+        tensorboard, overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory.
 
     EXPERIMENT is one of `psar list`'s. Example:
@@ -158,7 +173,7 @@ def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed,
         psar run cnn --engine ps-sync --workers 2 --servers 2 --steps 50 --out runs/cnn-ps
         psar run --resume runs/cnn-ps --steps 100 --out runs/cnn-ps-100
     """
-    overrides = _with_net(_with_curve(overrides, curve), net)
+    overrides = _with_net(_with_board(_with_curve(overrides, curve), tensorboard), net)
     from . import config as config_mod
     from .config import resolve
     from .launcher import launch
@@ -200,7 +215,8 @@ def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed,
               help="Run directory (shared, or one per host; rank 0 writes the summary).")
 @run_options
 @_friendly
-def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, curve, trace, overrides) -> None:
+def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, curve, trace, tensorboard,
+           overrides) -> None:
     """Run one worker of a multi-node job (torchrun, Slurm or by hand).
 
     All-reduce and ddp meet through torch.distributed's env:// rendezvous (MASTER_ADDR,
@@ -213,7 +229,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
             --rank 0 --world 2 --out runs/x
         psar worker cnn --engine ps-sync --servers tcp://srv0:5555 --rank 0 --world 2 --out runs/y
     """
-    overrides = _with_curve(overrides, curve)
+    overrides = _with_board(_with_curve(overrides, curve), tensorboard)
     from .distenv import DistEnv
     from .train import prepare_run_dir
     from .worker import run_worker
@@ -295,7 +311,7 @@ def _addresses(value: str, bind: bool = False) -> tuple[str, ...]:
 @run_options_for(PS_MODES, "ps-sync")
 @_friendly
 def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, device, curve, trace,
-           overrides) -> None:
+           tensorboard, overrides) -> None:
     """Serve one parameter-server shard of a multi-node run until every worker has left.
 
     Example, shard 0 of 2 for two workers on other hosts:
@@ -304,7 +320,7 @@ def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, d
         psar server --bind tcp://0.0.0.0:5555 --experiment cnn --workers 2 --shard 0/2 \\
             --engine ps-sync --out runs/cnn-ps
     """
-    overrides = _with_curve(overrides, curve)
+    overrides = _with_board(_with_curve(overrides, curve), tensorboard)
     from .ps_server import serve_shard
 
     try:
@@ -349,7 +365,7 @@ def _csv(kind):
 @run_options_for(engines=())
 @_friendly
 def compare(name, engines, worker_counts, server_counts, out, plots, repeats, net, steps, seed, device, curve,
-            trace, overrides) -> None:
+            trace, tensorboard, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
     engine changing; write summary.csv, summary.md and the figures.
 
@@ -360,7 +376,7 @@ def compare(name, engines, worker_counts, server_counts, out, plots, repeats, ne
         psar compare quickstart --engines allreduce,ps-sync --workers 1,2 --out runs/cmp
         psar compare straggler --steps 30
     """
-    overrides = _with_curve(overrides, curve)
+    overrides = _with_board(_with_curve(overrides, curve), tensorboard)
     from analysis.results import load_runs
     from analysis.table import failed_rows, markdown, rows, write
 
@@ -428,6 +444,25 @@ def plot(run_dirs, out) -> None:
         where = out / experiment if len(groups) > 1 else out
         for path in (*write(rows(runs), where), *plot_all(runs, where)):
             click.echo(str(path))
+
+
+@main.command("tensorboard")
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_friendly
+def tensorboard_cmd(run_dirs) -> None:
+    """Write TensorBoard event files for finished RUN_DIRS (or folders of them, such as a
+    `psar compare --out` folder), into each RUN_DIR/tensorboard/; then `tensorboard --logdir`
+    on their parent shows them side by side."""
+    from analysis.results import expand
+
+    from .board import available, convert
+
+    missing = available()
+    if missing:
+        raise click.ClickException(missing.replace("--tensorboard", "psar tensorboard"))
+    for run_dir in expand(run_dirs):
+        click.echo(str(convert(run_dir)))
 
 
 @main.command("model")

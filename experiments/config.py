@@ -93,6 +93,9 @@ class RunConfig:
     loss (mean over workers, over the last 5 steps) first reaches this; 0: none."""
     trace: bool = False
     """Write a Chrome trace (trace.json) of every process's forward, backward and messages."""
+    tensorboard: bool = False
+    """Write TensorBoard event files as the run trains (RUN_DIR/tensorboard/; needs the
+    tensorboard extra)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer section."""
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)

@@ -20,6 +20,8 @@ from . import config as config_mod
 from . import files
 from .config import RunConfig
 from .agreement import check_rendezvous_peers
+from .board import RankBoard
+from .overrides import to_dict
 from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
 from .distenv import DistEnv
@@ -72,6 +74,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, device)
                for shard in engine.shards]
     writer = MetricsWriter(run_dir, env.rank, keep_before=first)
+    board = RankBoard(run_dir, to_dict(cfg), env.rank) if cfg.tensorboard else None
     progress = Progress(cfg.steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
 
     start = time.perf_counter()
@@ -95,13 +98,16 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
             stats = dict(engine.step())
         t2 = time.perf_counter()
         loss_value = torch.stack(losses).mean().item()
-        writer.write({
+        record = {
             "step": step, "time": t2 - start, "wall": time.time(), "loss": loss_value,
             "samples": cfg.batch_size * len(feeders), "compute_s": t1 - t0,
             "comm_s": stats.pop("comm_s", 0.0), "step_s": t2 - t0,
             "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),
             **stats,
-        })
+        }
+        writer.write(record)
+        if board is not None:
+            board.step(record)
         progress.update(step + 1, loss_value)
         checkpoints.after_step(step + 1, model)
     wall_s = time.perf_counter() - start
@@ -110,6 +116,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     tracer.save()
 
     if env.rank != 0:
+        if board is not None:
+            board.close()
         return None
     model_cpu = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     files.save_torch(model_cpu, run_dir / "model.pt")
@@ -118,6 +126,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
                         first_step=first)
     summary.update(engine.report())
     write_json(run_dir / "summary.json", summary)
+    if board is not None:
+        board.close(summary, to_dict(cfg))
     if cfg.trace:
         merge_trace(run_dir)  # what this host sees; `psar run` merges again once servers are done
     return summary
