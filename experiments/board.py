@@ -64,6 +64,35 @@ class RankBoard:
         self.writer.close()
 
 
+class ShardBoard:
+    """One parameter-server shard's event file, written from its serve loop (`report`)."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, run_dir: Path, config: dict, shard: int) -> None:
+        self.writer = _summary_writer()(str(folder(run_dir, config) / f"server{shard}"))
+        self._last: tuple[float, int] | None = None
+
+    def __call__(self, stats: dict) -> None:
+        """The shard's counters, by its version (sync steps; async/ssp worker-steps)."""
+        import time
+
+        step, now = int(stats["version"]), time.monotonic()
+        for key in ("updates", "pushes", "pulls", "bytes_in", "bytes_out", "rejected"):
+            self.writer.add_scalar(f"shard/{key}", stats[key], step)
+        if self._last is not None and now > self._last[0]:
+            self.writer.add_scalar("shard/updates_per_sec", (stats["updates"] - self._last[1]) / (now - self._last[0]), step)
+        self._last = (now, stats["updates"])
+        waits = stats["queue_wait"]
+        if waits["count"]:
+            self.writer.add_scalar("shard/queue_wait_mean_s", waits["total_s"] / waits["count"], step)
+        self.writer.add_scalar("shard/lost_workers", len(stats["lost_workers"]), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def write_record(writer, record: dict[str, Any]) -> None:
     """The scalars of one metrics record (one rank, one step)."""
     step = record["step"]

@@ -27,6 +27,8 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save_atomic, server_path
 from .config import RunConfig
 from .metrics import write_json
+from .board import ShardBoard
+from .overrides import to_dict
 from .trace import Tracer
 from .worker import SERVERS_FILE
 
@@ -66,11 +68,14 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s, curve=curve)
     logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
                                    cfg.experiment, transport.address)
+    shard_board = ShardBoard(run_dir, to_dict(cfg), shard) if cfg.tensorboard and run_dir is not None else None
     try:
-        result = server.serve(transport)
+        result = server.serve(transport, report=(ShardBoard.PERIOD_S, shard_board) if shard_board else None)
     finally:
         transport.close()
         tracer.save()
+        if shard_board is not None:
+            shard_board.close()
     if run_dir is not None:
         (Path(run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
         write_json(Path(run_dir) / "metrics" / f"server{shard}.json", {"result": result, **server.stats()})

@@ -481,9 +481,11 @@ class ShardServer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def serve(self, transport: Any, stop_event: threading.Event | None = None) -> str:
+    def serve(self, transport: Any, stop_event: threading.Event | None = None,
+              report: tuple[float, Callable[[dict], None]] | None = None) -> str:
         """Receive, handle, reply until every worker has left ("finished"), shutdown, abort or
-        stop_event; returns why it ended.
+        stop_event; returns why it ended. report=(period_s, fn): fn(stats()) every period_s
+        and once at the end, from this loop's thread (so the counters are never read mid-update).
 
         After an abort it goes on answering errors for a short grace period (so that waiting
         workers learn why), then ends.
@@ -493,26 +495,34 @@ class ShardServer:
         abort_at = None
         held: list[tuple[float, int, bytes, list]] = []  # replies waiting out reply_delay_s
         sequence = 0
-        while not (stop_event is not None and stop_event.is_set()):
-            wait_s = poll_s if not held else max(0.0, min(poll_s, held[0][0] - self.clock()))
-            item = transport.recv(wait_s)
-            replies = self.handle(*item) if item is not None else []
-            replies += self.tick()
-            now = self.clock()
-            for peer, frames in replies:
-                sequence += 1
-                heapq.heappush(held, (now + self.reply_delay_s, sequence, peer, frames))
-            while held and held[0][0] <= now:
-                _, _, peer, frames = heapq.heappop(held)
-                transport.send(peer, frames)
-            if held:
-                continue
-            if self.stopped:
-                return "shutdown"
-            if self.finished and not self.aborted and not self._deferred:
-                return "finished"
-            if self.aborted:
-                abort_at = abort_at if abort_at is not None else self.clock() + grace_s
-                if self.clock() >= abort_at:
-                    return self.aborted
-        return "stopped"
+        next_report = self.clock() + report[0] if report else float("inf")
+        try:
+            while not (stop_event is not None and stop_event.is_set()):
+                if self.clock() >= next_report:
+                    report[1](self.stats())
+                    next_report += report[0]
+                wait_s = poll_s if not held else max(0.0, min(poll_s, held[0][0] - self.clock()))
+                item = transport.recv(wait_s)
+                replies = self.handle(*item) if item is not None else []
+                replies += self.tick()
+                now = self.clock()
+                for peer, frames in replies:
+                    sequence += 1
+                    heapq.heappush(held, (now + self.reply_delay_s, sequence, peer, frames))
+                while held and held[0][0] <= now:
+                    _, _, peer, frames = heapq.heappop(held)
+                    transport.send(peer, frames)
+                if held:
+                    continue
+                if self.stopped:
+                    return "shutdown"
+                if self.finished and not self.aborted and not self._deferred:
+                    return "finished"
+                if self.aborted:
+                    abort_at = abort_at if abort_at is not None else self.clock() + grace_s
+                    if self.clock() >= abort_at:
+                        return self.aborted
+            return "stopped"
+        finally:
+            if report:
+                report[1](self.stats())

@@ -43,6 +43,8 @@ def test_live_event_files_and_the_converted_ones_hold_every_step(tmp_path):
         assert rank0["eval/accuracy"] == [STEPS - 1]
         if engine == "ps-sync":
             assert rank0["server0/updates"] == [STEPS - 1] and "staleness/mean" in rank0
+            shard = _scalars(folder / "server0")  # the shard's own, from its serve loop
+            assert shard["shard/updates"][-1] == STEPS and "shard/lost_workers" in shard
     # The same from the finished run directory, by `psar tensorboard` on the folder of runs.
     shutil.rmtree(tmp_path / "ps-sync" / "tensorboard")
     result = CliRunner().invoke(main, ["tensorboard", str(tmp_path)])
