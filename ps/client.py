@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import Limits, Message, ProtocolError, decode, encode
 from ps.security import load_client_keys
@@ -75,15 +76,20 @@ class PSClient:
         curve_dir: key directory (ps.security.make_keys) to speak CurveZMQ to the shards, as
             client `curve_name`; "" (default): no security, for servers without curve_dir.
         curve_name: which client keypair of curve_dir to use (default "worker").
+        compression: "none", "fp16" or "bf16": pushes leave cast to that dtype, and pulls may
+            come in it (ps.compression; the shards must have the same).
     """
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float = 60.0, heartbeat_s: float = 1.0,
                  context: Any = None, max_message_mb: float = 1024.0, curve_dir: str = "",
-                 curve_name: str = "worker"):
+                 curve_name: str = "worker", compression: str = "none"):
         if not addresses:
             raise ValueError("PSClient needs at least one server address")
         self.addresses, self.worker = list(addresses), worker
         self.timeout_s, self.heartbeat_s, self._context = timeout_s, heartbeat_s, context
+        if compression not in WIRE_DTYPES:
+            raise ValueError(f"compression {compression!r}: expected one of {', '.join(WIRE_DTYPES)}")
+        self._wire = WIRE_DTYPES[compression]
         self._curve = load_client_keys(curve_dir, curve_name) if curve_dir else None
         self._max_bytes = int(max_message_mb * (1 << 20))
         self._limits = Limits(max_header_bytes=self._max_bytes, max_keys=1 << 22, max_map_len=1 << 16,
@@ -173,7 +179,8 @@ class PSClient:
                 raise ValueError(f"push: key {k} needs {key.numel} {layout.dtype(key)} values, got {g.numel()} {g.dtype}")
             keys, tensors = by_shard[key.shard]
             keys.append(k)
-            tensors.append(g.contiguous().reshape(-1))
+            # Compressed: the cast is the copy that leaves; otherwise the tensor leaves as it is.
+            tensors.append(g.to(TORCH_DTYPES[self._wire]).reshape(-1) if self._wire else g.contiguous().reshape(-1))
         per_shard = {}
         for s, (keys, tensors) in by_shard.items():
             v = version if version is not None else self.versions.get(s, 0)
@@ -353,7 +360,7 @@ class PSClient:
     def _file(self, s: int, frames: list) -> None:
         self.bytes_recv += sum(f.nbytes for f in frames)
         try:
-            msg = decode(frames, self.layout, None, self._limits, shard=s)
+            msg = decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire)
         except ProtocolError as e:
             raise PSError(f"malformed reply from {self.addresses[s]} (shard {s}): {e}") from e
         h = self._inflight.pop(msg.req, None)

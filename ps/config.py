@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 
 WORKER_LOSS_POLICIES = ("mode", "drop", "abort")
+WIRE_DTYPES = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
+"""ps.compression: the dtype pushes and pulls travel in (the shards keep their own)."""
 ASYNC_SCALES = ("mean", "sum")
 
 
@@ -52,6 +54,10 @@ class PSConfig:
     curve_name: str = "worker"
     """Which client keypair of curve_dir a worker uses (one per worker lets one be revoked)."""
 
+    compression: str = "none"
+    """Pushes and pulls cast to "fp16" or "bf16" on the wire (half the bytes); the shards keep
+    their master values and optimizer state in the parameters' own dtype. "none": as they are."""
+
     def __post_init__(self) -> None:
         if type(self.staleness) is not int or self.staleness < 0:
             raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
@@ -63,6 +69,8 @@ class PSConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.on_worker_loss not in WORKER_LOSS_POLICIES:
             raise ValueError(f"on_worker_loss must be one of {WORKER_LOSS_POLICIES}, got {self.on_worker_loss!r}")
+        if self.compression not in WIRE_DTYPES:
+            raise ValueError(f"compression must be one of {tuple(WIRE_DTYPES)}, got {self.compression!r}")
         if self.async_scale not in ASYNC_SCALES:
             raise ValueError(f"async_scale must be one of {ASYNC_SCALES}, got {self.async_scale!r}")
         if not isinstance(self.curve_dir, str):
@@ -77,6 +85,11 @@ class PSConfig:
         if self.on_worker_loss != "mode":
             return self.on_worker_loss
         return "abort" if mode == "sync" else "drop"
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The dtype name pushes and pulls travel in, None when uncompressed."""
+        return WIRE_DTYPES[self.compression]
 
     @property
     def max_message_bytes(self) -> int:

@@ -51,7 +51,8 @@ class PSEngine:
         self.client = PSClient(self.addresses, self.rank, timeout_s=self.config.timeout_s,
                                heartbeat_s=self.config.heartbeat_s,
                                max_message_mb=self.config.max_message_mb,
-                               curve_dir=self.config.curve_dir, curve_name=self.config.curve_name)
+                               curve_dir=self.config.curve_dir, curve_name=self.config.curve_name,
+                               compression=self.config.compression)
         layout, version, values = self.client.join(self.settings)
         mine = [ParamSpec.of(n, p) for n, p in self._named]
         if list(layout.specs) != mine:

@@ -108,6 +108,7 @@ class LocalCluster:
         kwargs.setdefault("timeout_s", self.config.timeout_s)
         kwargs.setdefault("curve_dir", self.config.curve_dir)
         kwargs.setdefault("heartbeat_s", self.config.heartbeat_s)
+        kwargs.setdefault("compression", self.config.compression)
         kwargs.setdefault("context", self.context)
         return PSClient(self.addresses, worker, **kwargs)
 

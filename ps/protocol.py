@@ -149,7 +149,7 @@ def _frame_view(f: Any) -> memoryview:
 
 
 def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: Collection[int] | None = None,
-           limits: Limits = Limits(), *, shard: int | None = None) -> Message:
+           limits: Limits = Limits(), *, shard: int | None = None, wire: str | None = None) -> Message:
     """Validate a message completely, then build its tensors on the frames (zero copy).
 
     Args:
@@ -159,6 +159,7 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         known_workers: worker ids accepted; None accepts any.
         limits: size bounds.
         shard: if given, every key must belong to this shard.
+        wire: a dtype name accepted for every key besides the layout's (ps.compression).
     Raises ProtocolError naming the field, its value and what was expected.
     """
     if not frames:
@@ -240,7 +241,7 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
             _fail(f"key {k}: shape {shape!r} must be a list of ints >= 0")
         if layout is not None:
             key = layout.keys[k]
-            if dtype != layout.dtype(key):
+            if dtype != layout.dtype(key) and dtype != wire:
                 _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.dtype(key)!r}")
             if tuple(shape) != key.shape:
                 _fail(f"key {k}: shape {shape} does not match the layout's {list(key.shape)}")

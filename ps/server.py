@@ -136,7 +136,7 @@ class ShardServer:
         self.waits = dict(count=0, total_s=0.0, max_s=0.0)
         self.max_clock_gap = 0
         self._last_malformed_log = float("-inf")
-        self._snap: dict[int, torch.Tensor] = {}  # key -> its values as of its last update
+        self._snap: dict[tuple, torch.Tensor] = {}  # (key, wire dtype) -> its values as of its last update
 
     # -- the handler -------------------------------------------------------------------------
 
@@ -146,7 +146,8 @@ class ShardServer:
         if self.aborted:
             return [self._error(peer, *peek_ids(frames), self.aborted)]
         try:
-            msg = decode(frames, self.layout, self._workers, self._limits, shard=self.shard)
+            msg = decode(frames, self.layout, self._workers, self._limits, shard=self.shard,
+                         wire=self.config.wire_dtype)
         except Exception as e:  # ProtocolError; anything else is a decoder bug, still not fatal
             text = str(e) if isinstance(e, ProtocolError) else f"undecodable message: {type(e).__name__}: {e}"
             self.counters["malformed"] += 1
@@ -209,7 +210,7 @@ class ShardServer:
         body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
                 "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint,
                 "clock": self.clocks[msg.worker]}
-        return [self._values(peer, msg, self.keys, body=body)]
+        return [self._values(peer, msg, self.keys, exact=True, body=body)]
 
     def _on_leave(self, peer: bytes, msg: Message) -> list[Reply]:
         self.left.add(msg.worker)
@@ -246,7 +247,7 @@ class ShardServer:
         return [self._ok(peer, msg, body=self.stats())]
 
     def _on_checkpoint(self, peer: bytes, msg: Message) -> list[Reply]:
-        return [self._values(peer, msg, self.keys)]
+        return [self._values(peer, msg, self.keys, exact=True)]
 
     def _on_shutdown(self, peer: bytes, msg: Message) -> list[Reply]:
         self.stopped = True
@@ -257,7 +258,7 @@ class ShardServer:
         self.counters["pulls"] += 1
         if self._pull_ready(msg):
             self._note_gap(msg)
-            return [self._values(peer, msg, msg.keys or self.keys)]
+            return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")))]
         now = self.clock()
         self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s))
         return []
@@ -279,6 +280,8 @@ class ShardServer:
         if twice:
             raise _Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
         # validated: from here on the push is applied
+        if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
+            msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
         stale = self.version - version
         self.staleness[stale] = self.staleness.get(stale, 0) + 1
         self.counters["pushes"] += 1
@@ -313,7 +316,8 @@ class ShardServer:
         self.optimizer.step()
         for k in keys:  # cheaper than zero_grad over every chunk when a push has few keys
             self.chunks[k].grad = None
-            self._snap.pop(k, None)
+            for slot in [s for s in self._snap if s[0] == k]:
+                del self._snap[slot]
         self.counters["updates"] += int(count)
         if self.trace is not None:
             self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
@@ -392,7 +396,7 @@ class ShardServer:
             self.waits["max_s"] = max(self.waits["max_s"], waited)
             self._note_gap(d.msg)
             replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys,
-                                        waited_us=int(waited * 1e6)))
+                                        exact=bool(d.msg.get("wait_left")), waited_us=int(waited * 1e6)))
         return replies
 
     def _lose(self, w: int, reason: str) -> None:
@@ -424,19 +428,24 @@ class ShardServer:
         if clock is not None and live:
             self.max_clock_gap = max(self.max_clock_gap, clock - min(self.clocks[w] for w in live))
 
-    def _values(self, peer: bytes, msg: Message, keys: list[int], **fields: Any) -> Reply:
-        tensors = [self._snapshot(k) for k in keys]
+    def _values(self, peer: bytes, msg: Message, keys: list[int], exact: bool = False, **fields: Any) -> Reply:
+        """The values of keys, in the wire dtype under compression unless exact (join, the
+        final pull, checkpoint: what the worker keeps must be the master values)."""
+        tensors = [self._snapshot(k, exact) for k in keys]
         header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self._version_of(keys),
                   "keys": list(keys)}
         return self._send(peer, encode({**header, **fields}, tensors))
 
-    def _snapshot(self, k: int) -> torch.Tensor:
-        """A copy of chunk k as of its last update, shared by every pull until the next one.
-        Replies leave zero-copy and the optimizer updates chunks in place, so replies must
-        never point at a chunk itself; a snapshot is never written after it is made."""
-        if k not in self._snap:
-            self._snap[k] = self.chunks[k].clone()
-        return self._snap[k]
+    def _snapshot(self, k: int, exact: bool = False) -> torch.Tensor:
+        """A copy of chunk k as of its last update (in the wire dtype unless exact), shared by
+        every pull until the next one. Replies leave zero-copy and the optimizer updates chunks
+        in place, so replies must never point at a chunk itself; a snapshot is never written
+        after it is made."""
+        wire = None if exact or not self.config.wire_dtype else TORCH_DTYPES[self.config.wire_dtype]
+        slot = (k, wire)
+        if slot not in self._snap:
+            self._snap[slot] = self.chunks[k].to(wire) if wire is not None else self.chunks[k].clone()
+        return self._snap[slot]
 
     def _bump(self) -> None:
         self.version += 1

@@ -289,3 +289,44 @@ def test_restart_of_another_shard_is_noticed_while_waiting_on_one():
             time.sleep(20 * FAST["heartbeat_s"])  # late answers to earlier heartbeats arrive
             assert not c0.forgotten
             c0.wait(c0.pull(keys=shard0))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("compression,tol", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compressed_wire_halves_the_bytes_and_keeps_float32_masters(compression, tol):
+    """float32 parameters, pushes and pulls in 16 bits: 10 sync steps of 2 workers end within
+    `tol` (relative) of the uncompressed run; the shards' values stay float32 and the final
+    pull (wait_left) brings them exactly; the push bytes are half."""
+    specs = [ParamSpec("w", (64, 32), "float32"), ParamSpec("b", (32,), "float32")]
+    layout = build_layout(specs, 2, 512)
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(s.shape, generator=gen) for s in specs]
+    grads = [[torch.randn(sum(s.numel for s in specs), generator=gen) for _ in range(10)] for _ in range(2)]
+    finals, bytes_in = {}, {}
+    for wire in ("none", compression):
+        cfg = PSConfig(compression=wire, **FAST)
+        with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "sync", 2, cfg) as cl:
+            def worker(w):
+                with cl.client(w) as c:
+                    c.join()
+                    for step in range(10):
+                        flat = grads[w][step]
+                        c.wait(c.push(None, None, {k.id: flat[k.offset + (0 if k.param == 0 else 2048):][:k.numel]
+                                                   for k in layout.keys}))
+                        pulled = c.wait(c.pull(next_version=True))
+                        assert all(t.dtype == (torch.float32 if wire == "none" else getattr(torch, cfg.wire_dtype))
+                                   for t in pulled.values.values())
+                    if w == 0:
+                        final = c.wait_alive(c.pull(wait_left=True))
+                        finals[wire] = torch.cat([final.values[k.id] for k in layout.keys])
+                    c.leave()
+            run_workers(worker, 2)
+            assert all(s.chunks[k].dtype == torch.float32 for s in cl.servers for k in s.chunks)
+            masters = torch.cat([cl.servers[k.shard].chunks[k.id] for k in layout.keys])
+            bytes_in[wire] = sum(s.counters["bytes_in"] for s in cl.servers)
+    assert torch.equal(finals[compression], masters)  # the final pull is exact
+    assert finals[compression].dtype == torch.float32
+    rel = (finals[compression] - finals["none"]).abs().max() / finals["none"].abs().max()
+    print(f"{compression}: relative difference {rel:.2e}, bytes in {bytes_in[compression] / bytes_in['none']:.3f}x")
+    assert 0 < rel < tol, rel
+    assert bytes_in[compression] < 0.6 * bytes_in["none"]
