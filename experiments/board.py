@@ -136,22 +136,17 @@ def convert(run_dir: Path) -> Path:
     rank 0's); returns the folder they are in. Earlier event files there are replaced."""
     import shutil
 
-    from .metrics import read_metrics
+    from analysis.results import load_run
 
-    run_dir = Path(run_dir)
-    try:
-        config = json.loads((run_dir / "config.json").read_text())
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{run_dir} is not a finished run directory: {err}") from None
-    out = folder(run_dir, config)
+    run = load_run(run_dir)
+    out = folder(run.path, run.config)
     shutil.rmtree(out, ignore_errors=True)
     writer_cls = _summary_writer()
-    for rank, records in sorted(read_metrics(run_dir).items()):
+    for rank, records in sorted(run.metrics.items()):
         writer = writer_cls(str(out / f"rank{rank}"))
         for record in records:
             write_record(writer, record)
         if rank == 0:
-            write_summary(writer, summary, config)
+            write_summary(writer, run.summary, run.config)
         writer.close()
     return out
