@@ -136,7 +136,7 @@ class ShardServer:
         self.waits = dict(count=0, total_s=0.0, max_s=0.0)
         self.max_clock_gap = 0
         self._last_malformed_log = float("-inf")
-        self._snap: dict[tuple, torch.Tensor] = {}  # (key, wire dtype) -> its values as of its last update
+        self._snap: dict[int, dict] = {}  # key -> {wire dtype or None: its values as of its last update}
 
     # -- the handler -------------------------------------------------------------------------
 
@@ -316,8 +316,7 @@ class ShardServer:
         self.optimizer.step()
         for k in keys:  # cheaper than zero_grad over every chunk when a push has few keys
             self.chunks[k].grad = None
-            for slot in [s for s in self._snap if s[0] == k]:
-                del self._snap[slot]
+            self._snap.pop(k, None)
         self.counters["updates"] += int(count)
         if self.trace is not None:
             self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
@@ -442,10 +441,10 @@ class ShardServer:
         in place, so replies must never point at a chunk itself; a snapshot is never written
         after it is made."""
         wire = None if exact or not self.config.wire_dtype else TORCH_DTYPES[self.config.wire_dtype]
-        slot = (k, wire)
-        if slot not in self._snap:
-            self._snap[slot] = self.chunks[k].to(wire) if wire is not None else self.chunks[k].clone()
-        return self._snap[slot]
+        copies = self._snap.setdefault(k, {})
+        if wire not in copies:
+            copies[wire] = self.chunks[k].to(wire) if wire is not None else self.chunks[k].clone()
+        return copies[wire]
 
     def _bump(self) -> None:
         self.version += 1
