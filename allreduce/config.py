@@ -7,6 +7,7 @@ from dataclasses import dataclass
 ALGORITHMS = ("library", "ring")
 COMPRESSIONS = ("none", "fp16", "bf16")
 UNUSED_POLICIES = ("error", "zero")
+SPARSE_MODES = ("dense", "allgather")
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,16 @@ class AllReduceConfig:
     """Wire dtype of gradients: 'none', 'fp16' or 'bf16' (averaged before the cast)."""
     unused: str = "error"
     """A parameter that got no gradient in a step: 'error' names it; 'zero' reduces zeros for it."""
+    sparse: str = "dense"
+    """Embedding tables: 'dense' densifies their gradients and all-reduces them in the buckets
+    (as DDP does); 'allgather' has each worker all-gather the row ids and rows its batch
+    touched (as Horovod does for sparse tensors), then updates only those rows."""
 
     def __post_init__(self) -> None:
         _choice("allreduce.algorithm", self.algorithm, ALGORITHMS)
         _choice("allreduce.compression", self.compression, COMPRESSIONS)
         _choice("allreduce.unused", self.unused, UNUSED_POLICIES)
+        _choice("allreduce.sparse", self.sparse, SPARSE_MODES)
         if not self.bucket_cap_mb > 0 or not self.first_bucket_mb > 0:
             raise ValueError(
                 f"allreduce.bucket_cap_mb={self.bucket_cap_mb} and allreduce.first_bucket_mb="

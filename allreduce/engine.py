@@ -1,12 +1,15 @@
 """The bucketed all-reduce engine: hooks start each bucket's all-reduce during backward.
 
-`step()` waits for the buckets, broadcasts rank 0's buffers (BatchNorm running statistics:
-rank 0's are authoritative, as with DDP's broadcast_buffers), and runs the local optimizer.
+`step()` waits for the buckets, all-gathers the rows of the row-sparse embedding tables
+(allreduce.sparse=allgather; they are left out of the buckets), broadcasts rank 0's buffers
+(BatchNorm running statistics: rank 0's are authoritative, as with DDP's broadcast_buffers),
+and runs the local optimizer.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -16,30 +19,45 @@ from .config import AllReduceConfig
 from .group import broadcast_tensors, init_process_group, shutdown
 from .liveness import Liveness
 from .reducer import Reducer
+from .sparse import SparseAllGather
+
+SparseTables = Callable[[torch.nn.Module], "dict[str, torch.nn.Module]"]
 
 
 class AllReduceEngine:
     """Engine protocol (attach / backward / step / close) over a bucketed all-reduce."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
-                 timeout_s: float = 60.0, trace=None, delay_s: float = 0.0) -> None:
+                 timeout_s: float = 60.0, trace=None, delay_s: float = 0.0,
+                 sparse_tables: SparseTables | None = None) -> None:
         """trace: optional callable(name, start, end, thread=...) for each bucket's all-reduce;
-        delay_s: injected latency of every message (a slow link)."""
+        delay_s: injected latency of every message (a slow link); sparse_tables: callable(model)
+        -> {parameter name: nn.Embedding/EmbeddingBag} of the tables to all-gather row-sparse,
+        asked at attach (default None: every table is all-reduced dense in the buckets)."""
+        if config.sparse == "allgather" and sparse_tables is None:
+            raise ValueError("allreduce.sparse=allgather needs sparse_tables, the callable that "
+                             "names the model's row-sparse tables")
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.trace, self.delay_s = trace, delay_s
+        self._sparse_tables = sparse_tables
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
+        # Before any collective, so that a refusal (an optimizer without sparse updates) is
+        # raised alike on every rank instead of leaving the others waiting.
+        tables = self._sparse_tables(model) if self._sparse_tables is not None else {}
+        self._sparse = SparseAllGather(tables, self.world, self.config.compression)
         with self._liveness.naming_lost_ranks():
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self._buffers = [b for b in model.buffers()]
         self._collective = make_collective(self.config.algorithm, self.rank, self.world,
                                            self.trace, self.delay_s)
         params = list(model.named_parameters())
+        bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
         self._reducer = Reducer(
-            params, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,
+            bucketed, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,
             first_cap_mb=self.config.first_bucket_mb,
             wire_dtype=wire_dtype(self.config.compression, params[0][1].dtype),
             unused=self.config.unused,
@@ -57,11 +75,13 @@ class AllReduceEngine:
         with self._liveness.naming_lost_ranks():
             self._reducer.finish()
             nbytes = self._reducer.take_bytes()
+            nbytes += self._sparse.reduce()
             if self._buffers:
                 nbytes += broadcast_tensors(self._buffers) * (self.rank == 0)
         comm_s = time.perf_counter() - start
         self.optimizer.step()
         self._reducer.zero_grad()
+        self._sparse.zero_grad()
         return {"comm_s": comm_s, "bytes_sent": nbytes, "bytes_recv": nbytes}
 
     def report(self) -> dict:

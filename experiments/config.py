@@ -16,6 +16,7 @@ from .checkpoint import CheckpointConfig
 from .faults import FaultConfig
 from .network import NetConfig
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
+from .sparsity import embedding_tables, sparse_update_problem
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DEVICES = ("cpu", "cuda")
@@ -119,6 +120,22 @@ class RunConfig:
             raise ValueError(f"device={self.device!r}: expected cpu or cuda")
         if self.threads < 0 or not self.timeout_s > 0:
             raise ValueError(f"threads={self.threads} must be >= 0 and timeout_s={self.timeout_s} > 0")
+
+    def sparse_tables(self, model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """{name: module} of the embedding tables this run's engine moves row-sparse (none for
+        local and ddp, which stay dense as the reference). ValueError when row-sparse is asked
+        for, the model has tables, and the optimizer's sparse update is not its dense one."""
+        problem = sparse_update_problem(self.optim)
+        if self.engine == "allreduce":
+            forced, on = "allreduce.sparse=allgather", self.allreduce.sparse == "allgather"
+        elif self.engine.startswith("ps-"):
+            forced, on = "ps.sparse=rows", self.ps.sparse == "rows" or (self.ps.sparse == "auto" and not problem)
+        else:
+            forced, on = "", False
+        tables = embedding_tables(model) if on else {}
+        if tables and problem:
+            raise ValueError(f"{forced}: {problem}")
+        return tables
 
     @property
     def torch_dtype(self) -> torch.dtype:

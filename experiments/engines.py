@@ -63,8 +63,9 @@ def _local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | No
 def _allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.engine import AllReduceEngine
 
+    # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
     return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
-                           cfg.fault.delay_s)
+                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables)
 
 
 def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

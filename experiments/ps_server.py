@@ -49,8 +49,10 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     model = cfg.model.build().to(dtype=cfg.torch_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     itemsize = named[0][1].element_size()
+    tables = cfg.sparse_tables(model)  # embedding tables held by rows (ps.sparse)
     layout = build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
-                          chunk_elems_from_mb(cfg.ps.chunk_mb, itemsize))
+                          chunk_elems_from_mb(cfg.ps.chunk_mb, itemsize),
+                          sparse=[i for i, (n, _) in enumerate(named) if n in tables])
     values = split_values(layout, [p for _, p in named], shard)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None

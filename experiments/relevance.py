@@ -14,6 +14,7 @@ READ_BY: list[tuple[str, tuple[str, ...]]] = [
     ("allreduce.algorithm", ("allreduce",)),
     ("allreduce.first_bucket_mb", ("allreduce",)),
     ("allreduce.unused", ("allreduce",)),
+    ("allreduce.sparse", ("allreduce",)),
     ("allreduce.", ("allreduce", "ddp")),
     ("ps.staleness", ("ps-ssp",)),
     ("ps.async_scale", ("ps-async", "ps-ssp")),

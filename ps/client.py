@@ -60,6 +60,8 @@ class PullResult:
     """key id -> flat chunk (built on the received frame, no copy)."""
     waited_s: float = 0.0
     """Longest time a shard held the pull back for its condition (waiting for other workers)."""
+    ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    """key id -> the row ids whose values `values` holds ((n, dim)), for keys pulled by rows."""
 
 
 class PSClient:
@@ -161,54 +163,84 @@ class PSClient:
         self._start_heartbeat()
         return layout, min(self.versions.values()), values
 
-    def push(self, step: int, version: int | None, grads: dict[int, torch.Tensor]) -> Handle:
-        """Send gradients {key id: chunk} computed for `step` on parameters of `version`
-        (None: the version last received from each shard). Non-blocking; the tensors must not
-        change until wait(handle) returns (they leave without a copy). wait gives the largest
-        staleness reported by the shards."""
+    def push(self, step: int, version: int | None, grads: dict[int, Any]) -> Handle:
+        """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key}
+        computed for `step` on parameters of `version` (None: the version last received from
+        each shard). Row ids count from the key's first row, strictly increasing (int64); rows
+        are (n, dim). Non-blocking; the tensors must not change until wait(handle) returns
+        (they leave without a copy). wait gives the largest staleness reported by the shards."""
         layout = self._need_layout()
-        by_shard: dict[int, tuple[list[int], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+        by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = defaultdict(lambda: ([], [], []))
         for k, g in grads.items():
             if not (type(k) is int and 0 <= k < len(layout.keys)):
                 raise ValueError(f"push: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
             key = layout.keys[k]
+            ids, g = (self._row_ids(k, g[0]), g[1]) if isinstance(g, tuple) else (None, g)
             g = g.detach()
             if g.device.type != "cpu":
                 g = g.cpu()
-            if g.numel() != key.numel or g.dtype != TORCH_DTYPES[layout.dtype(key)]:
-                raise ValueError(f"push: key {k} needs {key.numel} {layout.dtype(key)} values, got {g.numel()} {g.dtype}")
-            keys, tensors = by_shard[key.shard]
+            numel = key.numel if ids is None else ids.numel() * layout.row_dim(key)
+            if g.numel() != numel or g.dtype != TORCH_DTYPES[layout.dtype(key)]:
+                raise ValueError(f"push: key {k} needs {numel} {layout.dtype(key)} values, got {g.numel()} {g.dtype}")
+            keys, tensors, row_ids = by_shard[key.shard]
             keys.append(k)
+            row_ids.append(ids)
+            shape = (-1,) if ids is None else (ids.numel(), layout.row_dim(key))
             # Compressed: the cast is the copy that leaves; otherwise the tensor leaves as it is.
-            tensors.append(g.to(TORCH_DTYPES[self._wire]).reshape(-1) if self._wire else g.contiguous().reshape(-1))
+            tensors.append(g.to(TORCH_DTYPES[self._wire]).reshape(shape) if self._wire else g.contiguous().reshape(shape))
         per_shard = {}
-        for s, (keys, tensors) in by_shard.items():
+        for s, (keys, tensors, row_ids) in by_shard.items():
             v = version if version is not None else self.versions.get(s, 0)
             at = step if step is not None else self.versions.get(s, 0)  # sync: the shard's own step
-            per_shard[s] = ({"op": "push", "step": at, "version": v, "keys": keys}, tensors)
+            sparse = any(i is not None for i in row_ids)
+            per_shard[s] = ({"op": "push", "step": at, "version": v, "keys": keys}, tensors,
+                            row_ids if sparse else None)
         return self._start("push", per_shard)
 
-    def pull(self, keys: Sequence[int] | None = None, min_version: int | None = None,
-             clock: int | None = None, wait_left: bool = False, next_version: bool = False) -> Handle:
+    def _row_ids(self, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids as the wire wants them: int64 on the CPU, checked against key k's rows."""
+        layout = self._need_layout()
+        if not layout.row_dim(k):
+            raise ValueError(f"key {k} is of a dense parameter; it cannot be sent by rows")
+        ids = ids.detach().to("cpu", torch.int64).reshape(-1).contiguous()
+        rows = layout.key_rows(k)[1]
+        if ids.numel() and not (int(ids[0]) >= 0 and int(ids[-1]) < rows and bool((ids[1:] > ids[:-1]).all())):
+            raise ValueError(f"key {k}: row ids must be strictly increasing within 0..{rows - 1}")
+        return ids
+
+    def pull(self, keys: Sequence[int] | None = None, min_version: int | dict[int, int] | None = None,
+             clock: int | None = None, wait_left: bool = False, next_version: bool = False,
+             rows: dict[int, torch.Tensor] | None = None) -> Handle:
         """Ask for the current values of keys (default all). The server answers once its
-        version >= min_version (sync), under ssp once clock is within the staleness bound
+        version >= min_version (sync; a dict gives one per shard), under ssp once clock is within the staleness bound
         of the slowest worker, and with wait_left once every other worker has left.
         next_version: each shard answers once past the version this client last saw from it
-        (sync steps, counted per shard). Non-blocking; wait gives a PullResult."""
+        (sync steps, counted per shard). rows: {key: row ids} asks for only those rows of
+        those row-sparse keys (ids as in push); they are pulled besides keys. Non-blocking;
+        wait gives a PullResult."""
         layout = self._need_layout()
+        rows = {k: self._row_ids(k, i) for k, i in (rows or {}).items()}
+        if keys is not None and set(keys) & set(rows):
+            raise ValueError(f"pull: keys {sorted(set(keys) & set(rows))} asked for whole and by rows")
         by_shard: dict[int, list[int]] = defaultdict(list)
-        for k in range(len(layout.keys)) if keys is None else keys:
+        for k in [*(range(len(layout.keys)) if keys is None and not rows else keys or ()), *rows]:
             if not (type(k) is int and 0 <= k < len(layout.keys)):
                 raise ValueError(f"pull: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
             by_shard[layout.keys[k].shard].append(k)
-        cond = {n: v for n, v in (("min_version", min_version), ("clock", clock),
+        per_shard_min = min_version if isinstance(min_version, dict) else None
+        cond = {n: v for n, v in (("min_version", None if per_shard_min else min_version), ("clock", clock),
                                   ("wait_left", 1 if wait_left else None)) if v is not None}
         def condition(s: int) -> dict:
-            return {**cond, "min_version": self.versions.get(s, 0) + 1} if next_version else cond
+            if next_version:
+                return {**cond, "min_version": self.versions.get(s, 0) + 1}
+            return {**cond, "min_version": per_shard_min[s]} if per_shard_min and s in per_shard_min else cond
 
-        return self._start("pull", {s: ({"op": "pull", "keys": ks, **condition(s)}, None)
+        def ids(ks: list[int]) -> list | None:
+            return [rows.get(k) for k in ks] if any(k in rows for k in ks) else None
+
+        return self._start("pull", {s: ({"op": "pull", "keys": ks, **condition(s)}, None, ids(ks))
                                     for s, ks in by_shard.items()},
-                           conditional=bool(cond) or next_version)
+                           conditional=bool(cond) or next_version or bool(per_shard_min))
 
     def wait(self, handle: Handle, timeout_s: float | None = None) -> Any:
         """Block until every shard of handle has answered; its result (see push / pull).
@@ -222,8 +254,9 @@ class PSClient:
             versions = {s: m.get("version") for s, m in handle.replies.items()}
             self.versions.update(versions)
             values = {k: t for m in handle.replies.values() for k, t in zip(m.keys, m.tensors)}
+            ids = {k: i for m in handle.replies.values() for k, i in zip(m.keys, m.ids) if i is not None}
             waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
-            return PullResult(min(versions.values(), default=0), versions, values, waited / 1e6)
+            return PullResult(min(versions.values(), default=0), versions, values, waited / 1e6, ids)
         return handle.replies
 
     def wait_alive(self, handle: Handle) -> Any:
@@ -288,15 +321,16 @@ class PSClient:
             raise RuntimeError("call join() before push or pull: the client has no layout yet")
         return self.layout
 
-    def _start(self, kind: str, per_shard: dict[int, tuple[dict, list | None]], conditional: bool = False) -> Handle:
+    def _start(self, kind: str, per_shard: dict[int, tuple], conditional: bool = False) -> Handle:
+        """Send per_shard {shard: (header, tensors or None[, row ids per key or None])}."""
         h = Handle(kind, timeout_s=self.timeout_s + (min(self.timeout_s, 5.0) if conditional else 0.0))
-        for s, (header, tensors) in per_shard.items():
+        for s, (header, tensors, *ids) in per_shard.items():
             req = next(self._reqs)
-            frames = encode({**header, "worker": self.worker, "req": req}, tensors)
+            frames = encode({**header, "worker": self.worker, "req": req}, tensors, ids[0] if ids else None)
             self._transports[s].send(frames)
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
             h.pending[req] = s
-            h.keep.append(tensors)
+            h.keep.append((tensors, ids))
             self._inflight[req] = h
         return h
 

@@ -9,6 +9,7 @@ WORKER_LOSS_POLICIES = ("mode", "drop", "abort")
 WIRE_DTYPES = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 """ps.compression: the dtype pushes and pulls travel in (the shards keep their own)."""
 ASYNC_SCALES = ("mean", "sum")
+SPARSE_MODES = ("auto", "rows", "dense")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,15 @@ class PSConfig:
     """Pushes and pulls cast to "fp16" or "bf16" on the wire (half the bytes); the shards keep
     their master values and optimizer state in the parameters' own dtype. "none": as they are."""
 
+    sparse: str = "auto"
+    """Embedding tables: "rows" pushes the rows a batch touched (ids and summed rows) and
+    pulls the rows the next batch looks up, and the shards update only those; "dense" moves
+    whole tables; "auto": rows when the optimizer's update of an untouched row is no update
+    (sgd without momentum or weight decay, adagrad without weight decay), else dense."""
+
     def __post_init__(self) -> None:
+        if self.sparse not in SPARSE_MODES:
+            raise ValueError(f"sparse must be one of {SPARSE_MODES}, got {self.sparse!r}")
         if type(self.staleness) is not int or self.staleness < 0:
             raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
         if not (isinstance(self.reconnect_s, (int, float)) and 0 <= self.reconnect_s < math.inf):

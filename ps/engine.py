@@ -10,6 +10,13 @@ runs on the servers, so the `make_optimizer` given to attach is not used here.
 
 Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
 evaluated, follow shard 0 as in every other engine.
+
+Embedding tables the shards hold row-sparse (the layout's `sparse` parameters) travel by
+rows: their modules make sparse gradients, and a push carries only the rows the batch
+touched (summed, per key); before each lookup a forward pre-hook pulls just the rows the
+batch reads (under sync, as of the update of the step before). Rows nobody reads stay stale
+in the worker's copy, which is never a second dense copy of the table; the final pull reads
+them all.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import torch
 from .client import PeerTimeout, PSClient, PSError
 from .config import PSConfig
 from .layout import ParamSpec
+
+ROW_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
 log = logging.getLogger("psar.ps.engine")
@@ -62,6 +71,13 @@ class PSEngine:
                                f"{diff}; start servers and workers with the same experiment and --set")
         self.layout = layout
         self._load(values)
+        self._tables = {i: self._table_module(model, i) for i in sorted(layout.sparse)}
+        self._dense_keys = [k.id for k in layout.keys if k.param not in layout.sparse]
+        self._want = dict(self.client.versions)  # sync: the version each shard's next values have
+        for module in self._tables.values():
+            module.sparse = True  # gradients of the rows looked up, never a dense table
+        self._prehooks = [module.register_forward_pre_hook(functools.partial(self._pull_rows, i))
+                          for i, module in self._tables.items()]
         # Sync steps are numbered by the shards' version; async/ssp by this worker's clock
         # (both 0 on a fresh run, where a resumed shard left them).
         self._step = version if self.mode == "sync" else max(self.client.clocks.values(), default=0)
@@ -72,22 +88,80 @@ class PSEngine:
                        for i, (_, p) in enumerate(self._named)]
         return model
 
+    def _table_module(self, model: torch.nn.Module, index: int) -> torch.nn.Module:
+        name, param = self._named[index]
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if not isinstance(owner, ROW_MODULES) or owner.weight is not param:
+            raise RuntimeError(f"the shards hold {name!r} by rows, but it is not the weight of an "
+                               f"Embedding or EmbeddingBag in this worker's model")
+        return owner
+
     def _push(self, index: int, param: torch.nn.Parameter) -> None:
-        flat = param.grad.detach().reshape(-1)
-        grads = {k.id: flat[k.offset: k.offset + k.numel] for k in self.layout.param_keys(index)}
-        # The chunks leave without a copy: param.grad stays untouched until step() waits.
         step = None if self.mode == "sync" else self._step  # sync: each shard's own version
+        keys = self.layout.param_keys(index)
+        if index in self._tables:
+            grads = self._row_grads(index, param.grad)
+        else:
+            flat = param.grad.detach().reshape(-1)
+            grads = {k.id: flat[k.offset: k.offset + k.numel] for k in keys}
+        # The chunks leave without a copy: param.grad stays untouched until step() waits.
+        if self.mode == "sync":
+            for k in keys:
+                self._want[k.shard] = self.client.versions.get(k.shard, 0) + 1
         self._pushes.append((self._named[index][0], time.time(), self.client.push(step, None, grads)))
-        if self.mode == "sync":  # right behind the push on each connection: no extra round trip
+        if self.mode == "sync" and index not in self._tables:  # right behind the push: no extra round trip
             self._pulls.append((self._named[index][0], time.time(),
                                 self.client.pull(list(grads), next_version=True)))
 
-    def _load(self, values: dict[int, torch.Tensor]) -> None:
+    def _row_grads(self, index: int, grad: torch.Tensor) -> dict:
+        """{key: (row ids within the key, summed rows)} of a table's sparse gradient; every key
+        of the table is pushed, with no rows where the batch touched none (a sync shard
+        counts a worker in once it pushed every key)."""
+        if not grad.is_sparse:
+            raise RuntimeError(f"{self._named[index][0]}: expected a sparse gradient from its lookup")
+        grad = grad.coalesce()
+        ids, rows = grad.indices()[0], grad.values()
+        out = {}
+        for key, (lo, hi) in self._key_spans(index, ids):
+            first = self.layout.key_rows(key)[0]
+            out[key.id] = (ids[lo:hi] - first, rows[lo:hi])
+        return out
+
+    def _key_spans(self, index: int, ids: torch.Tensor):
+        """(key, (lo, hi)) for each key of table `index`: ids[lo:hi] are its rows (ids sorted)."""
+        keys = self.layout.param_keys(index)
+        starts = torch.tensor([self.layout.key_rows(k)[0] for k in keys] + [self.layout.specs[index].shape[0]],
+                              device=ids.device)
+        bounds = torch.searchsorted(ids, starts).tolist()
+        return [(k, (bounds[j], bounds[j + 1])) for j, k in enumerate(keys)]
+
+    def _pull_rows(self, index: int, module: torch.nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a table: pull the rows this lookup reads, then let it run."""
+        ids = torch.unique(args[0].detach().reshape(-1))  # sorted
+        spans = self._key_spans(index, ids)
+        rows = {key.id: ids[lo:hi] - self.layout.key_rows(key)[0] for key, (lo, hi) in spans}
+        started = time.time()
+        if self.mode == "sync":
+            h = self.client.pull(None, rows=rows, min_version={k.shard: self._want.get(k.shard, 0) for k, _ in spans})
+        else:
+            h = self.client.pull(None, rows=rows, clock=self._step if self.mode == "ssp" else None)
+        result = self.client.wait(h)
+        weight = module.weight
         with torch.no_grad():
-            for index, (_, p) in enumerate(self._named):
-                flat = p.view(-1)
-                for key in self.layout.param_keys(index):
-                    flat[key.offset: key.offset + key.numel].copy_(values[key.id])
+            for key, _ in spans:
+                got = result.ids[key.id]
+                if got.numel():
+                    values = result.values[key.id].to(device=weight.device, dtype=weight.dtype)
+                    weight.index_copy_(0, got.to(weight.device) + self.layout.key_rows(key)[0], values)
+        if self.trace is not None:
+            self.trace(f"pull rows {self._named[index][0]}", started, h.done_at, thread="pull", rows=int(ids.numel()))
+
+    def _load(self, values: dict[int, torch.Tensor]) -> None:
+        """Copy {key id: flat values} into the parameters (the keys given, whole)."""
+        with torch.no_grad():
+            for kid, value in values.items():
+                key = self.layout.keys[kid]
+                self._named[key.param][1].view(-1)[key.offset: key.offset + key.numel].copy_(value)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -97,8 +171,9 @@ class PSEngine:
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
         try:
-            if self.mode != "sync":  # ssp waits on the clock; async sends it only so the server can record the gap
-                self._pulls = [(f"step {self._step}", time.time(), self.client.pull(clock=self._step + 1))]
+            if self.mode != "sync" and self._dense_keys:  # ssp waits on the clock; async sends it only so the server can record the gap
+                self._pulls = [(f"step {self._step}", time.time(),
+                                self.client.pull(self._dense_keys, clock=self._step + 1))]
             staleness = [self.client.wait(h) for _, _, h in self._pushes]
             results = [self.client.wait(h) for _, _, h in self._pulls]
         except (PeerTimeout, PSError) as err:
@@ -123,7 +198,7 @@ class PSEngine:
         sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         return {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
-                "wait_s": max(r.waited_s for r in results), "staleness": staleness}
+                "wait_s": max((r.waited_s for r in results), default=0.0), "staleness": staleness}
 
     def _reconnect(self, err: Exception) -> None:
         """A shard went away: wait (at most ps.reconnect_s) for it to come back from its
@@ -142,6 +217,7 @@ class PSEngine:
                                   f"ps.reconnect_s={self.config.reconnect_s:g} s: {again}") from err
                 time.sleep(self.config.heartbeat_s)
         self._load(values)
+        self._want = dict(self.client.versions)
         lost = max((before.get(s, 0) - v for s, v in self.client.versions.items()), default=0)
         self.updates_lost += max(0, lost)
         if self.mode != "sync":
@@ -152,8 +228,10 @@ class PSEngine:
     def close(self) -> None:
         """Rank 0 waits for every other worker to leave, then reads the final parameters and
         the servers' counters; every worker then leaves, which lets the servers end."""
-        for hook in self._hooks:
+        for hook in self._hooks + self._prehooks:
             hook.remove()
+        for module in self._tables.values():
+            module.sparse = False  # the model is handed back as it was built
         try:
             if self.rank == 0:
                 final = self.client.wait_alive(self.client.pull(wait_left=True))

@@ -2,7 +2,9 @@
 
 A parameter is flattened and cut into contiguous chunks ("keys"); big tensors are split so
 that every shard carries about the same number of bytes (as BytePS and ps-lite do), small
-ones stay whole so they cost one frame.
+ones stay whole so they cost one frame. A row-sparse parameter (an embedding table, 2-D) is
+cut on row boundaries only, so that each key holds whole rows [first_row, first_row + rows)
+and a push or pull can name rows of a key by their index within it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 TORCH_DTYPES = {name: getattr(torch, name) for name in ITEMSIZE}
 MIN_CHUNK_ELEMS = 1 << 16
@@ -88,11 +90,14 @@ class Key:
 class Layout:
     """Parameters, their keys and the shard of each key. Build with build_layout or from_wire."""
 
-    def __init__(self, specs: Sequence[ParamSpec], keys: Sequence[Key], num_shards: int, chunk_elems: int):
+    def __init__(self, specs: Sequence[ParamSpec], keys: Sequence[Key], num_shards: int, chunk_elems: int,
+                 sparse: Iterable[int] = ()):
         self.specs = tuple(specs)
         self.keys = tuple(keys)
         self.num_shards = num_shards
         self.chunk_elems = chunk_elems
+        self.sparse = frozenset(sparse)
+        """Indices of the row-sparse parameters (2-D, keys on row boundaries)."""
         self._by_shard: list[list[Key]] = [[] for _ in range(num_shards)]
         self._by_param: list[list[Key]] = [[] for _ in self.specs]
         for key in self.keys:
@@ -106,6 +111,19 @@ class Layout:
     def param_keys(self, param: int) -> list[Key]:
         """Keys of parameter specs[param], by offset."""
         return list(self._by_param[param])
+
+    def row_dim(self, key: Key | int) -> int:
+        """Elements per row of a row-sparse key's parameter; 0 for a dense key."""
+        key = self.keys[key] if isinstance(key, int) else key
+        return self.specs[key.param].shape[1] if key.param in self.sparse else 0
+
+    def key_rows(self, key: Key | int) -> tuple[int, int]:
+        """(first row, number of rows) of a row-sparse key in its parameter."""
+        key = self.keys[key] if isinstance(key, int) else key
+        dim = self.row_dim(key)
+        if not dim:
+            raise ValueError(f"key {key.id} is of dense parameter {self.specs[key.param].name!r}, not row-sparse")
+        return key.offset // dim, key.numel // dim
 
     def dtype(self, key: Key | int) -> str:
         return self.specs[(self.keys[key] if isinstance(key, int) else key).param].dtype
@@ -125,13 +143,15 @@ class Layout:
             "chunk_elems": self.chunk_elems,
             "params": [[s.name, list(s.shape), s.dtype] for s in self.specs],
             "keys": [[k.id, k.param, k.offset, k.numel, k.shard] for k in self.keys],
+            "sparse": sorted(self.sparse),
         }
 
     @classmethod
     def from_wire(cls, wire: Any) -> "Layout":
         """Rebuild and check a layout: ValueError naming the first thing that is wrong."""
-        if not isinstance(wire, dict) or set(wire) != {"v", "num_shards", "chunk_elems", "params", "keys"}:
-            raise ValueError(f"layout must be a dict with fields v, num_shards, chunk_elems, params, keys; got {_short(wire)}")
+        if not isinstance(wire, dict) or set(wire) != {"v", "num_shards", "chunk_elems", "params", "keys", "sparse"}:
+            raise ValueError(f"layout must be a dict with fields v, num_shards, chunk_elems, params, keys, sparse; "
+                             f"got {_short(wire)}")
         if wire["v"] != WIRE_VERSION:
             raise ValueError(f"layout version {wire['v']!r}, expected {WIRE_VERSION}")
         num_shards, chunk_elems = wire["num_shards"], wire["chunk_elems"]
@@ -152,7 +172,19 @@ class Layout:
             if key.id != i or key.param >= len(specs) or key.shard >= num_shards:
                 raise ValueError(f"layout key {i} = {k}: id must be {i}, param < {len(specs)}, shard < {num_shards}")
             keys.append(key)
-        layout = cls(specs, keys, num_shards, chunk_elems)
+        sparse = wire["sparse"]
+        if not isinstance(sparse, list) or any(not _is_int(p) or not 0 <= p < len(specs) for p in sparse):
+            raise ValueError(f"layout sparse must be a list of parameter indices < {len(specs)}, got {_short(sparse)}")
+        for p in sparse:
+            if len(specs[p].shape) != 2 or specs[p].shape[1] < 1:
+                raise ValueError(f"layout: row-sparse parameter {specs[p].name!r} has shape {list(specs[p].shape)}; "
+                                 "expected 2-D (rows, dim) with dim >= 1")
+        layout = cls(specs, keys, num_shards, chunk_elems, sparse)
+        for key in keys:
+            dim = layout.row_dim(key)
+            if dim and (key.offset % dim or key.numel % dim):
+                raise ValueError(f"layout: key {key.id} of row-sparse parameter {specs[key.param].name!r} "
+                                 f"does not hold whole rows of {dim}")
         for p, spec in enumerate(specs):  # every element of every parameter exactly once
             end = 0
             for key in layout.param_keys(p):
@@ -187,20 +219,23 @@ def _short(x: Any, n: int = 80) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def _chunk_sizes(numel: int, num_shards: int, chunk_elems: int) -> list[int]:
-    """Near-equal chunk sizes for one flattened parameter."""
+def _chunk_sizes(numel: int, num_shards: int, chunk_elems: int, unit: int = 1) -> list[int]:
+    """Near-equal chunk sizes for one flattened parameter, each a multiple of unit (a row)."""
     if numel == 0:
         return [0]
-    size = max(1, min(chunk_elems, max(math.ceil(numel / num_shards), MIN_CHUNK_ELEMS)))
-    n = math.ceil(numel / size)
+    units, least = numel // unit, max(1, MIN_CHUNK_ELEMS // unit)
+    chunk = max(1, chunk_elems // unit)
+    size = max(1, min(chunk, max(math.ceil(units / num_shards), least)))
+    n = math.ceil(units / size)
     rounded = math.ceil(n / num_shards) * num_shards  # every shard gets the same share of it
-    if n > 1 and numel // rounded >= min(MIN_CHUNK_ELEMS, chunk_elems):
+    if n > 1 and units // rounded >= min(least, chunk):
         n = rounded
-    base, extra = divmod(numel, n)
-    return [base + 1] * extra + [base] * (n - extra)
+    base, extra = divmod(units, n)
+    return [(base + 1) * unit] * extra + [base * unit] * (n - extra)
 
 
-def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int) -> Layout:
+def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
+                 sparse: Iterable[int] = ()) -> Layout:
     """Cut parameters into keys and assign them to shards.
 
     Args:
@@ -210,6 +245,7 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int) 
             MIN_CHUNK_ELEMS is also cut into a multiple of num_shards near-equal pieces (as
             long as pieces stay >= MIN_CHUNK_ELEMS) so that it spreads evenly over all
             shards; smaller ones stay whole.
+        sparse: indices of row-sparse parameters (2-D): their keys hold whole rows.
 
     Chunks are then placed largest first (ties by key id) on the shard with the fewest bytes
     (ties by shard index), so max - min shard bytes <= the largest chunk. Deterministic.
@@ -219,10 +255,14 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int) 
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     if not _is_int(chunk_elems) or chunk_elems < 1:
         raise ValueError(f"chunk_elems must be an int >= 1, got {chunk_elems!r}")
+    sparse = frozenset(sparse)
+    for p in sparse:
+        if not 0 <= p < len(specs) or len(specs[p].shape) != 2 or specs[p].shape[1] < 1:
+            raise ValueError(f"sparse parameter index {p}: expected a 2-D parameter (rows, dim) of the {len(specs)}")
     pieces = []  # (id, param, offset, numel)
     for p, spec in enumerate(specs):
         offset = 0
-        for size in _chunk_sizes(spec.numel, num_shards, chunk_elems):
+        for size in _chunk_sizes(spec.numel, num_shards, chunk_elems, spec.shape[1] if p in sparse else 1):
             pieces.append((len(pieces), p, offset, size))
             offset += size
     heap = [(0, s) for s in range(num_shards)]  # (bytes, shard): least loaded first, ties by index
@@ -232,7 +272,7 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int) 
         shard_of[kid] = shard
         heapq.heappush(heap, (load + numel * specs[p].itemsize, shard))
     keys = [Key(kid, p, off, numel, shard_of[kid]) for kid, p, off, numel in pieces]
-    return Layout(specs, keys, num_shards, chunk_elems)
+    return Layout(specs, keys, num_shards, chunk_elems, sparse)
 
 
 def split_values(layout: Layout, params: Sequence[torch.Tensor], shard: int | None = None) -> dict[int, torch.Tensor]:

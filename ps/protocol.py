@@ -3,6 +3,12 @@
 Everything in a message is validated against the layout before any tensor is built, so a
 malformed or hostile message raises ProtocolError and touches nothing. Tensors are then
 built on the received frames without a copy (torch.frombuffer).
+
+Row-sparse keys (embedding tables): a push, a pull or a pull's reply may name some rows of a
+key instead of the whole key. Header field 'rows' then has one entry per key: -1 for the
+whole key, or n >= 0 rows, whose ids (int64, strictly increasing, within the key's rows,
+counted from the key's first row) come in a frame of their own just before the key's values
+frame; the values are shaped [n, dim]. A pull names rows with ids frames and no values.
 """
 
 from __future__ import annotations
@@ -25,14 +31,14 @@ OPS = REQUESTS + REPLIES
 _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "join": (set(), {"settings"}),
-    "push": ({"step", "version"} | _TENSORS, set()),
-    "pull": ({"keys"}, {"min_version", "clock", "wait_left"}),
+    "push": ({"step", "version"} | _TENSORS, {"rows"}),
+    "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows"}),
     "heartbeat": (set(), set()),
     "stats": (set(), set()),
     "checkpoint": (set(), set()),
     "shutdown": (set(), set()),
     "leave": (set(), set()),
-    "ok": (set(), {"step", "version", "staleness", "body", "waited_us"} | _TENSORS),
+    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows"} | _TENSORS),
     "error": ({"error"}, set()),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
@@ -62,6 +68,8 @@ class Message:
 
     header: dict[str, Any]
     tensors: list[torch.Tensor] = field(default_factory=list)
+    ids: list[torch.Tensor | None] = field(default_factory=list)
+    """Per key: the row ids it names (int64) or None for the whole key; empty without 'rows'."""
 
     @property
     def op(self) -> str:
@@ -96,16 +104,31 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> list[bytes | memoryview]:
+def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None,
+           ids: Sequence[torch.Tensor | None] | None = None) -> list[bytes | memoryview]:
     """[msgpack header, raw tensor frames...]. With tensors (even none), header['keys'] must
-    name one key per tensor; 'dtypes' and 'shapes' are filled in from the tensors."""
+    name one key per tensor; 'dtypes' and 'shapes' are filled in from the tensors. ids: per
+    key, the int64 row ids it names, or None for the whole key ('rows' is filled in)."""
     header = {"v": PROTOCOL_VERSION, **header}
-    frames = [tensor_frame(t) for t in tensors or ()]
+    n = len(header.get("keys", ()))
     if tensors is not None:
-        if len(header.get("keys", ())) != len(tensors):
-            raise ValueError(f"header names {len(header.get('keys', ()))} keys for {len(tensors)} tensors")
+        if n != len(tensors):
+            raise ValueError(f"header names {n} keys for {len(tensors)} tensors")
         header["dtypes"] = [dtype_name(t.dtype) for t in tensors]
         header["shapes"] = [list(t.shape) for t in tensors]
+    if ids is None:
+        return [msgpack.packb(header, use_bin_type=True), *(tensor_frame(t) for t in tensors or ())]
+    if n != len(ids):
+        raise ValueError(f"header names {n} keys for {len(ids)} row id lists")
+    header["rows"] = [-1 if i is None else i.numel() for i in ids]
+    frames = []
+    for k in range(n):
+        if ids[k] is not None:
+            if ids[k].dtype != torch.int64:
+                raise ValueError(f"row ids must be int64, got {ids[k].dtype}")
+            frames.append(memoryview(ids[k].contiguous().numpy()).cast("B"))
+        if tensors is not None:
+            frames.append(tensor_frame(tensors[k]))
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
@@ -220,21 +243,25 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
                 _fail(f"key {k} is not in the layout (keys 0..{len(layout.keys) - 1})")
             if shard is not None and layout.keys[k].shard != shard:
                 _fail(f"key {k} belongs to shard {layout.keys[k].shard}, not to this shard {shard}")
+    rows = _check_rows(h, keys, layout, limits) if "rows" in h else [-1] * len(keys)
+    n_ids = sum(n >= 0 for n in rows)
     has_tensors = "dtypes" in h or "shapes" in h
     if has_tensors and not _TENSORS <= set(h):
         _fail("tensor frames need header fields 'keys', 'dtypes' and 'shapes' together")
     if not has_tensors:
-        if len(frames) != 1:
-            _fail(f"a {op!r} message without tensors has {len(frames) - 1} extra frame(s)")
-        return Message(h)
+        if len(frames) != 1 + n_ids:
+            _fail(f"a {op!r} message without tensors has {len(frames) - 1 - n_ids} extra frame(s) "
+                  f"(besides {n_ids} row id frame(s))")
+        return Message(h, [], _row_ids(keys, rows, views[1:], layout) if "rows" in h else [])
 
     dtypes, shapes = _check_int_list(h, "dtypes", limits.max_keys), _check_int_list(h, "shapes", limits.max_keys)
     if not len(keys) == len(dtypes) == len(shapes):
         _fail(f"header has {len(keys)} keys, {len(dtypes)} dtypes, {len(shapes)} shapes; expected equal counts")
-    if len(frames) - 1 != len(keys):
-        _fail(f"message has {len(frames) - 1} tensor frame(s) for {len(keys)} key(s)")
+    if len(frames) - 1 != len(keys) + n_ids:
+        _fail(f"message has {len(frames) - 1 - n_ids} tensor frame(s) for {len(keys)} key(s) "
+              f"(besides {n_ids} row id frame(s))")
     sizes = []
-    for k, dtype, shape in zip(keys, dtypes, shapes):
+    for k, dtype, shape, n in zip(keys, dtypes, shapes, rows):
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             _fail(f"key {k}: dtype {dtype!r} is not one of {sorted(ITEMSIZE)}")
         if not isinstance(shape, list) or any(type(d) is not int or not 0 <= d < _MAX_INT for d in shape):
@@ -243,18 +270,65 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
             key = layout.keys[k]
             if dtype != layout.dtype(key) and dtype != wire:
                 _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.dtype(key)!r}")
-            if tuple(shape) != key.shape:
-                _fail(f"key {k}: shape {shape} does not match the layout's {list(key.shape)}")
+            expected = list(key.shape) if n < 0 else [n, layout.row_dim(key)]
+            if shape != expected:
+                _fail(f"key {k}: shape {shape} does not match the {'layout' if n < 0 else 'rows'}' {expected}")
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if nbytes > limits.max_tensor_bytes:
             _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
         sizes.append(nbytes)
-    views = views[1:]
+    views, id_views = views[1:], []
+    if "rows" in h:  # per key: [ids frame], values frame
+        values = []
+        for n in rows:
+            if n >= 0:
+                id_views.append(views.pop(0))
+            values.append(views.pop(0))
+        views = values
     for k, nbytes, view in zip(keys, sizes, views):
         if view.nbytes != nbytes:
             _fail(f"key {k}: tensor frame is {view.nbytes} bytes; expected {nbytes} (numel * itemsize)")
+    ids = _row_ids(keys, rows, id_views, layout) if "rows" in h else []
     tensors = [_tensor(v, TORCH_DTYPES[d], s) for v, d, s in zip(views, dtypes, shapes)]
-    return Message(h, tensors)
+    return Message(h, tensors, ids)
+
+
+def _check_rows(h: dict, keys: list[int], layout: Layout | None, limits: Limits) -> list[int]:
+    """The 'rows' field: one entry per key, -1 or a row count within a row-sparse key."""
+    if layout is None:
+        _fail("header field 'rows' needs the layout (join first)")
+    rows = _check_int_list(h, "rows", limits.max_keys)
+    if len(rows) != len(keys):
+        _fail(f"header field 'rows' has {len(rows)} entries for {len(keys)} keys")
+    for k, n in zip(keys, rows):
+        if type(n) is not int or n < -1:
+            _fail(f"key {k}: rows entry {n!r}; expected -1 (whole key) or a row count >= 0")
+        if n >= 0:
+            if not layout.row_dim(k):
+                _fail(f"key {k} is of dense parameter {layout.specs[layout.keys[k].param].name!r}; "
+                      "it cannot be sent by rows")
+            if n > layout.key_rows(k)[1]:
+                _fail(f"key {k}: {n} rows named; the key holds {layout.key_rows(k)[1]}")
+    return rows
+
+
+def _row_ids(keys: list[int], rows: list[int], views: list[memoryview], layout: Layout) -> list[torch.Tensor | None]:
+    """The row id frames, checked: n int64 ids, strictly increasing, within the key's rows."""
+    out, it = [], iter(views)
+    for k, n in zip(keys, rows):
+        if n < 0:
+            out.append(None)
+            continue
+        view = next(it)
+        if view.nbytes != 8 * n:
+            _fail(f"key {k}: row id frame is {view.nbytes} bytes; expected {8 * n} ({n} int64 ids)")
+        ids = _tensor(view, torch.int64, [n])
+        limit = layout.key_rows(k)[1]
+        if n and not (int(ids[0]) >= 0 and int(ids[-1]) < limit and bool((ids[1:] > ids[:-1]).all())):
+            _fail(f"key {k}: row ids must be strictly increasing within 0..{limit - 1}; "
+                  f"got {ids[:6].tolist()}{'...' if n > 6 else ''} ({n} ids)")
+        out.append(ids)
+    return out
 
 
 def _check_settings(settings: Any, limits: Limits) -> None:

@@ -19,6 +19,12 @@ loop ends by itself once every worker has left or is lost. A worker that has not
 within timeout_s of the shard's start is lost.
 
 A worker's clock on a shard is 1 + the last step whose keys it has all pushed there.
+
+Row-sparse keys (embedding tables, see ps.layout) are held as (rows, dim) and may be pushed
+and pulled by rows: a push's rows become a sparse gradient (duplicates over workers summed
+under sync), so the optimizer updates only those rows and their state; a pull by rows gets
+copies of just those rows. Under async and ssp a shard counts row collisions: rows of a push
+that another worker's push changed after this worker read them (Hogwild!'s conflicts).
 """
 
 from __future__ import annotations
@@ -107,13 +113,20 @@ class ShardServer:
         self.keys = [k.id for k in layout.shard_keys(shard)]
         if set(values) != set(self.keys):
             raise ValueError(f"shard {shard}: values given for keys {sorted(values)}, expected {self.keys}")
-        self.chunks: dict[int, torch.Tensor] = {}
+        self.chunks: dict[int, torch.Tensor] = {}  # flat, or (rows, dim) for a row-sparse key
         for kid in self.keys:
             key, t = layout.keys[kid], values[kid]
             dtype = TORCH_DTYPES[layout.dtype(key)]
             if t.numel() != key.numel or t.dtype != dtype:
                 raise ValueError(f"shard {shard}: key {kid} needs {key.numel} {dtype} values, got {t.numel()} {t.dtype}")
-            self.chunks[kid] = t.detach().reshape(-1).clone()  # a leaf tensor owned by the server
+            dim = layout.row_dim(key)
+            shape = (key.numel // dim, dim) if dim else (key.numel,)
+            self.chunks[kid] = t.detach().reshape(shape).clone()  # a leaf tensor owned by the server
+        # async/ssp, row-sparse keys: who last changed each row, and by which update (counter)
+        self._row_writer = {k: torch.full((c.shape[0],), -1, dtype=torch.int32)
+                            for k, c in self.chunks.items() if c.dim() == 2 and mode != "sync"}
+        self._row_update = {k: torch.zeros(len(w), dtype=torch.int64) for k, w in self._row_writer.items()}
+        self._read_at: dict[int, int] = {}  # worker -> the update counter when its last pull was answered
         self.optimizer = make_optimizer(list(self.chunks.values())) if self.chunks else None
         self._limits = Limits(max_tensor_bytes=config.max_message_bytes)
         self._workers = range(num_workers)
@@ -128,10 +141,12 @@ class ShardServer:
         self.stopped = False
         self._partial: dict[int, dict[int, set[int]]] = {w: {} for w in self._workers}  # worker -> step -> keys
         self._sum: dict[int, torch.Tensor] = {}  # sync: key -> sum of the step's gradients
+        self._rows: dict[int, list] = {}  # sync, pushed by rows: key -> [(ids, rows), ...] of the step
         self._pushed: dict[int, set[int]] = {}  # sync: key -> workers that pushed it this step
         self._updated: set[int] = set()  # sync: keys already updated in this step
         self._deferred: list[_Deferred] = []
-        self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0)
+        self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
+                             rows_pushed=0, rows_pulled=0, row_collisions=0)
         self.staleness: dict[int, int] = {}
         self.waits = dict(count=0, total_s=0.0, max_s=0.0)
         self.max_clock_gap = 0
@@ -256,6 +271,8 @@ class ShardServer:
 
     def _on_pull(self, peer: bytes, msg: Message) -> list[Reply]:
         self.counters["pulls"] += 1
+        if msg.ids and not msg.keys:
+            raise _Reject("a pull by rows must name its keys")
         if self._pull_ready(msg):
             self._note_gap(msg)
             return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")))]
@@ -282,12 +299,16 @@ class ShardServer:
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
             msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
+        ids = msg.ids or [None] * len(msg.keys)
         stale = self.version - version
         self.staleness[stale] = self.staleness.get(stale, 0) + 1
         self.counters["pushes"] += 1
+        self.counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
         if self.mode == "sync":
-            for k, g in zip(msg.keys, msg.tensors):
-                if k in self._sum:
+            for k, g, i in zip(msg.keys, msg.tensors, ids):
+                if i is not None:
+                    self._rows.setdefault(k, []).append((i, g))
+                elif k in self._sum:
                     self._sum[k].add_(g)
                 else:
                     self._sum[k] = g  # built on the received frame, which is ours to keep and write
@@ -297,12 +318,34 @@ class ShardServer:
         else:
             live = self.num_workers - len(self.lost)
             scale = 1.0 / live if self.config.async_scale == "mean" else 1.0
-            for k, g in zip(msg.keys, msg.tensors):
-                self.chunks[k].grad = g * scale if scale != 1.0 else g  # optimizers only read it
+            for k, g, i in zip(msg.keys, msg.tensors, ids):
+                g = g * scale if scale != 1.0 else g
+                if i is not None:
+                    self._note_collisions(k, w, i)
+                self.chunks[k].grad = self._grad(k, g, i)  # optimizers only read it
             self._apply(msg.keys, f"apply push of worker {w} (step {step})")
             if self._note_keys(w, step, msg.keys):
                 self._bump()
         return [self._ok(peer, msg, staleness=stale, version=self.version)]
+
+    def _grad(self, k: int, g: torch.Tensor, ids: torch.Tensor | None, coalesced: bool = True) -> torch.Tensor:
+        """A pushed gradient as the optimizer's grad of chunk k: dense, or sparse over the rows
+        `ids` (which must be coalesced, unless coalesced=False)."""
+        chunk = self.chunks[k]
+        if ids is None:
+            return g.reshape(chunk.shape)
+        grad = torch.sparse_coo_tensor(ids.unsqueeze(0), g, chunk.shape, is_coalesced=coalesced,
+                                       check_invariants=False)
+        return grad if coalesced else grad.coalesce()
+
+    def _note_collisions(self, k: int, w: int, ids: torch.Tensor) -> None:
+        """Count the rows of w's push that another worker's push changed after w last pulled
+        (its gradient was computed on values since overwritten), then mark them as w's."""
+        writer, changed = self._row_writer[k][ids], self._row_update[k][ids]
+        read = self._read_at.get(w, 0)
+        self.counters["row_collisions"] += int(((writer >= 0) & (writer != w) & (changed > read)).sum())
+        self._row_writer[k][ids] = w
+        self._row_update[k][ids] = self.counters["updates"] + 1  # the update this push makes
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -341,13 +384,21 @@ class ShardServer:
             return
         for k in self.keys:
             if k not in self._updated and k in self._pushed and live <= self._pushed[k]:
-                self.chunks[k].grad = self._sum.pop(k).div_(len(self._pushed[k]))
+                count = len(self._pushed[k])
+                if k in self._rows:  # every worker's rows, duplicates summed
+                    parts = self._rows.pop(k)
+                    grad = self._grad(k, torch.cat([g for _, g in parts]), torch.cat([i for i, _ in parts]),
+                                      coalesced=len(parts) == 1)
+                    self.chunks[k].grad = grad / count
+                else:
+                    self.chunks[k].grad = self._sum.pop(k).reshape(self.chunks[k].shape).div_(count)
                 self._apply([k], f"update key {k} (step {self.version}, {len(live)} workers)", count=False)
                 self._updated.add(k)
         if len(self._updated) == len(self.keys):
             self.counters["updates"] += 1
             self._updated.clear()
             self._pushed.clear()
+            self._rows.clear()
             self._bump()
 
     def _version_of(self, keys) -> int:
@@ -429,11 +480,24 @@ class ShardServer:
 
     def _values(self, peer: bytes, msg: Message, keys: list[int], exact: bool = False, **fields: Any) -> Reply:
         """The values of keys, in the wire dtype under compression unless exact (join, the
-        final pull, checkpoint: what the worker keeps must be the master values)."""
-        tensors = [self._snapshot(k, exact) for k in keys]
+        final pull, checkpoint: what the worker keeps must be the master values); of the rows
+        a pull names, for a pull by rows."""
         header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self._version_of(keys),
                   "keys": list(keys)}
-        return self._send(peer, encode({**header, **fields}, tensors))
+        if msg.op == "pull":
+            self._read_at[msg.worker] = self.counters["updates"]
+        if msg.op != "pull" or not msg.ids:
+            return self._send(peer, encode({**header, **fields}, [self._snapshot(k, exact) for k in keys]))
+        wire = TORCH_DTYPES[self.config.wire_dtype] if self.config.wire_dtype and not exact else None
+        tensors = []
+        for k, i in zip(keys, msg.ids):
+            if i is None:
+                tensors.append(self._snapshot(k, exact))
+            else:  # index_select copies: the reply never points into the chunk
+                rows = self.chunks[k].detach().index_select(0, i)
+                tensors.append(rows.to(wire) if wire is not None else rows)
+                self.counters["rows_pulled"] += i.numel()
+        return self._send(peer, encode({**header, **fields}, tensors, msg.ids))
 
     def _snapshot(self, k: int, exact: bool = False) -> torch.Tensor:
         """A copy of chunk k as of its last update (in the wire dtype unless exact), shared by
@@ -443,7 +507,8 @@ class ShardServer:
         wire = None if exact or not self.config.wire_dtype else TORCH_DTYPES[self.config.wire_dtype]
         copies = self._snap.setdefault(k, {})
         if wire not in copies:
-            copies[wire] = self.chunks[k].to(wire) if wire is not None else self.chunks[k].clone()
+            flat = self.chunks[k].detach().reshape(-1)
+            copies[wire] = flat.to(wire) if wire is not None else flat.clone()
         return copies[wire]
 
     def _bump(self) -> None:
@@ -454,7 +519,7 @@ class ShardServer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this shard: values, optimizer state, version, clocks."""
         return {"shard": self.shard, "fingerprint": self.layout.fingerprint, "version": self.version,
-                "values": {k: t.detach().clone() for k, t in self.chunks.items()},
+                "values": {k: t.detach().reshape(-1).clone() for k, t in self.chunks.items()},
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "clocks": dict(self.clocks), "counters": dict(self.counters)}
 
@@ -466,7 +531,7 @@ class ShardServer:
                              f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard?")
         with torch.no_grad():
             for k, t in state["values"].items():
-                self.chunks[k].copy_(t)
+                self.chunks[k].copy_(t.reshape(self.chunks[k].shape))
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

@@ -77,7 +77,9 @@ def _wire_with(change):
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda w: w.update(v=2), "layout version"),
+    (lambda w: w.update(v=1), "layout version"),
+    (lambda w: w.update(sparse=[99]), "sparse must be a list"),
+    (lambda w: w.update(sparse=[1]), "expected 2-D"),
     (lambda w: w.pop("keys"), "fields"),
     (lambda w: w.update(num_shards=0), "num_shards"),
     (lambda w: w["keys"][3].__setitem__(4, 9), "shard < 2"),
@@ -91,6 +93,40 @@ def _wire_with(change):
 def test_from_wire_rejects(change, message):
     with pytest.raises(ValueError, match=message):
         Layout.from_wire(_wire_with(change))
+
+
+TABLES = [ParamSpec("emb", (5000, 24), "float32"), ParamSpec("bias", (7,), "float32"),
+          ParamSpec("small", (10, 3), "float32")]
+
+
+@pytest.mark.parametrize("shards,chunk_elems", [(1, 1 << 20), (2, 1000), (3, 7), (4, 1 << 16)])
+def test_row_sparse_keys_hold_whole_rows(shards, chunk_elems):
+    layout = build_layout(TABLES, shards, chunk_elems, sparse=[0, 2])
+    assert layout.sparse == {0, 2} and Layout.from_wire(layout.to_wire()) == layout
+    for p in (0, 2):
+        rows, dim = TABLES[p].shape
+        covered = 0
+        for key in layout.param_keys(p):
+            first, n = layout.key_rows(key)
+            assert first == covered and n * dim == key.numel and n >= 1
+            covered += n
+        assert covered == rows
+    assert layout.row_dim(layout.param_keys(1)[0]) == 0
+    with pytest.raises(ValueError, match="not row-sparse"):
+        layout.key_rows(layout.param_keys(1)[0])
+    assert build_layout(TABLES, shards, chunk_elems).fingerprint != layout.fingerprint
+
+
+def test_row_sparse_layout_refuses_torn_rows_and_flat_params():
+    wire = build_layout(TABLES, 2, 1000, sparse=[0]).to_wire()
+    first, second = wire["keys"][0], wire["keys"][1]
+    first[3] -= 1  # key 0 one element shorter, key 1 starts one earlier
+    second[2] -= 1
+    second[3] += 1
+    with pytest.raises(ValueError, match="whole rows"):
+        Layout.from_wire(wire)
+    with pytest.raises(ValueError, match="2-D"):
+        build_layout(TABLES, 2, 1000, sparse=[1])
 
 
 def test_split_and_join_values():

@@ -1,0 +1,66 @@
+"""Which parameters can travel row-sparse, and whether the optimizer allows it.
+
+An embedding table's gradient is non-zero only on the rows a batch looked up. The engines
+can move just those rows (ids and values) instead of the whole table when two things hold:
+the table is an nn.Embedding or nn.EmbeddingBag weight that no other module uses (a table
+tied to an output layer gets a dense gradient), and the optimizer's update of a row with a
+zero gradient is no update at all, so that updating only the touched rows is the dense
+update exactly: SGD without momentum or weight decay, or Adagrad without weight decay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ROW_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def embedding_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """{parameter name: the module that looks rows up in it} for every embedding weight that
+    can have a row-sparse gradient: 2-D, trainable, without max_norm (which rewrites the rows
+    it reads), and owned by that module alone."""
+    owners: dict[int, int] = {}
+    for _, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    found = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, ROW_MODULES):
+            continue
+        w = module.weight
+        if w.dim() != 2 or not w.requires_grad or module.max_norm is not None or owners[id(w)] != 1:
+            continue
+        found[f"{prefix}.weight" if prefix else "weight"] = module
+    # A parameter reached under two names (shared module) is not row-sparse either.
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {n: m for n, m in found.items() if names.get(id(m.weight)) == n}
+
+
+def sparse_update_problem(optim) -> str | None:
+    """Why optim (an OptimConfig) cannot update only the touched rows, or None if it can."""
+    if optim.name == "sgd" and not optim.momentum and not optim.weight_decay:
+        return None
+    if optim.name == "adagrad" and not optim.weight_decay:
+        return None
+    what = optim.name
+    if optim.name == "sgd" and optim.momentum:
+        what += f" with momentum={optim.momentum:g}"
+    if optim.weight_decay:
+        what += f" with weight_decay={optim.weight_decay:g}"
+    return (f"optim.name={what} changes rows with a zero gradient, so a row-sparse update would "
+            "differ from the dense one; row-sparse needs sgd without momentum or weight decay, "
+            "or adagrad without weight decay")
+
+
+def set_sparse(modules, on: bool = True) -> None:
+    """Make these Embedding/EmbeddingBag modules produce sparse (row) gradients, or dense."""
+    for module in modules:
+        module.sparse = on
+
+
+def coalesced_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row ids sorted and unique, int64; their summed gradient rows) of a sparse (rows, dim)
+    gradient as an embedding's backward makes it (ids may repeat)."""
+    grad = grad.coalesce()
+    return grad.indices()[0], grad.values()
