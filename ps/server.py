@@ -43,6 +43,9 @@ from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import REPLIES, Limits, Message, ProtocolError, decode, encode, error_reply, peek_ids
 
 log = logging.getLogger("psar.ps.server")
+# Row gradients are built from validated ids (ps.protocol), so torch's own checks of sparse
+# tensors are off; saying so explicitly keeps the optimizers from warning that they are.
+torch.sparse.check_sparse_tensor_invariants.disable()
 
 MODES = ("sync", "async", "ssp")
 PARTIAL_STEPS = 64

@@ -1,9 +1,11 @@
-"""allreduce.sparse=allgather: embedding tables travel as the rows a batch touched.
+"""Embedding tables travel as the rows a batch touched: allreduce.sparse=allgather, and the
+parameter server's push and pull by rows.
 
-After 8 float64 steps of dlrm (two 512-row tables), local, allreduce with dense tables and
-allreduce with all-gathered rows end with the same parameters within 1e-10, under SGD and
-Adagrad, while all-gather moves a fraction of the dense bytes; rows can travel in fp16. The
-gather and merge are checked on three real Gloo ranks, one of which touched no row.
+After 8 float64 steps of dlrm (two 512-row tables), local, allreduce with dense tables,
+allreduce with all-gathered rows, and ps-sync by rows on 1 and 2 shards end with the same
+parameters within 1e-10, under SGD and Adagrad, while the sparse paths move a fraction of
+the dense bytes; rows can travel in fp16. The gather and merge are checked on three real Gloo
+ranks, one of which touched no row.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ SMALL = (f"model.tables=[{ROWS},{ROWS}]", f"data.tables=[{ROWS},{ROWS}]", "data.
 F64 = ("dtype=float64", "threads=1") + SMALL
 OPTIMIZERS = {"sgd": ("optim.name=sgd", "optim.momentum=0"), "adagrad": ("optim.name=adagrad",)}
 MODES = ("dense", "allgather")
+SHARDS = (1, 2)
 
 
 def _jobs() -> dict[str, dict]:
@@ -32,6 +35,9 @@ def _jobs() -> dict[str, dict]:
         for mode in MODES:
             jobs[f"{opt}-{mode}"] = dict(common, engine="allreduce",
                                          overrides=F64 + extra + (f"allreduce.sparse={mode}",))
+        for servers in SHARDS:
+            jobs[f"{opt}-ps{servers}"] = dict(common, engine="ps-sync", servers=servers,
+                                              overrides=F64 + extra + ("ps.sparse=rows",))
     jobs["sgd-allgather-fp16"] = dict(jobs["sgd-allgather"], overrides=jobs["sgd-allgather"]["overrides"]
                                       + ("allreduce.compression=fp16",))
     return jobs
@@ -47,7 +53,7 @@ def results(runs_dir):
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_float64_allgather_matches_local_and_dense(results, opt):
     _, ref = results[f"{opt}-local"]
-    for mode in MODES:
+    for mode in MODES + tuple(f"ps{n}" for n in SHARDS):
         summary, state = results[f"{opt}-{mode}"]
         assert summary["steps"] == 8 and summary["workers"] == WORLD
         assert max_param_diff(ref, state) < 1e-10, mode
@@ -73,6 +79,21 @@ def test_allgather_moves_a_fraction_of_the_dense_bytes(results, opt):
     most_gathered = 2 * BATCH * (8 + DIM * 8) + 2 * 8
     saved = (dense - gathered) / 2  # bytes_per_worker_per_step counts sent plus received
     assert tables - most_gathered <= saved < tables
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers", SHARDS)
+def test_ps_rows_move_a_fraction_of_the_dense_bytes(results, servers):
+    summary = results[f"adagrad-ps{servers}"][0]
+    dense = results["adagrad-dense"][0]["bytes_per_worker_per_step"]
+    assert summary["bytes_per_worker_per_step"] / dense < 0.25
+    stats = summary["server_stats"]
+    assert len(stats) == servers
+    # Every step each worker pushes at most BATCH rows per table, and pulls as many.
+    pushed = sum(s["rows_pushed"] for s in stats)
+    assert 8 * WORLD * 2 <= pushed <= 8 * WORLD * 2 * BATCH
+    assert sum(s["rows_pulled"] for s in stats) >= pushed
 
 
 @pytest.mark.multiprocess
