@@ -22,8 +22,11 @@ class Run:
     @property
     def label(self) -> str:
         """Engine plus the setting that distinguishes variants of one engine."""
-        algo = self.config.get("allreduce", {}).get("algorithm", "library")
-        return f"allreduce/{algo}" if self.engine == "allreduce" else self.engine
+        settings = self.config.get("allreduce", {})
+        if self.engine != "allreduce":
+            return self.engine
+        label = f"allreduce/{settings.get('algorithm', 'library')}"
+        return label + "+allgather" if settings.get("sparse") == "allgather" else label
 
     def records(self) -> list[dict]:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]

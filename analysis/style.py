@@ -17,14 +17,16 @@ COLOURS: dict[str, str] = {  # tab10; related engines get related hues
     "ddp": "#8c564b",                # brown
     "allreduce/library": "#1f77b4",  # blue
     "allreduce/ring": "#17becf",     # cyan
+    "allreduce/library+allgather": "#9467bd",  # purple: all-reduce with gathered rows
+    "allreduce/ring+allgather": "#c5b0d5",     # light purple
     "ps-sync": "#2ca02c",            # green
     "ps-async": "#d62728",           # red
     "ps-ssp": "#ff7f0e",             # orange
 }
 """The colour of each known run label, the same in every figure."""
 
-FALLBACK: tuple[str, ...] = ("#9467bd", "#e377c2", "#bcbd22", "#aec7e8", "#98df8a", "#ff9896",
-                             "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+FALLBACK: tuple[str, ...] = ("#e377c2", "#bcbd22", "#aec7e8", "#98df8a", "#ff9896",
+                             "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
 """Colours (tab10/tab20 entries unused above) for labels not in COLOURS."""
 
 COMPONENTS: dict[str, dict] = {  # step-time parts: neutral, so they never read as an engine

@@ -26,13 +26,14 @@ COLUMNS = [
     ("measured_over_theory", "measured/theory"),
     ("staleness_median", "staleness p50"),
     ("staleness_p99", "staleness p99"),
+    ("collision_rate", "row collisions"),
     ("note", "note"),
 ]
 """Every column of summary.csv; summary.md leaves out those that are empty in every row
 (runs and the range appear with --repeats, note where a figure needs one)."""
 
 OPTIONAL = ("runs", "samples_per_sec_range", "steps_to_target", "time_to_target_s", "step_s",
-            "theory_step_s", "measured_over_theory", "note")
+            "theory_step_s", "measured_over_theory", "collision_rate", "note")
 
 FEW_STEPS = 10
 """A throughput from fewer steady steps than this is marked in the note."""
@@ -49,9 +50,18 @@ def _staleness(run: Run) -> list[float]:
     return values
 
 
+def _collision_rate(group: list[Run]) -> float | None:
+    """Share of the rows pushed (by rows, async or ssp) that another worker had changed since
+    the pushing worker read them: Hogwild!'s conflicts. None without row pushes."""
+    stats = [s for run in group for s in run.summary.get("server_stats") or []
+             if s.get("mode") in ("async", "ssp")]
+    pushed = sum(s.get("rows_pushed", 0) for s in stats)
+    return sum(s.get("row_collisions", 0) for s in stats) / pushed if pushed else None
+
+
 def _eval_text(summary: dict) -> str:
     ev = summary.get("eval") or {}
-    for key in ("accuracy", "bits_per_char", "loss"):
+    for key in ("auc", "accuracy", "bits_per_char", "loss"):
         if key in ev:
             return f"{key} {ev[key]:.4f}"
     return ""
@@ -125,6 +135,7 @@ def rows(runs: list[Run]) -> list[dict]:
             **theory,
             "staleness_median": median(staleness),
             "staleness_p99": quantile(staleness, 0.99),
+            "collision_rate": _collision_rate(group),
             "note": _notes(group) or None,
         })
     return out

@@ -89,6 +89,39 @@ def format_allreduce_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+SPARSE_VARIANTS = {"ps-sync": ("ps-sync", ()), "ps-async": ("ps-async", ()),
+                   "allreduce-dense": ("allreduce", ("allreduce.sparse=dense",)),
+                   "allreduce-allgather": ("allreduce", ("allreduce.sparse=allgather",)),
+                   "ddp": ("ddp", ())}
+
+
+def sparse_table(workers: int, steps: int, rounds: int, out: Path) -> dict[str, dict]:
+    """dlrm at its defaults: each variant's samples/s (median of rounds) and bytes per worker
+    per step, and both as ratios to dense all-reduce."""
+    tput = engine_throughput("dlrm", SPARSE_VARIANTS, workers, steps, rounds, out)
+    rows = {}
+    for name in SPARSE_VARIANTS:
+        summaries = [files.read_json(out / f"{name}-round{r}" / "summary.json") for r in range(rounds)]
+        rows[name] = {"samples_per_sec": statistics.median(tput[name]), "rounds": tput[name],
+                      "bytes_per_worker_per_step": statistics.median(
+                          s["bytes_per_worker_per_step"] for s in summaries)}
+    dense = rows["allreduce-dense"]
+    for row in rows.values():
+        row["bytes_vs_dense"] = row["bytes_per_worker_per_step"] / dense["bytes_per_worker_per_step"]
+        row["speed_vs_dense"] = row["samples_per_sec"] / dense["samples_per_sec"]
+    return rows
+
+
+def format_sparse_table(rows: dict[str, dict], workers: int, steps: int, rounds: int) -> str:
+    lines = [f"dlrm (embedding tables), {workers} workers, {steps} steps x {rounds} interleaved rounds "
+             f"(first {SKIP_STEPS} skipped):",
+             f"  {'variant':20s} {'samples/s':>10} {'x dense':>8} {'bytes/worker/step':>18} {'/ dense':>9}"]
+    for name, r in rows.items():
+        lines.append(f"  {name:20s} {r['samples_per_sec']:>10.1f} {r['speed_vs_dense']:>7.2f}x "
+                     f"{r['bytes_per_worker_per_step']:>18.0f} {r['bytes_vs_dense']:>9.5f}")
+    return "\n".join(lines)
+
+
 def _size(nbytes: int) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -118,6 +151,10 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         ratio = med[name] / med["ddp"]
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
-    report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med}
+    echo("")
+    sparse = sparse_table(workers, min(steps, 20), rounds, out)
+    echo(format_sparse_table(sparse, workers, min(steps, 20), rounds))
+    report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
+              "sparse": sparse}
     files.write_json(out / "bench.json", report)
     return report

@@ -35,7 +35,10 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
             cfg = build_config(experiment, tuple(overrides) + variant.overrides, engine=variant.engine,
                                workers=n, servers=s, steps=steps, seed=seed, device=device, trace=trace)
             where = f"-{cfg.net.placement}" if with_servers and cfg.net.rate else ""
-            cells.append((cfg, f"{variant.engine}-w{n}" + (f"-s{s}{where}" if with_servers else ""),
+            # Variants of one engine told apart by their settings' values: allreduce-w2-allgather
+            also = "".join(f"-{o.split('=', 1)[-1]}" for o in variant.overrides) if not with_servers else ""
+            also = "".join(c if c.isalnum() or c in "-_." else "_" for c in also)
+            cells.append((cfg, f"{variant.engine}-w{n}{also}" + (f"-s{s}{where}" if with_servers else ""),
                           f"{n} worker(s)" + (f", {s} server shard(s){where.replace('-', ' ')}"
                                               if with_servers else "")))
     run_dirs, failures = [], []

@@ -71,6 +71,14 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "at k = N (push M, then pull M: up to 2M/B, against the ring's 2(N-1)/N*M/B; the "
               "more of the pull overlaps the push, the closer the parameter server gets to M/B)."),
     Comparison(
+        "sparse", "dlrm", ("ps-sync", "ps-async", "allreduce", "ddp"), (1, 2), steps=40,
+        variants=(Variant("ps-sync"), Variant("ps-async"),
+                  Variant("allreduce", overrides=("allreduce.sparse=dense",)),
+                  Variant("allreduce", overrides=("allreduce.sparse=allgather",)), Variant("ddp")),
+        claim="An embedding model (DLRM, 67 MB of tables, 128 examples a step): the parameter "
+              "server pushes and pulls only the rows a batch touches and updates only those, "
+              "all-reduce densifies every table every step; all-gathering the rows sits between."),
+    Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,
         claim="80 MB of gradients per step: the ring moves 2(N-1)/N of them per link, a single "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     samples_per_sec: see `throughput`; over the steps from first_step on (a resumed run's).
     final_loss: mean training loss of the last 10% of steps (at least one) over every rank.
     bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged.
+    peak_rss_mb: each rank's peak resident memory (MiB) as of its last step.
     """
     per_rank = read_metrics(run_dir)
     steps = len(per_rank.get(0, []))
@@ -97,7 +99,14 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
         "wall_s": wall_s,
         "bytes_per_worker_per_step": sum(traffic) / len(traffic) if traffic else 0,
         "param_sha256": sha,
+        "peak_rss_mb": {f"rank{r}": recs[-1]["peak_rss_mb"] for r, recs in sorted(per_rank.items())
+                        if recs and "peak_rss_mb" in recs[-1]},
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def throughput(per_rank: dict[int, list[dict]], warmup: int = WARMUP_STEPS) -> float | None:

@@ -26,7 +26,7 @@ from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
 from .distenv import DistEnv
 from .engines import get_engine
-from .metrics import MetricsWriter, param_sha256, summarize, write_json
+from .metrics import MetricsWriter, param_sha256, peak_rss_mb, summarize, write_json
 from .progress import Progress
 from .tasks import get_task
 from .trace import Tracer
@@ -103,7 +103,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
             "samples": cfg.batch_size * len(feeders), "compute_s": t1 - t0,
             "comm_s": stats.pop("comm_s", 0.0), "step_s": t2 - t0,
             "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),
-            **stats,
+            "peak_rss_mb": peak_rss_mb(), **stats,
         }
         writer.write(record)
         if board is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import resource
 import threading
 import time
 from dataclasses import dataclass
@@ -553,6 +554,7 @@ class ShardServer:
             "lost_workers": {str(w): why for w, why in self.lost.items()},
             "clocks": {str(w): c for w, c in self.clocks.items()}, "aborted": self.aborted,
             "max_clock_gap": self.max_clock_gap,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
         }
 
     # -- the loop ------------------------------------------------------------------------------
