@@ -143,7 +143,10 @@ class RunConfig:
 
 
 def _section_types() -> dict[str, type]:
-    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig]
+    from .script import ScriptConfig
+
+    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
+               ScriptConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]
     return {c.__name__: c for c in classes if isinstance(c, type)}

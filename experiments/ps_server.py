@@ -17,7 +17,8 @@ import torch
 from ps.engine import MODES
 from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, split_values
 from ps.security import load_server_keys
-from ps.server import ShardServer
+from ps.protocol import Limits
+from ps.server import ShardServer, await_init
 from ps.transport import ServerTransport
 
 from . import agreement
@@ -25,7 +26,8 @@ from . import config as config_mod
 from . import files
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save_atomic, server_path
-from .config import RunConfig
+from .config import OptimConfig, RunConfig
+from .script import ScriptConfig
 from .metrics import write_json
 from .board import ShardBoard
 from .overrides import to_dict
@@ -45,29 +47,36 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     torch.set_num_threads(max(1, cfg.threads))
-    torch.manual_seed(cfg.seed)  # the workers' initial model, bit for bit
-    model = cfg.model.build().to(dtype=cfg.torch_dtype)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    itemsize = named[0][1].element_size()
-    tables = cfg.sparse_tables(model)  # embedding tables held by rows (ps.sparse)
-    layout = build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
-                          chunk_elems_from_mb(cfg.ps.chunk_mb, itemsize),
-                          sparse=[i for i, (n, _) in enumerate(named) if n in tables])
-    values = split_values(layout, [p for _, p in named], shard)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None
-    server = ShardServer(shard, layout, values, cfg.optim.build, MODES[cfg.engine], cfg.workers,
-                         cfg.ps, trace=tracer.record if tracer.enabled else None,
-                         reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
-                         checkpoint_every=cfg.checkpoint.every if path else 0,
-                         save=lambda state: save_atomic(state, path),
-                         settings=agreement.settings(cfg, for_server=True))
-    if resume:
-        if path is None:
-            raise ValueError("--resume needs the run directory (--out) that holds the checkpoint")
-        server.load_state_dict(load_checkpoint(path))
+
+    def make(layout, values, optim: OptimConfig) -> ShardServer:
+        return ShardServer(shard, layout, values, optim.build, MODES[cfg.engine], cfg.workers,
+                           cfg.ps, trace=tracer.record if tracer.enabled else None,
+                           reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
+                           checkpoint_every=cfg.checkpoint.every if path else 0,
+                           save=lambda state: save_atomic(state, path),
+                           settings=agreement.settings(cfg, for_server=True))
+
     curve = load_server_keys(cfg.ps.curve_dir) if cfg.ps.curve_dir else None
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s, curve=curve)
+    try:
+        if isinstance(cfg.model, ScriptConfig):  # the script's worker 0 brings the model
+            if resume:
+                raise ValueError("--resume of a script run is not supported: its shards take the model "
+                                 "from worker 0 at the start")
+            server = await_init(transport, shard, num_shards,
+                                lambda layout, values, optim: make(layout, values, OptimConfig(**optim)),
+                                cfg.ps.timeout_s, Limits(max_tensor_bytes=cfg.ps.max_message_bytes))
+        else:
+            server = make(*_from_experiment(cfg, shard, num_shards), cfg.optim)
+        if resume:
+            if path is None:
+                raise ValueError("--resume needs the run directory (--out) that holds the checkpoint")
+            server.load_state_dict(load_checkpoint(path))
+    except BaseException:
+        transport.close()
+        raise
     logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
                                    cfg.experiment, transport.address)
     shard_board = ShardBoard(run_dir, to_dict(cfg), shard) if cfg.tensorboard and run_dir is not None else None
@@ -86,6 +95,26 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
             save_atomic(server.state_dict(), path)
         raise RuntimeError(server.aborted)
     return result
+
+
+def _from_experiment(cfg: RunConfig, shard: int, num_shards: int):
+    """(layout, this shard's initial values) of a named experiment's model, built from the
+    same seed as the workers', so that nothing needs to be sent."""
+    torch.manual_seed(cfg.seed)  # the workers' initial model, bit for bit
+    model = cfg.model.build().to(dtype=cfg.torch_dtype)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layout = model_layout(model, cfg, num_shards)
+    return layout, split_values(layout, [p for _, p in named], shard)
+
+
+def model_layout(model: torch.nn.Module, cfg: RunConfig, num_shards: int):
+    """The layout of model's trainable parameters: chunks of ps.chunk_mb, embedding tables
+    by rows when cfg moves them so (ps.sparse)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    tables = cfg.sparse_tables(model)
+    return build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
+                        chunk_elems_from_mb(cfg.ps.chunk_mb, named[0][1].element_size()),
+                        sparse=[i for i, (n, _) in enumerate(named) if n in tables])
 
 
 def main(argv: list[str]) -> int:

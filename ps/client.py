@@ -118,6 +118,18 @@ class PSClient:
 
     # -- ps-lite calls -------------------------------------------------------------------------
 
+    def init(self, layout: Layout, values: dict[int, torch.Tensor], optim: dict[str, Any]) -> None:
+        """Worker 0 of a run whose shards were started without a model (a user's script): give
+        every shard the layout, its keys' initial values and the optimizer settings it runs
+        ({name: scalar}). Blocks (at most timeout_s)."""
+        wire = layout.to_wire()
+        per_shard = {}
+        for s in range(layout.num_shards):
+            keys = [k.id for k in layout.shard_keys(s)]
+            per_shard[s] = ({"op": "init", "body": {"layout": wire, "optim": dict(optim)}, "keys": keys},
+                            [values[k].detach().cpu().contiguous().reshape(-1) for k in keys])
+        self.wait(self._start("init", per_shard))
+
     def join(self, settings: dict[str, Any] | None = None) -> tuple[Layout, int, dict[int, torch.Tensor]]:
         """Register with every shard: (layout, smallest version, {key id: initial values}).
         settings: this worker's {name: scalar} run settings, which the shards compare with

@@ -30,6 +30,7 @@ import torch
 from .client import PeerTimeout, PSClient, PSError
 from .config import PSConfig
 from .layout import ParamSpec
+from .server import NOT_INITIALIZED
 
 ROW_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
@@ -41,16 +42,20 @@ class PSEngine:
     """Engine protocol (attach / backward / step / close) over server shards at `addresses`."""
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
-                 mode: str, config: PSConfig, trace=None, settings: dict | None = None) -> None:
+                 mode: str, config: PSConfig, trace=None, settings: dict | None = None,
+                 initializer=None) -> None:
         """trace: optional callable(name, start, end, thread=...) for every push and pull;
-        settings: the run settings the shards compare with theirs at join."""
+        settings: the run settings the shards compare with theirs at join;
+        initializer: for shards started without a model (a user's script): a callable
+        (model, make_optimizer) -> (layout, {key: initial values}, optimizer settings) that
+        worker 0 sends them (init) before anyone joins."""
         if mode not in MODES.values():
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
             raise ValueError("the parameter-server engines need server addresses (--servers)")
         self.rank, self.world, self.device, self.mode, self.config = rank, world, device, mode, config
         self.addresses = list(addresses)
-        self.trace, self.settings = trace, settings
+        self.trace, self.settings, self.initializer = trace, settings, initializer
         self.shards = [rank]
         self._server_stats: list[dict] = []
         self.updates_lost = 0
@@ -62,7 +67,9 @@ class PSEngine:
                                max_message_mb=self.config.max_message_mb,
                                curve_dir=self.config.curve_dir, curve_name=self.config.curve_name,
                                compression=self.config.compression)
-        layout, version, values = self.client.join(self.settings)
+        if self.initializer is not None and self.rank == 0:
+            self.client.init(*self.initializer(model, make_optimizer))
+        layout, version, values = self._join()
         mine = [ParamSpec.of(n, p) for n, p in self._named]
         if list(layout.specs) != mine:
             diff = next((f"server has {a}, this worker has {b}" for a, b in zip(layout.specs, mine)
@@ -87,6 +94,17 @@ class PSEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
         return model
+
+    def _join(self):
+        """join; while worker 0 has not given shards without a model theirs, again (bounded)."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                return self.client.join(self.settings)
+            except PSError as err:
+                if self.initializer is None or NOT_INITIALIZED not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _table_module(self, model: torch.nn.Module, index: int) -> torch.nn.Module:
         name, param = self._named[index]

@@ -23,13 +23,14 @@ import torch
 from ps.layout import ITEMSIZE, TORCH_DTYPES, Layout, dtype_name
 
 PROTOCOL_VERSION = 1
-REQUESTS = ("join", "push", "pull", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
+REQUESTS = ("init", "join", "push", "pull", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
 REPLIES = ("ok", "error")
 OPS = REQUESTS + REPLIES
 
 # op -> (required fields beyond op/v/worker/req, optional fields)
 _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
+    "init": ({"body"} | _TENSORS, set()),
     "join": (set(), {"settings"}),
     "push": ({"step", "version"} | _TENSORS, {"rows"}),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows"}),

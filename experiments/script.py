@@ -1,0 +1,67 @@
+"""A user's own training script in place of a named experiment.
+
+The script builds its model, data and optimizer itself; psar only needs to know which
+script it is (for the record) and, for the parameter-server engines, which optimizer the
+shards must run: that is read off the torch optimizer the script's make_optimizer builds,
+since nothing executable crosses the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .config import OptimConfig
+
+
+@dataclass(frozen=True)
+class ScriptConfig:
+    """The model and data sections of a script run: the script and its arguments."""
+
+    path: str = ""
+    """The script, as given to `psar launch`."""
+    args: tuple[str, ...] = ()
+    """Its command-line arguments."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple(self.args))  # JSON gives a list
+
+    def build(self, *_: Any) -> Any:
+        raise ValueError(f"a script run's model and data are built by the script ({self.path}), not by psar")
+
+
+def _defaults_only(opt: torch.optim.Optimizer, group: dict, **expected: Any) -> None:
+    for name, value in expected.items():
+        if name in group and group[name] != value:
+            raise ValueError(f"{type(opt).__name__}({name}={group[name]!r}): the parameter-server shards "
+                             f"run it only with {name}={value!r}")
+
+
+def optim_config_of(opt: torch.optim.Optimizer) -> OptimConfig:
+    """The OptimConfig a shard runs to apply what `opt` would: SGD (momentum, weight decay),
+    Adam, AdamW and Adagrad with one parameter group. ValueError naming anything else."""
+    if len(opt.param_groups) != 1:
+        raise ValueError(f"{type(opt).__name__} has {len(opt.param_groups)} parameter groups; the "
+                         "parameter-server shards run one optimizer with one set of settings")
+    g = opt.param_groups[0]
+    lr = float(g["lr"])
+    if type(opt) is torch.optim.SGD:
+        _defaults_only(opt, g, dampening=0, nesterov=False, maximize=False)
+        return OptimConfig("sgd", lr=lr, momentum=float(g["momentum"]), weight_decay=float(g["weight_decay"]))
+    if type(opt) is torch.optim.Adagrad:
+        _defaults_only(opt, g, lr_decay=0, initial_accumulator_value=0, eps=1e-10, maximize=False)
+        return OptimConfig("adagrad", lr=lr, weight_decay=float(g["weight_decay"]))
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        _defaults_only(opt, g, eps=1e-8, amsgrad=False, maximize=False)
+        beta1, beta2 = g["betas"]
+        return OptimConfig("adam" if type(opt) is torch.optim.Adam else "adamw", lr=lr,
+                           weight_decay=float(g["weight_decay"]), beta1=float(beta1), beta2=float(beta2))
+    raise ValueError(f"the parameter-server shards run sgd, adam, adamw or adagrad; make_optimizer "
+                     f"built {type(opt).__name__}")
+
+
+def optim_settings(config: OptimConfig) -> dict[str, Any]:
+    """{name: scalar} as init carries it to the shards."""
+    return asdict(config)
