@@ -148,6 +148,45 @@ def list_cmd() -> None:
         click.echo(f"  {spec.name:15s} {spec.summary}")
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("script", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--workers", type=int, default=None,
+              help=f"Number of workers, one process each [default: {RunConfig.workers}].")
+@click.option("--servers", type=int, default=None,
+              help=f"Parameter-server shards (ps-* engines) [default: {RunConfig.servers}].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run directory (default: runs/SCRIPT-ENGINE-wN-TIME).")
+@click.option("--engine", type=click.Choice([n for n, e in ENGINES.items() if e.processes_per_worker]),
+              default=None, help=f"Gradient synchronisation engine [default: {RunConfig.engine}].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Where the workers compute: cpu (Gloo) or cuda (NCCL) [default: cpu].")
+@click.option("--trace", is_flag=True, default=None, help="Write a Chrome trace (trace.json).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override an engine setting, e.g. --set allreduce.algorithm=ring.")
+@_friendly
+def launch(script, script_args, workers, servers, out, engine, device, trace, overrides) -> None:
+    """Run your own training SCRIPT (with ARGS) on N workers with one engine, as torchrun
+    would, plus the parameter-server shards; the script uses experiments.api (see the README,
+    "Your own model"). Options come before SCRIPT; what follows it is the script's.
+
+    \b
+        psar launch --engine ps-sync --workers 2 --servers 2 --out runs/mine train.py --epochs 1
+    """
+    from .api import script_config
+    from .launcher import launch_batch
+
+    if not script.exists():
+        raise click.UsageError(f"script {script} does not exist")
+    cfg = script_config(str(script), script_args, overrides, engine=engine, workers=workers,
+                        servers=servers, device=device, trace=trace)
+    _warn_unused([cfg], overrides, servers is not None)
+    run_dir = out or Path("runs") / f"{script.stem}-{cfg.engine}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = launch_batch([(cfg, run_dir)], script=[str(script), *script_args])[0]
+    click.echo(describe_summary(summary))
+    click.echo(f"run directory: {run_dir}")
+
+
 @main.command()
 @click.argument("experiment", type=click.Choice(list(presets.PRESETS)), required=False, metavar="EXPERIMENT")
 @click.option("--workers", type=int, default=None,

@@ -82,9 +82,12 @@ def _ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
 
     from .agreement import settings
 
+    from .script import ScriptConfig, shard_initializer
+
     # fault.delay_ms is applied by the servers, which hold every reply back.
     return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps, trace,
-                    settings=settings(cfg))
+                    settings=settings(cfg),
+                    initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
 
 
 ENGINES: dict[str, EngineSpec] = {

@@ -19,6 +19,9 @@ from .trace import merge as merge_trace
 from .train import prepare_run_dir
 from .worker import SERVERS_FILE
 
+RUN_DIR_ENV = "PSAR_RUN_DIR"
+"""A script's workers find their run directory (config.json, servers.json) here."""
+
 
 class LaunchError(RuntimeError):
     """A process of the run failed; the message names it and quotes its last words."""
@@ -45,13 +48,17 @@ def launch(cfg: RunConfig, run_dir: Path, deadline_s: float | None = None,
 
 
 def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = None,
-                 quiet: bool = False, resume: bool = False) -> list[dict]:
+                 quiet: bool = False, resume: bool = False, script: list[str] | None = None) -> list[dict]:
     """Run several configs one after another in the same processes.
 
     Each process imports torch once for all of them, which is most of a short run's cost.
     Every job must need the same processes: workers, and server shards for the ps engines.
     resume: continue each run from its checkpoints, in its own directory, on new ports.
+    script: [SCRIPT, ARGS...] a user's training script each worker runs in place of psar's
+    loop (one job; the script finds the run directory in $PSAR_RUN_DIR, see experiments.api).
     """
+    if script is not None and (len(jobs) != 1 or resume):
+        raise ValueError("a script runs one job, from its start")
     shapes = {process_shape(cfg) for cfg, _ in jobs}
     if len(shapes) != 1:
         raise ValueError(f"jobs of one batch need the same processes, got {sorted(shapes)}")
@@ -74,7 +81,10 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.ps_server",
                                                         *again, str(s), *dirs]), base)
                  for s in range(nservers)]
-        procs += [(f"rank {r}", sites.worker(r).wrap([sys.executable, "-m", "experiments.worker", *again, *dirs]),
+        worker = [sys.executable, *script] if script else [sys.executable, "-m", "experiments.worker", *again, *dirs]
+        if script:
+            base[RUN_DIR_ENV] = dirs[0]
+        procs += [(f"rank {r}", sites.worker(r).wrap(worker),
                    _gloo_interface(dict(base, RANK=str(r), LOCAL_RANK=str(r)), sites.worker(r).ifname))
                   for r in range(nprocs)]
         run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume)
@@ -83,6 +93,9 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     for (cfg, _), run_dir in zip(jobs, run_dirs):
         if cfg.trace:
             merge_trace(run_dir)  # now with the servers' events too
+        if not (run_dir / "summary.json").exists():  # a script that returned without close()
+            raise LaunchError(f"every process exited 0 but rank 0 wrote no {run_dir / 'summary.json'}: "
+                              "does the script call job.close() at the end?")
         summary = json.loads((run_dir / "summary.json").read_text())
         if network is not None:
             summary["network"] = network

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ps.engine import MODES
-from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, split_values
+from ps.layout import split_values
 from ps.security import load_server_keys
 from ps.protocol import Limits
 from ps.server import ShardServer, await_init
@@ -28,6 +28,7 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save_atomic, server_path
 from .config import OptimConfig, RunConfig
 from .script import ScriptConfig
+from .sparsity import model_layout
 from .metrics import write_json
 from .board import ShardBoard
 from .overrides import to_dict
@@ -103,18 +104,8 @@ def _from_experiment(cfg: RunConfig, shard: int, num_shards: int):
     torch.manual_seed(cfg.seed)  # the workers' initial model, bit for bit
     model = cfg.model.build().to(dtype=cfg.torch_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    layout = model_layout(model, cfg, num_shards)
+    layout = model_layout(model, cfg, num_shards)  # the workers' own, bit for bit
     return layout, split_values(layout, [p for _, p in named], shard)
-
-
-def model_layout(model: torch.nn.Module, cfg: RunConfig, num_shards: int):
-    """The layout of model's trainable parameters: chunks of ps.chunk_mb, embedding tables
-    by rows when cfg moves them so (ps.sparse)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    tables = cfg.sparse_tables(model)
-    return build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
-                        chunk_elems_from_mb(cfg.ps.chunk_mb, named[0][1].element_size()),
-                        sparse=[i for i, (n, _) in enumerate(named) if n in tables])
 
 
 def main(argv: list[str]) -> int:

@@ -8,12 +8,16 @@ since nothing executable crosses the wire.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ps.layout import split_values
+
 from .config import OptimConfig
+from .sparsity import model_layout
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,14 @@ def optim_config_of(opt: torch.optim.Optimizer) -> OptimConfig:
 def optim_settings(config: OptimConfig) -> dict[str, Any]:
     """{name: scalar} as init carries it to the shards."""
     return asdict(config)
+
+
+def shard_initializer(cfg) -> Callable:
+    """What worker 0 of a script run sends shards started without a model: (model,
+    make_optimizer) -> (layout, {key: initial values}, optimizer settings)."""
+    def initial(model: torch.nn.Module, make_optimizer: Callable) -> tuple:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optim = optim_config_of(make_optimizer(params))
+        layout = model_layout(model, dataclasses.replace(cfg, optim=optim), cfg.servers)
+        return layout, split_values(layout, params), optim_settings(optim)
+    return initial

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ps.layout import Layout, ParamSpec, build_layout, chunk_elems_from_mb
+
 ROW_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 
@@ -64,3 +66,14 @@ def coalesced_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gradient as an embedding's backward makes it (ids may repeat)."""
     grad = grad.coalesce()
     return grad.indices()[0], grad.values()
+
+
+def model_layout(model: nn.Module, cfg, num_shards: int) -> Layout:
+    """The parameter-server layout of model's trainable parameters under cfg (a RunConfig):
+    chunks of ps.chunk_mb, and the embedding tables cfg moves by rows (ps.sparse) cut on row
+    boundaries. Shards and workers derive the same one from the same model."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    tables = cfg.sparse_tables(model)
+    return build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
+                        chunk_elems_from_mb(cfg.ps.chunk_mb, named[0][1].element_size()),
+                        sparse=[i for i, (n, _) in enumerate(named) if n in tables])

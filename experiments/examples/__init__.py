@@ -1,0 +1,1 @@
+"""Training scripts of one's own, run with `psar launch` (see experiments.api)."""

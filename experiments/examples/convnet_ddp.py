@@ -1,0 +1,68 @@
+"""A small ConvNet on scikit-learn's bundled 8x8 digits, as plain DDP: run it with
+`torchrun --nproc-per-node 2 -m experiments.examples.convnet_ddp`. convnet_psar.py is the
+same script on psar's engines; the README shows the lines that differ."""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from experiments.data import load_digits_arrays
+
+
+def convnet() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(16 * 4 * 4, 10))
+
+
+def digits(dtype: torch.dtype) -> TensorDataset:
+    pixels, labels = load_digits_arrays()
+    x = torch.from_numpy(pixels).to(dtype).view(-1, 1, 8, 8) / 16
+    return TensorDataset(x, torch.from_numpy(labels))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
+    parser.add_argument("--float64", action="store_true")
+    args = parser.parse_args()
+    dtype = torch.float64 if args.float64 else torch.float32
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(convnet().to(dtype))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    data = digits(dtype)
+    sampler = DistributedSampler(data, world, rank, seed=0)
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step == args.steps:
+                break
+        if step == args.steps:
+            break
+    if rank == 0:
+        out = os.environ.get("CONVNET_OUT")
+        if out:
+            torch.save(model.module.state_dict(), out)
+        print(f"rank 0: {step} steps, last loss {loss.item():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""A small ConvNet on scikit-learn's bundled 8x8 digits, on psar's engines: run it with
+`psar launch --engine ps-sync --workers 2 experiments/examples/convnet_psar.py`. The same
+script as convnet_ddp.py but for the lines marked "psar"."""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from experiments import api as psar                                    # psar
+from experiments.examples.convnet_ddp import convnet, digits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
+    parser.add_argument("--float64", action="store_true")
+    args = parser.parse_args()
+    dtype = torch.float64 if args.float64 else torch.float32
+
+    job = psar.init()                                                  # psar
+    rank, world = job.rank, job.world_size                             # psar
+    torch.manual_seed(0)
+    model = job.attach(convnet().to(dtype),                            # psar
+                       lambda params: torch.optim.SGD(params, lr=args.lr))
+    data = digits(dtype)
+    sampler = DistributedSampler(data, world, rank, seed=0)
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
+            loss = F.cross_entropy(model(x), y)
+            job.backward(loss)                                         # psar
+            job.step()                                                 # psar
+            step += 1
+            if step == args.steps:
+                break
+        if step == args.steps:
+            break
+    job.close()                                                        # psar
+    if rank == 0:
+        print(f"rank 0: {step} steps, last loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
