@@ -1,0 +1,154 @@
+"""A user's own script: `psar launch` runs experiments/examples/convnet_psar.py on allreduce,
+ddp and ps-sync (two shards), and torchrun runs it on allreduce; in float64 all end with the
+same parameters. A script that fails is named with its rank and error; misuse of the API and
+bad command lines get one-line errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import max_param_diff, started
+
+from experiments.cli import main
+from experiments.launcher import LaunchError, launch_batch
+from experiments.api import script_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "examples" / "convnet_psar.py"
+ARGS = ["--float64", "--steps", "12"]
+ENGINES = {"allreduce": {}, "ddp": {}, "ps-sync": {"servers": 2}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launched(runs_dir):
+    out = {}
+    for engine, extra in ENGINES.items():
+        cfg = script_config(str(SCRIPT), ARGS, engine=engine, workers=2, **extra)
+        run_dir = runs_dir / "launch" / engine
+        out[engine] = (launch_batch([(cfg, run_dir)], deadline_s=120, quiet=True, script=[str(SCRIPT), *ARGS])[0],
+                       torch.load(run_dir / "model.pt", weights_only=True))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_every_engine_runs_the_script_to_the_same_parameters(launched):
+    _, ref = launched["allreduce"]
+    assert ref["0.weight"].dtype == torch.float64
+    for engine, (summary, state) in launched.items():
+        assert summary["engine"] == engine and summary["workers"] == 2 and summary["steps"] == 12
+        assert summary["experiment"] == "script:convnet_psar.py"
+        assert max_param_diff(ref, state) < 1e-10, engine
+    assert len(launched["ps-sync"][0]["server_stats"]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_script_under_torchrun_matches(launched, tmp_path):
+    port = _free_port()
+    proc = started(subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(SCRIPT), *ARGS], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    output, _ = proc.communicate(timeout=200)
+    assert proc.returncode == 0, output
+    state = torch.load(tmp_path / "runs" / "convnet_psar" / "model.pt", weights_only=True)
+    assert max_param_diff(launched["allreduce"][1], state) < 1e-10
+
+
+FAILING = """
+import torch
+from experiments import api as psar
+job = psar.init()
+model = job.attach(torch.nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+if job.rank == 1:
+    raise ValueError("no data for rank 1")
+job.close()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_failing_script_is_named_with_its_rank_and_error(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    cfg = script_config(str(script), engine="allreduce", workers=2, overrides=("timeout_s=10",))
+    with pytest.raises(LaunchError) as err:
+        launch_batch([(cfg, tmp_path / "run")], deadline_s=150, quiet=True, script=[str(script)])
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("rank 1 exited with code 1") and "ValueError: no data for rank 1" in line
+
+
+MISUSE = """
+import torch
+from experiments import api as psar
+job = psar.init(engine="allreduce", out={out!r})
+for call in (lambda: job.step(), lambda: job.backward(torch.zeros(()))):
+    try:
+        call()
+    except RuntimeError as e:
+        print("refused:", e)
+model = job.attach(torch.nn.Linear(3, 1).double(), lambda p: torch.optim.SGD(p, lr=0.1))
+try:
+    job.attach(model, lambda p: torch.optim.SGD(p, lr=0.1))
+except RuntimeError as e:
+    print("refused:", e)
+try:
+    job.step()
+except RuntimeError as e:
+    print("refused:", e)
+job.backward(model(torch.ones(4, 3, dtype=torch.float64)).sum())
+print("record:", sorted(job.step()))
+job.close()
+try:
+    job.backward(model(torch.ones(4, 3, dtype=torch.float64)).sum())
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_api_misuse_is_a_clear_error(tmp_path):
+    script = tmp_path / "misuse.py"
+    script.write_text(MISUSE.format(out=str(tmp_path / "run")))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    env.pop("PSAR_RUN_DIR", None)
+    proc = started(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True))
+    output, _ = proc.communicate(timeout=100)
+    assert proc.returncode == 0, output
+    refused = [line for line in output.splitlines() if line.startswith("refused:")]
+    assert refused == ["refused: step() now: call attach(model, make_optimizer) first",
+                       "refused: backward() now: call attach(model, make_optimizer) first",
+                       "refused: attach() now: attach() was already called; it is called once",
+                       "refused: step() before backward(loss): there is no gradient to apply",
+                       "refused: backward() now: the job is closed"], output
+    assert "'loss'" in next(line for line in output.splitlines() if line.startswith("record:"))
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "metrics" / "rank0.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["launch", "no-such-script.py"], "script no-such-script.py does not exist"),
+    (["launch", "--engine", "local", str(SCRIPT)], "'local' is not one of"),
+    (["launch", "--workers", "0", str(SCRIPT)], "workers=0: must be >= 1"),
+    (["launch", "--set", "allreduce.algorithm=tree", str(SCRIPT)], "allreduce.algorithm='tree'"),
+])
+def test_bad_command_lines_get_one_line_errors(argv, message):
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code != 0
+    assert message in result.output, result.output
