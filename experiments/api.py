@@ -43,7 +43,7 @@ from .distenv import DistEnv
 from .engines import get_engine
 from .launcher import RUN_DIR_ENV
 from .metrics import MetricsWriter, param_sha256, peak_rss_mb, summarize
-from .script import ScriptConfig
+from .script import script_config
 from .trace import Tracer
 from .train import pick_device, set_threads
 from .worker import SERVERS_FILE
@@ -52,14 +52,6 @@ __all__ = ["Job", "init", "script_config"]
 
 SERVERS_ENV = "PSAR_SERVERS"
 """Comma-separated shard addresses, for ps-* runs started without `psar launch`."""
-
-
-def script_config(script: str, args: Sequence[str] = (), overrides: Sequence[str] = (), **fields) -> RunConfig:
-    """The RunConfig of a user's script: engine, workers, servers and `--set` overrides as for
-    an experiment; the model and data are the script's."""
-    base = RunConfig(experiment=f"script:{Path(script).name}", model=ScriptConfig(script, tuple(args)),
-                     data=ScriptConfig(script, tuple(args)), steps=1)
-    return config_mod.resolve(base, overrides, **fields)
 
 
 def init(engine: str | None = None, out: str | Path | None = None, overrides: Sequence[str] = (),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shlex
 import time
 from pathlib import Path
 
@@ -164,8 +165,9 @@ def list_cmd() -> None:
 @click.option("--trace", is_flag=True, default=None, help="Write a Chrome trace (trace.json).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override an engine setting, e.g. --set allreduce.algorithm=ring.")
+@net_option
 @_friendly
-def launch(script, script_args, workers, servers, out, engine, device, trace, overrides) -> None:
+def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net) -> None:
     """Run your own training SCRIPT (with ARGS) on N workers with one engine, as torchrun
     would, plus the parameter-server shards; the script uses experiments.api (see the README,
     "Your own model"). Options come before SCRIPT; what follows it is the script's.
@@ -173,11 +175,12 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
     \b
         psar launch --engine ps-sync --workers 2 --servers 2 --out runs/mine train.py --epochs 1
     """
-    from .api import script_config
     from .launcher import launch_batch
+    from .script import script_config
 
     if not script.exists():
         raise click.UsageError(f"script {script} does not exist")
+    overrides = _with_net(overrides, net)
     cfg = script_config(str(script), script_args, overrides, engine=engine, workers=workers,
                         servers=servers, device=device, trace=trace)
     _warn_unused([cfg], overrides, servers is not None)
@@ -385,8 +388,17 @@ def _csv(kind):
     return parse
 
 
+def _experiment_or_script(ctx, param, value: str) -> str:
+    if value in presets.PRESETS or value in COMPARISONS or value.endswith(".py"):
+        return value
+    raise click.BadParameter(f"{value!r} is neither an experiment ({', '.join(presets.PRESETS)}), a "
+                             f"comparison ({', '.join(COMPARISONS)}) nor a script (SCRIPT.py)")
+
+
 @main.command()
-@click.argument("name", type=click.Choice(list(presets.PRESETS) + list(COMPARISONS)), metavar="NAME")
+@click.argument("name", callback=_experiment_or_script, metavar="NAME")
+@click.option("--args", "script_args", default="", metavar="'ARGS'",
+              help="A script's own arguments, quoted as one string (NAME a SCRIPT.py).")
 @click.option("--engines", default=None, callback=_csv(str),
               help="Comma-separated engines to compare [default: the comparison's, or "
               "local,ddp,allreduce,ps-sync,ps-async,ps-ssp].")
@@ -403,17 +415,19 @@ def _csv(kind):
 @net_option
 @run_options_for(engines=())
 @_friendly
-def compare(name, engines, worker_counts, server_counts, out, plots, repeats, net, steps, seed, device, curve,
-            trace, tensorboard, overrides) -> None:
+def compare(name, script_args, engines, worker_counts, server_counts, out, plots, repeats, net, steps, seed, device,
+            curve, trace, tensorboard, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
     engine changing; write summary.csv, summary.md and the figures.
 
-    NAME is an experiment or a named comparison of `psar list`; the options given here win
-    over the comparison's own settings. Example:
+    NAME is an experiment or a named comparison of `psar list`, or your own training script
+    (SCRIPT.py, using experiments.api: see `psar launch`); the options given here win over the
+    comparison's own settings. Example:
 
     \b
         psar compare quickstart --engines allreduce,ps-sync --workers 1,2 --out runs/cmp
         psar compare straggler --steps 30
+        psar compare train.py --engines ddp,allreduce,ps-sync --args '--epochs 1'
     """
     overrides = _with_board(_with_curve(overrides, curve), tensorboard)
     from analysis.results import load_runs
@@ -423,7 +437,17 @@ def compare(name, engines, worker_counts, server_counts, out, plots, repeats, ne
 
     grid = COMPARISONS.get(name)
     experiment = grid.experiment if grid else name
-    engines = engines or list(grid.engines if grid else DEFAULT_ENGINES)
+    script = [name, *shlex.split(script_args)] if name.endswith(".py") else None
+    if script and not Path(name).exists():
+        raise click.UsageError(f"script {name} does not exist")
+    if script_args and not script:
+        raise click.UsageError("--args is for a script (NAME a SCRIPT.py), not for an experiment")
+    if script and steps is not None:
+        raise click.UsageError("a script decides its own steps: give them in --args")
+    if script and engines and "local" in engines:
+        raise click.BadParameter("local runs every worker in one process; a script runs one worker "
+                                 "per process", param_hint="--engines")
+    engines = engines or [e for e in (grid.engines if grid else DEFAULT_ENGINES) if not (script and e == "local")]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise click.BadParameter(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}",
@@ -440,11 +464,12 @@ def compare(name, engines, worker_counts, server_counts, out, plots, repeats, ne
     if grid:
         click.echo(f"{grid.name}: {grid.claim}")
     out = out or Path("runs") / f"compare-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    _warn_unused([build_config(experiment, overrides + v.overrides, engine=v.engine, workers=n,
-                               servers=v.shards(n), steps=steps, seed=seed)
-                  for v in variants for n in worker_counts], overrides, bool(server_counts))
+    if not script:
+        _warn_unused([build_config(experiment, overrides + v.overrides, engine=v.engine, workers=n,
+                                   servers=v.shards(n), steps=steps, seed=seed)
+                      for v in variants for n in worker_counts], overrides, bool(server_counts))
     run_dirs, failures = run_grid(experiment, variants, worker_counts, out, overrides,
-                                  steps, seed, device, trace, echo=click.echo, repeats=repeats)
+                                  steps, seed, device, trace, echo=click.echo, repeats=repeats, script=script)
     runs = load_runs(run_dirs)
     table = rows(runs) + failed_rows(failures)
     csv_path, md_path = write(table, out)

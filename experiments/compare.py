@@ -8,7 +8,8 @@ from typing import Callable
 from .comparisons import Variant
 from .presets import build_config
 from .engines import get_engine
-from .launcher import LaunchError, launch
+from .launcher import LaunchError, launch_batch
+from .script import script_config
 
 
 def variants_of(engines: list[str], servers: list[int]) -> list[Variant]:
@@ -19,21 +20,27 @@ def variants_of(engines: list[str], servers: list[int]) -> list[Variant]:
 def run_grid(experiment: str, variants: list[Variant], workers: list[int],
              out: Path, overrides=(), steps: int | None = None, seed: int | None = None,
              device: str | None = None, trace: bool | None = None,
-             echo: Callable[[str], None] = print, repeats: int = 1) -> tuple[list[Path], list[dict]]:
+             echo: Callable[[str], None] = print, repeats: int = 1,
+             script: list[str] | None = None) -> tuple[list[Path], list[dict]]:
     """Launch every (variant, workers) run into out/runs/, `repeats` times: the whole grid
     once, then again, so that a noisy minute touches one run of each cell, not all of them
     (run directories get -r2, -r3, ... after the first).
 
     Returns the directories of the runs that finished, and one dict per run that failed
     (engine, workers, servers, error): a failed cell is reported, the grid goes on.
+    script: [SCRIPT, ARGS...] a user's training script (experiments.api) in place of the
+    experiment, which then only names it.
     """
     cells = []
     for variant in variants:
         with_servers = get_engine(variant.engine).uses_servers
         for n in workers:
             s = variant.shards(n)
-            cfg = build_config(experiment, tuple(overrides) + variant.overrides, engine=variant.engine,
-                               workers=n, servers=s, steps=steps, seed=seed, device=device, trace=trace)
+            fields = dict(engine=variant.engine, workers=n, servers=s, seed=seed, device=device, trace=trace)
+            if script:
+                cfg = script_config(script[0], script[1:], tuple(overrides) + variant.overrides, **fields)
+            else:
+                cfg = build_config(experiment, tuple(overrides) + variant.overrides, steps=steps, **fields)
             where = f"-{cfg.net.placement}" if with_servers and cfg.net.rate else ""
             # Variants of one engine told apart by their settings' values: allreduce-w2-allgather
             also = "".join(f"-{o.split('=', 1)[-1]}" for o in variant.overrides) if not with_servers else ""
@@ -47,7 +54,7 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
             run_dir = Path(out) / "runs" / (name + (f"-r{repeat}" if repeat > 1 else ""))
             echo(f"running {experiment} with {cfg.engine} on {shape} -> {run_dir}")
             try:
-                launch(cfg, run_dir)
+                launch_batch([(cfg, run_dir)], script=script)
             except LaunchError as err:
                 echo(f"  failed: {err}")
                 failures.append({"engine": cfg.engine, "workers": cfg.workers,

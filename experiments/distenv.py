@@ -33,7 +33,29 @@ class DistEnv:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world} workers")
         addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+        if not addr and env.get("SLURM_JOB_NODELIST"):  # Slurm: rank 0 runs on the job's first host
+            addr, port = first_host(env["SLURM_JOB_NODELIST"]), port or str(SLURM_PORT)
         return cls(rank, world, local_rank, local_world, tuple(servers), f"{addr}:{port}" if addr and port else "")
+
+
+SLURM_PORT = 29500
+"""torch.distributed's rendezvous port under Slurm when MASTER_PORT is not set (torchrun's default)."""
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    head = nodelist.strip()
+    depth = 0
+    for i, c in enumerate(head):  # the first entry: up to a comma outside brackets
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            head = head[:i]
+            break
+    if "[" not in head:
+        return head
+    prefix, _, rest = head.partition("[")
+    first = rest.split("]", 1)[0].split(",")[0].split("-")[0]
+    return prefix + first + rest.split("]", 1)[1] if "]" in rest else prefix + first
 
 
 def _int(env, name: str, default: int) -> int:

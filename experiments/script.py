@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ps.layout import split_values
 
-from .config import OptimConfig
+from .config import OptimConfig, RunConfig, resolve
 from .sparsity import model_layout
 
 
@@ -34,6 +35,14 @@ class ScriptConfig:
 
     def build(self, *_: Any) -> Any:
         raise ValueError(f"a script run's model and data are built by the script ({self.path}), not by psar")
+
+
+def script_config(script: str, args: Sequence[str] = (), overrides: Sequence[str] = (), **fields) -> RunConfig:
+    """The RunConfig of a user's script: engine, workers, servers and `--set` overrides as for
+    an experiment; the model and data are the script's."""
+    base = RunConfig(experiment=f"script:{Path(script).name}", model=ScriptConfig(script, tuple(args)),
+                     data=ScriptConfig(script, tuple(args)), steps=1)
+    return resolve(base, overrides, **fields)
 
 
 def _defaults_only(opt: torch.optim.Optimizer, group: dict, **expected: Any) -> None:

@@ -205,3 +205,28 @@ def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
     assert not any(o.startswith("steps=") for o in seen["overrides"])
     invoke("compare", "straggler", "--out", tmp_path)
     assert seen["steps"] == 60
+
+
+def test_compare_takes_a_script_with_its_arguments(monkeypatch, tmp_path):
+    import experiments.compare
+
+    seen = {}
+
+    def grid(experiment, variants, workers, out, overrides, steps, *args, script=None, **kwargs):
+        seen.update(engines=[v.engine for v in variants], script=script)
+        return [], []
+
+    monkeypatch.setattr(experiments.compare, "run_grid", grid)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = invoke("compare", script, "--args", "--epochs 1 --lr '0.5'", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert seen["script"] == [str(script), "--epochs", "1", "--lr", "0.5"]
+    assert "local" not in seen["engines"] and "allreduce" in seen["engines"]
+    for argv, message in [((script, "--engines", "local"), "local runs every worker in one process"),
+                          ((script, "--steps", 5), "a script decides its own steps"),
+                          ((tmp_path / "none.py",), "does not exist"),
+                          (("quickstart", "--args", "-x"), "--args is for a script"),
+                          (("nonsense",), "neither an experiment")]:
+        result = invoke("compare", *argv, "--out", tmp_path / "out")
+        assert result.exit_code != 0 and message in result.output, (argv, result.output)

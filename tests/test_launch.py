@@ -152,3 +152,18 @@ def test_bad_command_lines_get_one_line_errors(argv, message):
     result = CliRunner().invoke(main, argv)
     assert result.exit_code != 0
     assert message in result.output, result.output
+
+
+@pytest.mark.parametrize("nodelist,host", [("node07", "node07"), ("gpu[03-05,09],cpu1", "gpu03"),
+                                           ("n[1-4]", "n1"), ("rack2-[10,12]-ib,x9", "rack2-10-ib")])
+def test_slurm_rendezvous_is_the_first_host_of_the_job(monkeypatch, nodelist, host):
+    from experiments.distenv import SLURM_PORT, DistEnv
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+    env = DistEnv.from_environ()
+    assert (env.rank, env.world, env.local_rank, env.master) == (3, 4, 1, f"{host}:{SLURM_PORT}")
