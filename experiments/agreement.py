@@ -47,9 +47,13 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def settings(cfg: RunConfig, for_server: bool = False) -> dict[str, Any]:
     """{dotted key: scalar} of what must agree across the run (a shard's: what it uses)."""
+    from .script import ScriptConfig
+
     flat = _flatten(to_dict(cfg))
+    # A script's shard knows neither the script's path nor its arguments: the workers compare those.
+    workers_only = WORKERS_ONLY + (("experiment", "model.") if isinstance(cfg.model, ScriptConfig) else ())
     return {k: v for k, v in flat.items()
-            if not _matches(k, LOCAL) and not (for_server and _matches(k, WORKERS_ONLY))}
+            if not _matches(k, LOCAL) and not (for_server and _matches(k, workers_only))}
 
 
 def differences(mine: dict[str, Any], theirs: dict[str, Any], me: str, them: str) -> list[str]:

@@ -52,6 +52,8 @@ __all__ = ["Job", "init", "script_config"]
 
 SERVERS_ENV = "PSAR_SERVERS"
 """Comma-separated shard addresses, for ps-* runs started without `psar launch`."""
+ENGINE_ENV = "PSAR_ENGINE"
+"""The engine init() uses when not given one, for runs started without `psar launch`."""
 
 
 def init(engine: str | None = None, out: str | Path | None = None, overrides: Sequence[str] = (),
@@ -59,7 +61,7 @@ def init(engine: str | None = None, out: str | Path | None = None, overrides: Se
     """Join the job this process was started in and return it.
 
     Under `psar launch` everything comes from the run directory it names. Under torchrun or
-    Slurm: engine (default "allreduce"), out (the run directory; default runs/<script name>),
+    Slurm: engine (default: $PSAR_ENGINE, else "allreduce"), out (the run directory; default runs/<script name>),
     overrides (`--set` assignments such as "allreduce.algorithm=ring"), servers (the shards'
     addresses for ps-*; default: $PSAR_SERVERS) and device ("cpu" or "cuda").
     """
@@ -67,7 +69,7 @@ def init(engine: str | None = None, out: str | Path | None = None, overrides: Se
     _export_rendezvous(env)
     run_dir = os.environ.get(RUN_DIR_ENV)
     if run_dir:
-        if engine or out or overrides or servers or device:
+        if engine or out or overrides or servers is not None or device:
             raise ValueError(f"psar launch already chose the engine, settings and run directory ({run_dir}); "
                              "give them to psar launch, not to init()")
         run_dir = Path(run_dir)
@@ -76,7 +78,7 @@ def init(engine: str | None = None, out: str | Path | None = None, overrides: Se
     else:
         script = sys.argv[0] or "script"
         servers = list(servers) if servers is not None else [a for a in os.environ.get(SERVERS_ENV, "").split(",") if a]
-        cfg = script_config(script, sys.argv[1:], overrides, engine=engine or "allreduce", workers=env.world,
+        cfg = script_config(script, sys.argv[1:], overrides, engine=engine or os.environ.get(ENGINE_ENV) or "allreduce", workers=env.world,
                             servers=max(1, len(servers)), device=device)
         run_dir = Path(out or Path("runs") / Path(script).stem)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -339,8 +339,11 @@ def _addresses(value: str, bind: bool = False) -> tuple[str, ...]:
 @click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True,
               help="Address to serve at, tcp://HOST:PORT (127.0.0.1 keeps it on this host; "
               "tcp://0.0.0.0:PORT accepts other hosts).")
-@click.option("--experiment", type=click.Choice(list(presets.PRESETS)), required=True,
+@click.option("--experiment", type=click.Choice(list(presets.PRESETS)), default=None,
               help="The experiment the workers run (the shard builds the same initial model).")
+@click.option("--script", default=None, metavar="SCRIPT",
+              help="In place of --experiment: the workers run this script (experiments.api); "
+              "the shard takes the model and optimizer from worker 0.")
 @click.option("--workers", type=int, required=True,
               help="Number of workers that will join, each within ps.timeout_s (60 s unless "
               "--set) of the shard's start, or it counts as lost.")
@@ -352,7 +355,7 @@ def _addresses(value: str, bind: bool = False) -> tuple[str, ...]:
 @click.option("--resume", is_flag=True, help="Start from this shard's checkpoint in --out.")
 @run_options_for(PS_MODES, "ps-sync")
 @_friendly
-def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, device, curve, trace,
+def server(bind, experiment, script, workers, shard, out, resume, engine, steps, seed, device, curve, trace,
            tensorboard, overrides) -> None:
     """Serve one parameter-server shard of a multi-node run until every worker has left.
 
@@ -361,6 +364,7 @@ def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, d
     \b
         psar server --bind tcp://0.0.0.0:5555 --experiment cnn --workers 2 --shard 0/2 \\
             --engine ps-sync --out runs/cnn-ps
+        psar server --bind tcp://0.0.0.0:5555 --script train.py --workers 2 --out runs/mine
     """
     overrides = _with_board(_with_curve(overrides, curve), tensorboard)
     from .ps_server import serve_shard
@@ -370,8 +374,16 @@ def server(bind, experiment, workers, shard, out, resume, engine, steps, seed, d
     except ValueError:
         raise click.BadParameter(f"{shard!r} is not of the form i/S", param_hint="--shard") from None
     _addresses(bind, bind=True)
-    cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
-                       steps=steps, seed=seed, device=device, trace=trace)
+    if (experiment is None) == (script is None):
+        raise click.UsageError("give --experiment (a named experiment) or --script (your own), one of them")
+    if script:
+        from .script import script_config
+
+        cfg = script_config(script, (), overrides, engine=engine, workers=workers, servers=count, seed=seed,
+                            device=device, trace=trace)
+    else:
+        cfg = build_config(experiment, overrides, engine=engine, workers=workers, servers=count,
+                           steps=steps, seed=seed, device=device, trace=trace)
     _warn_unused([cfg], overrides, False)
     result = serve_shard(cfg, index, count, bind, out, resume)
     click.echo(f"shard {index}/{count}: {result}")

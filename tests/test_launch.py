@@ -167,3 +167,26 @@ def test_slurm_rendezvous_is_the_first_host_of_the_job(monkeypatch, nodelist, ho
     monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
     env = DistEnv.from_environ()
     assert (env.rank, env.world, env.local_rank, env.master) == (3, 4, 1, f"{host}:{SLURM_PORT}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_psar_server_and_workers_started_by_hand_match_launch(launched, tmp_path):
+    """As the README's sbatch script does it: `psar server --script` on one host, the workers
+    with RANK/WORLD_SIZE (or Slurm's), PSAR_ENGINE and PSAR_SERVERS on others."""
+    port, master = _free_port(), _free_port()
+    psar = Path(sys.executable).parent / "psar"
+    started(subprocess.Popen([str(psar), "server", "--script", str(SCRIPT), "--engine", "ps-sync", "--workers", "2",
+                              "--bind", f"tcp://127.0.0.1:{port}", "--out", str(tmp_path / "shard")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+               PSAR_ENGINE="ps-sync", PSAR_SERVERS=f"tcp://127.0.0.1:{port}")
+    env.pop("PSAR_RUN_DIR", None)
+    workers = [started(subprocess.Popen([sys.executable, str(SCRIPT), *ARGS], cwd=tmp_path, text=True,
+                                        env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)) for r in range(2)]
+    for w in workers:
+        output, _ = w.communicate(timeout=150)
+        assert w.returncode == 0, output
+    state = torch.load(tmp_path / "runs" / "convnet_psar" / "model.pt", weights_only=True)
+    assert max_param_diff(launched["ps-sync"][1], state) < 1e-10
