@@ -45,6 +45,7 @@ from .launcher import RUN_DIR_ENV
 from .metrics import MetricsWriter, param_sha256, peak_rss_mb, summarize
 from .script import script_config
 from .trace import Tracer
+from .trace import merge as merge_trace
 from .train import pick_device, set_threads
 from .worker import SERVERS_FILE
 
@@ -189,6 +190,8 @@ class Job:
                             {}, wall_s, param_sha256(model))
         summary.update(self._engine.report())
         files.write_json(self.run_dir / "summary.json", summary)
+        if cfg.trace:
+            merge_trace(self.run_dir)  # what this host sees; `psar launch` merges again with the shards'
         return summary
 
     def _need(self, state: str, call: str) -> None:
