@@ -102,13 +102,15 @@ def sparse_table(workers: int, steps: int, rounds: int, out: Path) -> dict[str, 
     rows = {}
     for name in SPARSE_VARIANTS:
         summaries = [files.read_json(out / f"{name}-round{r}" / "summary.json") for r in range(rounds)]
-        rows[name] = {"samples_per_sec": statistics.median(tput[name]), "rounds": tput[name],
+        rates = [v for v in tput[name] if v is not None]  # None: too few steps to measure
+        rows[name] = {"samples_per_sec": statistics.median(rates) if rates else None, "rounds": tput[name],
                       "bytes_per_worker_per_step": statistics.median(
                           s["bytes_per_worker_per_step"] for s in summaries)}
     dense = rows["allreduce-dense"]
     for row in rows.values():
         row["bytes_vs_dense"] = row["bytes_per_worker_per_step"] / dense["bytes_per_worker_per_step"]
-        row["speed_vs_dense"] = row["samples_per_sec"] / dense["samples_per_sec"]
+        both = row["samples_per_sec"] and dense["samples_per_sec"]
+        row["speed_vs_dense"] = row["samples_per_sec"] / dense["samples_per_sec"] if both else None
     return rows
 
 
@@ -117,7 +119,9 @@ def format_sparse_table(rows: dict[str, dict], workers: int, steps: int, rounds:
              f"(first {SKIP_STEPS} skipped):",
              f"  {'variant':20s} {'samples/s':>10} {'x dense':>8} {'bytes/worker/step':>18} {'/ dense':>9}"]
     for name, r in rows.items():
-        lines.append(f"  {name:20s} {r['samples_per_sec']:>10.1f} {r['speed_vs_dense']:>7.2f}x "
+        rate, speed = r["samples_per_sec"], r["speed_vs_dense"]
+        lines.append(f"  {name:20s} {'-' if rate is None else f'{rate:.1f}':>10} "
+                     f"{'-' if speed is None else f'{speed:.2f}x':>8} "
                      f"{r['bytes_per_worker_per_step']:>18.0f} {r['bytes_vs_dense']:>9.5f}")
     return "\n".join(lines)
 
