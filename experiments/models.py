@@ -215,6 +215,11 @@ class SparseLogReg(nn.Module):
     def forward(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return self.weight(indices, per_sample_weights=values).squeeze(-1) + self.bias
 
+    def row_ids(self, indices: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{table parameter: the row ids forward(indices, values) will look up}: lets an
+        engine fetch those rows before the forward."""
+        return {"weight.weight": indices}
+
 
 @dataclass(frozen=True)
 class DLRMConfig:
@@ -274,6 +279,11 @@ class DLRM(nn.Module):
         features = len(cfg.tables) + 1
         self._pairs = torch.triu_indices(features, features, offset=1)
         self.top = _mlp([cfg.dim + features * (features - 1) // 2, *cfg.top, 1], last_relu=False)
+
+    def row_ids(self, dense: torch.Tensor, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{table parameter: the row ids forward(dense, ids) will look up}: lets an engine
+        fetch those rows before the forward."""
+        return {f"tables.{i}.weight": ids[:, i] for i in range(len(self.tables))}
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if ids.shape[1] != len(self.tables):

@@ -77,6 +77,9 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     board = RankBoard(run_dir, to_dict(cfg), env.rank) if cfg.tensorboard else None
     progress = Progress(cfg.steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
 
+    # Engines that move embedding rows may fetch the next batch's rows early, where the model
+    # says which rows a batch reads.
+    prefetch = getattr(engine, "prefetch", None) if hasattr(model, "row_ids") and len(feeders) == 1 else None
     start = time.perf_counter()
     last_compute = 0.0
     for step in range(first, cfg.steps):
@@ -92,6 +95,8 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
             with tracer.span("backward", step=step):
                 engine.backward(loss)
             losses.append(loss.detach())
+        if prefetch is not None and step + 1 < cfg.steps:  # the next batch's rows, while this step ends
+            prefetch(model.row_ids(*feeders[0].batch(step + 1)[0]))
         t1 = time.perf_counter()
         last_compute = t1 - computing  # without the stall, or stalls would compound
         with tracer.span("step", step=step):

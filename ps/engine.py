@@ -13,8 +13,9 @@ evaluated, follow shard 0 as in every other engine.
 
 Embedding tables the shards hold row-sparse (the layout's `sparse` parameters) travel by
 rows: their modules make sparse gradients, and a push carries only the rows the batch
-touched (summed, per key); before each lookup a forward pre-hook pulls just the rows the
-batch reads (under sync, as of the update of the step before). Rows nobody reads stay stale
+touched (summed, per key), and only the rows the next batch reads are pulled (under sync,
+as of the update of the step before): asked for after backward when the loop announces them
+(prefetch), else by a forward pre-hook before the lookup. Rows nobody reads stay stale
 in the worker's copy, which is never a second dense copy of the table; the final pull reads
 them all.
 """
@@ -59,6 +60,7 @@ class PSEngine:
         self.shards = [rank]
         self._server_stats: list[dict] = []
         self.updates_lost = 0
+        self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -81,6 +83,7 @@ class PSEngine:
         self._tables = {i: self._table_module(model, i) for i in sorted(layout.sparse)}
         self._dense_keys = [k.id for k in layout.keys if k.param not in layout.sparse]
         self._want = dict(self.client.versions)  # sync: the version each shard's next values have
+        self._prefetched: dict[int, tuple] = {}  # table -> (ids, spans, handle, sent at) asked early
         for module in self._tables.values():
             module.sparse = True  # gradients of the rows looked up, never a dense table
         self._prehooks = [module.register_forward_pre_hook(functools.partial(self._pull_rows, i))
@@ -153,16 +156,38 @@ class PSEngine:
         bounds = torch.searchsorted(ids, starts).tolist()
         return [(k, (bounds[j], bounds[j + 1])) for j, k in enumerate(keys)]
 
-    def _pull_rows(self, index: int, module: torch.nn.Module, args: tuple) -> None:
-        """Forward pre-hook of a table: pull the rows this lookup reads, then let it run."""
-        ids = torch.unique(args[0].detach().reshape(-1))  # sorted
+    def prefetch(self, rows: dict[str, torch.Tensor]) -> None:
+        """Ask now for the rows the next batch will look up ({table parameter name: ids}), so
+        that they come back while this step ends (under sync: as soon as its update is done);
+        the next forward then uses them instead of asking. Called after backward."""
+        index_of = {self._named[i][0]: i for i in self._tables}
+        for name, ids in rows.items():
+            if name in index_of:
+                i = index_of[name]
+                self._prefetched[i] = self._ask_rows(i, torch.unique(ids.detach().reshape(-1)), self._step + 1)
+
+    def _ask_rows(self, index: int, ids: torch.Tensor, step: int) -> tuple:
+        """Send the pull of rows `ids` (sorted, unique) of table `index` for step `step`."""
         spans = self._key_spans(index, ids)
         rows = {key.id: ids[lo:hi] - self.layout.key_rows(key)[0] for key, (lo, hi) in spans}
         started = time.time()
         if self.mode == "sync":
             h = self.client.pull(None, rows=rows, min_version={k.shard: self._want.get(k.shard, 0) for k, _ in spans})
         else:
-            h = self.client.pull(None, rows=rows, clock=self._step if self.mode == "ssp" else None)
+            h = self.client.pull(None, rows=rows, clock=step if self.mode == "ssp" else None)
+        return ids, spans, h, started
+
+    def _pull_rows(self, index: int, module: torch.nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a table: pull the rows this lookup reads (unless prefetched),
+        then let it run."""
+        ids = torch.unique(args[0].detach().reshape(-1))  # sorted
+        asked = self._prefetched.pop(index, None)
+        if asked is not None and not torch.equal(asked[0], ids):  # another batch than announced
+            self.client.wait(asked[2])
+            asked = None
+        prefetched = asked is not None
+        self.row_pulls["prefetched" if prefetched else "at_lookup"] += 1
+        ids, spans, h, started = asked or self._ask_rows(index, ids, self._step)
         result = self.client.wait(h)
         weight = module.weight
         with torch.no_grad():
@@ -172,7 +197,8 @@ class PSEngine:
                     values = result.values[key.id].to(device=weight.device, dtype=weight.dtype)
                     weight.index_copy_(0, got.to(weight.device) + self.layout.key_rows(key)[0], values)
         if self.trace is not None:
-            self.trace(f"pull rows {self._named[index][0]}", started, h.done_at, thread="pull", rows=int(ids.numel()))
+            self.trace(f"pull rows {self._named[index][0]}", started, h.done_at, thread="pull",
+                       rows=int(ids.numel()), prefetched=prefetched)
 
     def _load(self, values: dict[int, torch.Tensor]) -> None:
         """Copy {key id: flat values} into the parameters (the keys given, whole)."""
@@ -236,6 +262,7 @@ class PSEngine:
                 time.sleep(self.config.heartbeat_s)
         self._load(values)
         self._want = dict(self.client.versions)
+        self._prefetched = {}  # abandoned with everything else in flight
         lost = max((before.get(s, 0) - v for s, v in self.client.versions.items()), default=0)
         self.updates_lost += max(0, lost)
         if self.mode != "sync":
@@ -261,6 +288,8 @@ class PSEngine:
 
     def report(self) -> dict:
         out = {"updates_lost": self.updates_lost}
+        if self._tables:
+            out["row_pulls"] = dict(self.row_pulls)
         if self._server_stats:
             out["server_stats"] = self._server_stats
         return out

@@ -94,6 +94,8 @@ def test_ps_rows_move_a_fraction_of_the_dense_bytes(results, servers):
     pushed = sum(s["rows_pushed"] for s in stats)
     assert 8 * WORLD * 2 <= pushed <= 8 * WORLD * 2 * BATCH
     assert sum(s["rows_pulled"] for s in stats) >= pushed
+    # Rank 0 asked for each step's rows of both tables during the step before, but the first.
+    assert summary["row_pulls"] == {"prefetched": 7 * 2, "at_lookup": 2}
 
 
 @pytest.mark.multiprocess
