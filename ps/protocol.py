@@ -273,7 +273,8 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
                 _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.dtype(key)!r}")
             expected = list(key.shape) if n < 0 else [n, layout.row_dim(key)]
             if shape != expected:
-                _fail(f"key {k}: shape {shape} does not match the {'layout' if n < 0 else 'rows'}' {expected}")
+                whose = "the layout's" if n < 0 else "the rows'"
+                _fail(f"key {k}: shape {shape} does not match {whose} {expected}")
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if nbytes > limits.max_tensor_bytes:
             _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")

@@ -243,3 +243,73 @@ def test_sync_answers_a_keys_pull_as_soon_as_every_worker_pushed_it():
     whole = [r for r in replies if r.worker == 1 and r.keys]
     assert len(whole) == 1 and whole[0].get("version") == 1
     assert torch.equal(values(server), expected)  # the same as one step over all keys
+
+
+class QueueTransport:
+    """recv() hands out queued (peer, frames); send() keeps the replies, decoded."""
+
+    def __init__(self, items):
+        self.items, self.sent = list(items), []
+
+    def recv(self, timeout_s):
+        return self.items.pop(0) if self.items else None
+
+    def send(self, peer, frames):
+        self.sent.append((peer, decode(frames)))
+
+
+def _init_frames(worker=0, layout=LAYOUT, optim=None, keys=None, values=None):
+    from ps.layout import split_values as split
+
+    init = [torch.zeros(s.shape, dtype=torch.float64) for s in SPECS]
+    vals = split(LAYOUT, init, 0)
+    keys = [k.id for k in LAYOUT.shard_keys(0)] if keys is None else keys
+    body = {"layout": layout if isinstance(layout, dict) else layout.to_wire(), "optim": optim or {"lr": 0.5}}
+    return encode({"op": "init", "worker": worker, "req": 9, "body": body, "keys": keys},
+                  values if values is not None else [vals[k] for k in keys])
+
+
+def test_a_shard_without_a_model_takes_it_from_worker_0_and_refuses_everything_else():
+    from ps.server import NOT_INITIALIZED, await_init
+
+    wire = LAYOUT.to_wire()
+    bad_layout = dict(wire, num_shards=3)
+    items = [(b"w1", encode({"op": "join", "worker": 1, "req": 1})),
+             (b"w1", _init_frames(worker=1)),
+             (b"w0", _init_frames(layout=bad_layout)),
+             (b"w0", _init_frames(keys=KEYS[:1])),
+             (b"w0", _init_frames(values=[torch.zeros(LAYOUT.keys[k].numel + 1, dtype=torch.float64) for k in KEYS])),
+             (b"w0", _init_frames(optim={"lr": -1.0})),
+             (b"w0", _init_frames()),
+             (b"w1", encode({"op": "join", "worker": 1, "req": 2}))]
+    made = []
+
+    def make(layout, values, optim):
+        if optim["lr"] <= 0:
+            raise ValueError(f"optim.lr={optim['lr']}: must be > 0")
+        server = ShardServer(0, layout, values, lambda p: torch.optim.SGD(p, lr=optim["lr"]), "sync", 2)
+        made.append(server)
+        return server
+
+    transport = QueueTransport(items)
+    server = await_init(transport, 0, 1, make, timeout_s=5.0)
+    errors = [m.get("error") for _, m in transport.sent if m.op == "error"]
+    assert NOT_INITIALIZED in errors[0]
+    assert "init comes from worker 0, not worker 1" in errors[1]
+    assert "the layout has 3 shards, this run 1" in errors[2] or "invalid layout" in errors[2]
+    assert "expected this shard's keys" in errors[3]
+    assert "does not match the layout's" in errors[4]
+    assert "optim.lr=-1.0" in errors[5]
+    assert transport.sent[-1][1].op == "ok" and server is made[0] and len(made) == 1
+    assert torch.equal(server.chunks[KEYS[0]], torch.zeros_like(server.chunks[KEYS[0]]))
+    assert transport.items  # the join after init is the server's to answer
+    reply = decode(server.handle(b"w1", transport.items[0][1])[0][1])
+    assert reply.op == "ok"
+    assert "already has its model" in decode(server.handle(b"w1", _init_frames(worker=1))[0][1]).get("error")
+
+
+def test_a_shard_without_a_model_gives_up_naming_worker_0():
+    from ps.server import await_init
+
+    with pytest.raises(TimeoutError, match="worker 0 sent no init"):
+        await_init(QueueTransport([]), 0, 1, lambda *a: None, timeout_s=0.3)
