@@ -43,6 +43,18 @@ def engine_throughput(experiment: str, variants: dict[str, tuple[str, tuple[str,
     return result
 
 
+def rpc_throughput(experiment: str, workers: int, steps: int, rounds: int, out: Path) -> list[float]:
+    """samples/s of the torch.distributed.rpc parameter server (ps/rpc_baseline.py): one
+    server process and `workers` workers, `rounds` times."""
+    rates = []
+    for r in range(rounds):
+        path = out / f"rpc-ps-round{r}.json"
+        run_ranks([sys.executable, "-m", "ps.rpc_baseline", experiment, str(steps), str(path)],
+                  workers + 1, out / f"logs-rpc-ps-round{r}")
+        rates.append(json.loads(path.read_text())["samples_per_sec"])
+    return rates
+
+
 def ps_bandwidth(out: Path) -> list[dict]:
     """One worker against one shard in another process; see ps/benchmark.py."""
     from ps.benchmark import measure
@@ -155,10 +167,15 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         ratio = med[name] / med["ddp"]
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
+    rpc_rates = rpc_throughput("mlp-wide", workers, steps, rounds, out)
+    rpc_med = statistics.median(rpc_rates)
+    echo(f"  {'rpc-ps':15s} median {rpc_med:8.1f}  rounds {', '.join(f'{v:.1f}' for v in rpc_rates)}"
+         f"  (torch.distributed.rpc batch-update server, the pattern of PyTorch's examples)")
+    echo(f"  ps-sync / rpc-ps = {med['ps-sync'] / rpc_med:.2f}x")
     echo("")
     sparse = sparse_table(workers, min(steps, 20), rounds, out)
     echo(format_sparse_table(sparse, workers, min(steps, 20), rounds))
     report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
-              "sparse": sparse}
+              "rpc_ps": rpc_rates, "sparse": sparse}
     files.write_json(out / "bench.json", report)
     return report
