@@ -59,6 +59,11 @@ class PSConfig:
     """Pushes and pulls cast to "fp16" or "bf16" on the wire (half the bytes); the shards keep
     their master values and optimizer state in the parameters' own dtype. "none": as they are."""
 
+    bucket_kb: float = 1024.0
+    """Gradients of several parameters leave in one message per shard once they hold this many
+    KiB (or backward is done): fewer, larger messages, as DDP's buckets; 0: each parameter's
+    as soon as backward produces it."""
+
     sparse: str = "auto"
     """Embedding tables: "rows" pushes the rows a batch touched (ids and summed rows) and
     pulls the rows the next batch looks up, and the shards update only those; "dense" moves
@@ -66,6 +71,9 @@ class PSConfig:
     (sgd without momentum or weight decay, adagrad without weight decay), else dense."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.bucket_kb, bool) or not isinstance(self.bucket_kb, (int, float)) or \
+                not 0 <= self.bucket_kb < math.inf:
+            raise ValueError(f"bucket_kb must be a finite number >= 0, got {self.bucket_kb!r}")
         if self.sparse not in SPARSE_MODES:
             raise ValueError(f"sparse must be one of {SPARSE_MODES}, got {self.sparse!r}")
         if type(self.staleness) is not int or self.staleness < 0:

@@ -1,7 +1,9 @@
 """The parameter-server engines (ps-sync, ps-async, ps-ssp) on the worker side.
 
 Gradient hooks push each parameter's chunks to their shards as soon as backward has
-produced them, so pushes overlap the rest of backward and go to every shard at once. Under
+produced them, so pushes overlap the rest of backward and go to every shard at once; small
+gradients wait in a bucket (ps.bucket_kb, as DDP's buckets) so that they leave together, one
+message per shard. Under
 sync the hook also asks at once for that parameter's next values, which a shard sends as soon
 as every worker has pushed them: the pulls of early parameters come back while later ones
 are still being pushed. `step()` waits for the pushes and the pulls (async and ssp pull then:
@@ -93,7 +95,12 @@ class PSEngine:
         self._step = version if self.mode == "sync" else max(self.client.clocks.values(), default=0)
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         self._pushes = []
-        self._pulls = []  # sync: one per parameter, sent from its hook
+        self._pulls = []  # sync: one per bucket, sent right behind its push
+        self._bucket: dict[int, object] = {}  # key -> gradient (or rows) waiting to leave
+        self._bucket_names: list[str] = []
+        self._bucket_dense: list[int] = []  # its keys whose next values a sync pull asks for
+        self._bucket_bytes = 0
+        self._ready = 0  # parameters whose gradient arrived this step
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
         return model
@@ -129,10 +136,27 @@ class PSEngine:
         if self.mode == "sync":
             for k in keys:
                 self._want[k.shard] = self.client.versions.get(k.shard, 0) + 1
-        self._pushes.append((self._named[index][0], time.time(), self.client.push(step, None, grads)))
-        if self.mode == "sync" and index not in self._tables:  # right behind the push: no extra round trip
-            self._pulls.append((self._named[index][0], time.time(),
-                                self.client.pull(list(grads), next_version=True)))
+        self._bucket.update(grads)
+        self._bucket_names.append(self._named[index][0])
+        if index not in self._tables:
+            self._bucket_dense += list(grads)
+        self._bucket_bytes += sum(g[0].nbytes + g[1].nbytes if isinstance(g, tuple) else g.nbytes
+                                  for g in grads.values())
+        self._ready += 1
+        if self._bucket_bytes >= self.config.bucket_kb * 1024 or self._ready == len(self._named):
+            self._flush(step)
+
+    def _flush(self, step: int | None) -> None:
+        """Push the bucket (one message per shard) and, under sync, ask right behind it for
+        its keys' next values: no extra round trip."""
+        if not self._bucket:
+            return
+        name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
+            f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
+        self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
+        if self.mode == "sync" and self._bucket_dense:
+            self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
+        self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
 
     def _row_grads(self, index: int, grad: torch.Tensor) -> dict:
         """{key: (row ids within the key, summed rows)} of a table's sparse gradient; every key
@@ -212,6 +236,8 @@ class PSEngine:
 
     def step(self) -> dict:
         start = time.perf_counter()
+        self._flush(None if self.mode == "sync" else self._step)  # parameters that got no gradient
+        self._ready = 0
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
         try:
@@ -224,6 +250,7 @@ class PSEngine:
             if not self.config.reconnect_s:
                 raise
             self._pushes, self._pulls = [], []
+            self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
             self._reconnect(err)
             self._step += 1
             return {"comm_s": time.perf_counter() - start, "bytes_sent": 0, "bytes_recv": 0,

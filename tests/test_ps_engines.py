@@ -26,6 +26,9 @@ def _jobs():
         jobs[f"{exp}-local"] = dict(experiment=exp, engine="local", overrides=F64)
         for s in SERVERS:
             jobs[f"{exp}-sync-s{s}"] = dict(experiment=exp, engine="ps-sync", servers=s, overrides=F64)
+    # Each parameter's gradient in a message of its own, in place of one bucket per shard.
+    jobs["quickstart-sync-s2-unbucketed"] = dict(experiment="quickstart", engine="ps-sync", servers=2,
+                                                 overrides=F64 + ("ps.bucket_kb=0",))
     for exp in CONVERGENCE:
         for engine in ("ps-async", "ps-ssp"):
             jobs[f"{exp}-{engine}"] = dict(experiment=exp, engine=engine, servers=2, steps=None)
@@ -51,6 +54,17 @@ def test_ps_sync_matches_local_in_float64(results, experiment, servers):
     assert summary["steps"] == 20 and summary["servers"] == servers
     assert max_param_diff(ref, state) < 1e-10
     assert ref_summary["final_loss"] < 2.2
+
+
+def test_buckets_send_one_push_per_shard_per_step_and_change_nothing(results):
+    res, _ = results
+    (bucketed, state), (unbucketed, unbucketed_state) = res["quickstart-sync-s2"], res["quickstart-sync-s2-unbucketed"]
+    assert max_param_diff(res["quickstart-local"][1], unbucketed_state) < 1e-10
+    assert max_param_diff(state, unbucketed_state) < 1e-10
+    per_step = 20 * 2  # steps x workers
+    assert [s["pushes"] for s in bucketed["server_stats"]] == [per_step, per_step]
+    # quickstart's 4 parameters over 2 shards: unbucketed, a shard pushed to once per parameter it holds
+    assert sorted(s["pushes"] for s in unbucketed["server_stats"]) == [per_step, 3 * per_step]
 
 
 @pytest.mark.parametrize("experiment", list(CONVERGENCE))
