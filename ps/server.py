@@ -80,7 +80,8 @@ class ShardServer:
         shard: index of this shard in the layout.
         layout: the agreed layout; this shard holds layout.shard_keys(shard).
         values: {key id: initial values} for exactly this shard's keys (copied).
-        make_optimizer: builds the experiment's optimizer over a list of tensors (one per key).
+        make_optimizer: builds the experiment's optimizer over a list of tensors (called once
+            per key, with that key's chunk).
         mode: "sync", "async" or "ssp".
         num_workers: workers 0..num_workers-1 take part.
         config: PSConfig (timeouts, staleness bound, loss policy, async scaling).
@@ -131,7 +132,9 @@ class ShardServer:
                             for k, c in self.chunks.items() if c.dim() == 2 and mode != "sync"}
         self._row_update = {k: torch.zeros(len(w), dtype=torch.int64) for k, w in self._row_writer.items()}
         self._read_at: dict[int, int] = {}  # worker -> the update counter when its last pull was answered
-        self.optimizer = make_optimizer(list(self.chunks.values())) if self.chunks else None
+        # One optimizer per key: an update of a few keys costs what those keys cost, never a
+        # pass over every chunk of the shard (the optimizers here are per tensor anyway).
+        self.optimizers = {k: make_optimizer([c]) for k, c in self.chunks.items()}
         self._limits = Limits(max_tensor_bytes=config.max_message_bytes)
         self._workers = range(num_workers)
         self.version = 0
@@ -363,8 +366,8 @@ class ShardServer:
         """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
         skip every chunk without one). count: it is an update of the shard (the counter)."""
         start = time.time()
-        self.optimizer.step()
-        for k in keys:  # cheaper than zero_grad over every chunk when a push has few keys
+        for k in keys:
+            self.optimizers[k].step()
             self.chunks[k].grad = None
             self._snap.pop(k, None)
         self.counters["updates"] += int(count)
@@ -527,7 +530,7 @@ class ShardServer:
         """Everything needed to resume this shard: values, optimizer state, version, clocks."""
         return {"shard": self.shard, "fingerprint": self.layout.fingerprint, "version": self.version,
                 "values": {k: t.detach().reshape(-1).clone() for k, t in self.chunks.items()},
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "optimizer": {k: opt.state_dict() for k, opt in self.optimizers.items()},
                 "clocks": dict(self.clocks), "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -539,8 +542,12 @@ class ShardServer:
         with torch.no_grad():
             for k, t in state["values"].items():
                 self.chunks[k].copy_(t.reshape(self.chunks[k].shape))
-        if self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        saved = state.get("optimizer") or {}
+        if set(saved) != set(self.optimizers):
+            raise ValueError(f"checkpoint holds optimizer state of keys {sorted(saved)[:8]}, this shard has "
+                             f"keys {sorted(self.optimizers)[:8]}")
+        for k, opt in self.optimizers.items():
+            opt.load_state_dict(saved[k])
         self.version = int(state["version"])
         self.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
         self.counters.update(state["counters"])
