@@ -101,7 +101,8 @@ def step_split(run: Run) -> dict[str, float]:
     """Mean seconds per step and rank (warm-up step left out) spent in compute (forward and
     backward), in communication not hidden by compute, and waiting for slower peers.
 
-    Waiting of one record is its `wait_s` when the engine measured it. Otherwise, for a
+    Waiting of one record is its `wait_s` when the engine measured it (at most its comm_s: a
+    pull sent during backward may be held from before the step). Otherwise, for a
     synchronous engine, it is estimated as how much longer the slowest rank computed in that
     step, capped by the record's comm_s; asynchronous engines and local do not wait.
     Communication is comm_s minus waiting. Raises ValueError for a run without records.
@@ -115,8 +116,8 @@ def step_split(run: Run) -> dict[str, float]:
     synchronous = run.engine in SYNCHRONOUS
 
     def waiting(r: dict) -> float:
-        if "wait_s" in r:
-            return r["wait_s"]
+        if "wait_s" in r:  # a shard's hold on a pull sent from a backward hook may begin before
+            return min(r["wait_s"], r["comm_s"])  # the step: only what falls inside comm_s counts
         if not synchronous:
             return 0.0
         return min(r["comm_s"], slowest[r["step"]] - r["compute_s"])
