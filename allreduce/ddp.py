@@ -53,6 +53,7 @@ class DDPEngine:
         return {}
 
     def close(self) -> None:
+        self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
             shutdown()
         self._liveness.close()

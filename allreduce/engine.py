@@ -89,6 +89,7 @@ class AllReduceEngine:
 
     def close(self) -> None:
         self._reducer.close()
+        self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
             self._collective.close()
             shutdown()

@@ -79,13 +79,19 @@ class Liveness:
         except (RuntimeError, dist.DistError) as err:
             raise LostRank(self.explain(err)) from err
 
-    def close(self) -> None:
-        """Stop stamping and let go of the store connection now, while the interpreter is
-        whole: a thread still inside a store call, or a store torn down, at interpreter exit
-        can abort the process ("terminate called without an active exception")."""
+    def stop_stamping(self) -> None:
+        """Stop the stamping thread, while the store is still up: call it before leaving the
+        process group, whose end on rank 0 takes the store down; a stamp caught inside a store
+        call then would hold this rank for the store's whole timeout, while its peers go on."""
         self._stop.set()
         if self._thread is not None:
             # Long enough for a stamp blocked on a store that is gone to time out.
             self._thread.join(timeout=self._store_timeout_s + self.interval_s + 1)
             self._thread = None
+
+    def close(self) -> None:
+        """Stop stamping and let go of the store connection now, while the interpreter is
+        whole: a thread still inside a store call, or a store torn down, at interpreter exit
+        can abort the process ("terminate called without an active exception")."""
+        self.stop_stamping()
         self._store = None
