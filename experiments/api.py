@@ -42,7 +42,7 @@ from .config import RunConfig
 from .distenv import DistEnv
 from .engines import get_engine
 from .launcher import RUN_DIR_ENV
-from .metrics import MetricsWriter, param_sha256, peak_rss_mb, summarize
+from .metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config
 from .script import script_config
 from .trace import Tracer
 from .trace import merge as merge_trace
@@ -159,13 +159,10 @@ class Job:
         if not self._losses:
             raise RuntimeError("step() before backward(loss): there is no gradient to apply")
         computed = time.perf_counter()
-        stats = dict(self._engine.step())
+        stats = self._engine.step()
         done = time.perf_counter()
-        record = {"step": self._step, "time": done - self._start, "wall": time.time(),
-                  "loss": torch.stack(self._losses).float().mean().item(), "samples": self._samples,
-                  "compute_s": computed - self._mark, "comm_s": stats.pop("comm_s", 0.0),
-                  "step_s": done - self._mark, "bytes_sent": stats.pop("bytes_sent", 0),
-                  "bytes_recv": stats.pop("bytes_recv", 0), "peak_rss_mb": peak_rss_mb(), **stats}
+        record = step_record(self._step, self._start, self._mark, computed, done,
+                             torch.stack(self._losses).float().mean().item(), self._samples, stats)
         self._writer.write(record)
         self._losses, self._samples, self._mark = [], 0, done
         self._step += 1
@@ -185,9 +182,7 @@ class Job:
         model = self._model
         files.save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
         cfg = self.config
-        summary = summarize(self.run_dir, {"experiment": cfg.experiment, "engine": cfg.engine,
-                                           "workers": cfg.workers, "servers": cfg.servers, "seed": cfg.seed},
-                            {}, wall_s, param_sha256(model))
+        summary = summarize(self.run_dir, summary_config(cfg), {}, wall_s, param_sha256(model))
         summary.update(self._engine.report())
         files.write_json(self.run_dir / "summary.json", summary)
         if cfg.trace:

@@ -70,6 +70,14 @@ def _run_options(options, fn):
 run_options = run_options_for()
 
 
+def process_counts(fn):
+    """--workers N and --servers S, for the commands that start a run's processes."""
+    fn = click.option("--servers", type=int, default=None,
+                      help=f"Parameter-server shards (ps-* engines) [default: {RunConfig.servers}].")(fn)
+    return click.option("--workers", type=int, default=None,
+                        help=f"Number of workers (data shards) [default: {RunConfig.workers}].")(fn)
+
+
 def net_option(fn):
     """--net RATE: the run on an emulated cluster, for `psar run` and `psar compare`."""
     return click.option("--net", "net", default=None, metavar="RATE",
@@ -152,10 +160,7 @@ def list_cmd() -> None:
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("script", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--workers", type=int, default=None,
-              help=f"Number of workers, one process each [default: {RunConfig.workers}].")
-@click.option("--servers", type=int, default=None,
-              help=f"Parameter-server shards (ps-* engines) [default: {RunConfig.servers}].")
+@process_counts
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/SCRIPT-ENGINE-wN-TIME).")
 @click.option("--engine", type=click.Choice([n for n, e in ENGINES.items() if e.processes_per_worker]),
@@ -192,10 +197,7 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
 
 @main.command()
 @click.argument("experiment", type=click.Choice(list(presets.PRESETS)), required=False, metavar="EXPERIMENT")
-@click.option("--workers", type=int, default=None,
-              help=f"Number of workers (data shards) [default: {RunConfig.workers}].")
-@click.option("--servers", type=int, default=None,
-              help=f"Parameter-server shards (ps-* engines) [default: {RunConfig.servers}].")
+@process_counts
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),

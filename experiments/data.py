@@ -345,6 +345,7 @@ class BatchFeeder:
         self._device = device
         self._epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
+        self._last: tuple[int, tuple] | None = None  # (step, its batch): the latest one made
 
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
@@ -357,9 +358,12 @@ class BatchFeeder:
         """(inputs, targets) of this rank for global step `step` (0-based)."""
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
+        if self._last is not None and self._last[0] == step:  # asked again (an engine's prefetch)
+            return self._last[1]
         epoch, b = divmod(step, self.batches_per_epoch)
         sel = self._epoch_perm(epoch)[b * self.batch_size : (b + 1) * self.batch_size]
-        return tuple(t[sel] for t in self._inputs), self._targets[sel]
+        self._last = (step, (tuple(t[sel] for t in self._inputs), self._targets[sel]))
+        return self._last[1]
 
 
 def test_batches(

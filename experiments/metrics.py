@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,24 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
         "peak_rss_mb": {f"rank{r}": recs[-1]["peak_rss_mb"] for r, recs in sorted(per_rank.items())
                         if recs and "peak_rss_mb" in recs[-1]},
     }
+
+
+def step_record(step: int, started: float, began: float, computed: float, done: float, loss: float,
+                samples: int, stats: dict) -> dict:
+    """One line of metrics/rank<r>.jsonl. Times are perf_counter readings: the loop's start,
+    this step's start, the end of its compute (forward and backward) and its end; stats is
+    what the engine's step() returned (comm_s, bytes_sent, bytes_recv and its own figures)."""
+    stats = dict(stats)
+    return {"step": step, "time": done - started, "wall": time.time(), "loss": loss, "samples": samples,
+            "compute_s": computed - began, "comm_s": stats.pop("comm_s", 0.0), "step_s": done - began,
+            "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),
+            "peak_rss_mb": peak_rss_mb(), **stats}
+
+
+def summary_config(cfg) -> dict:
+    """What summary.json records of a run's config (a RunConfig)."""
+    return {"experiment": cfg.experiment, "engine": cfg.engine, "workers": cfg.workers,
+            "servers": cfg.servers, "seed": cfg.seed}
 
 
 def peak_rss_mb() -> float:

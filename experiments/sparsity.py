@@ -10,13 +10,9 @@ update exactly: SGD without momentum or weight decay, or Adagrad without weight 
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from ps.layout import Layout, ParamSpec, build_layout, chunk_elems_from_mb
-
-ROW_MODULES = (nn.Embedding, nn.EmbeddingBag)
-
+from ps.layout import ROW_MODULES, Layout, ParamSpec, build_layout, chunk_elems_from_mb
 
 def embedding_tables(model: nn.Module) -> dict[str, nn.Module]:
     """{parameter name: the module that looks rows up in it} for every embedding weight that
@@ -34,9 +30,7 @@ def embedding_tables(model: nn.Module) -> dict[str, nn.Module]:
         if w.dim() != 2 or not w.requires_grad or module.max_norm is not None or owners[id(w)] != 1:
             continue
         found[f"{prefix}.weight" if prefix else "weight"] = module
-    # A parameter reached under two names (shared module) is not row-sparse either.
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {n: m for n, m in found.items() if names.get(id(m.weight)) == n}
+    return found
 
 
 def sparse_update_problem(optim) -> str | None:
@@ -53,19 +47,6 @@ def sparse_update_problem(optim) -> str | None:
     return (f"optim.name={what} changes rows with a zero gradient, so a row-sparse update would "
             "differ from the dense one; row-sparse needs sgd without momentum or weight decay, "
             "or adagrad without weight decay")
-
-
-def set_sparse(modules, on: bool = True) -> None:
-    """Make these Embedding/EmbeddingBag modules produce sparse (row) gradients, or dense."""
-    for module in modules:
-        module.sparse = on
-
-
-def coalesced_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row ids sorted and unique, int64; their summed gradient rows) of a sparse (rows, dim)
-    gradient as an embedding's backward makes it (ids may repeat)."""
-    grad = grad.coalesce()
-    return grad.indices()[0], grad.values()
 
 
 def model_layout(model: nn.Module, cfg, num_shards: int) -> Layout:

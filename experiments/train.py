@@ -26,7 +26,7 @@ from .checkpoint import WorkerCheckpoints
 from .data import BatchFeeder
 from .distenv import DistEnv
 from .engines import get_engine
-from .metrics import MetricsWriter, param_sha256, peak_rss_mb, summarize, write_json
+from .metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config, write_json
 from .progress import Progress
 from .tasks import get_task
 from .trace import Tracer
@@ -100,16 +100,10 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
         t1 = time.perf_counter()
         last_compute = t1 - computing  # without the stall, or stalls would compound
         with tracer.span("step", step=step):
-            stats = dict(engine.step())
+            stats = engine.step()
         t2 = time.perf_counter()
         loss_value = torch.stack(losses).mean().item()
-        record = {
-            "step": step, "time": t2 - start, "wall": time.time(), "loss": loss_value,
-            "samples": cfg.batch_size * len(feeders), "compute_s": t1 - t0,
-            "comm_s": stats.pop("comm_s", 0.0), "step_s": t2 - t0,
-            "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),
-            "peak_rss_mb": peak_rss_mb(), **stats,
-        }
+        record = step_record(step, start, t0, t1, t2, loss_value, cfg.batch_size * len(feeders), stats)
         writer.write(record)
         if board is not None:
             board.step(record)
@@ -127,7 +121,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     model_cpu = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     files.save_torch(model_cpu, run_dir / "model.pt")
     eval_metrics = task.evaluate(model, dataset, cfg.eval_batch_size, dtype, device)
-    summary = summarize(run_dir, _config_dict(cfg), eval_metrics, wall_s, param_sha256(model),
+    summary = summarize(run_dir, summary_config(cfg), eval_metrics, wall_s, param_sha256(model),
                         first_step=first)
     summary.update(engine.report())
     write_json(run_dir / "summary.json", summary)
@@ -136,11 +130,6 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     if cfg.trace:
         merge_trace(run_dir)  # what this host sees; `psar run` merges again once servers are done
     return summary
-
-
-def _config_dict(cfg: RunConfig) -> dict:
-    return {"experiment": cfg.experiment, "engine": cfg.engine, "workers": cfg.workers,
-            "servers": cfg.servers, "seed": cfg.seed}
 
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:

@@ -32,10 +32,8 @@ import torch
 
 from .client import PeerTimeout, PSClient, PSError
 from .config import PSConfig
-from .layout import ParamSpec
+from .layout import ROW_MODULES, ParamSpec
 from .server import NOT_INITIALIZED
-
-ROW_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
 log = logging.getLogger("psar.ps.engine")

@@ -22,6 +22,8 @@ import torch
 WIRE_VERSION = 2
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 TORCH_DTYPES = {name: getattr(torch, name) for name in ITEMSIZE}
+ROW_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+"""The modules whose weight a layout may hold by rows (row-sparse parameters)."""
 MIN_CHUNK_ELEMS = 1 << 16
 """Tensors are spread over shards only down to chunks of this many elements: below it a
 split costs more in per-frame overhead than it gains in balance."""

@@ -281,8 +281,6 @@ class ShardServer:
 
     def _on_pull(self, peer: bytes, msg: Message) -> list[Reply]:
         self.counters["pulls"] += 1
-        if msg.ids and not msg.keys:
-            raise _Reject("a pull by rows must name its keys")
         if self._pull_ready(msg):
             self._note_gap(msg)
             return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")))]

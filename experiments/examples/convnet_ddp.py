@@ -26,14 +26,18 @@ def digits(dtype: torch.dtype) -> TensorDataset:
     return TensorDataset(x, torch.from_numpy(labels))
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     parser.add_argument("--float64", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     dtype = torch.float64 if args.float64 else torch.float32
 
     dist.init_process_group("gloo")

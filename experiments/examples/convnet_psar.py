@@ -2,24 +2,16 @@
 `psar launch --engine ps-sync --workers 2 experiments/examples/convnet_psar.py`. The same
 script as convnet_ddp.py but for the lines marked "psar"."""
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from experiments import api as psar                                    # psar
-from experiments.examples.convnet_ddp import convnet, digits
+from experiments.examples.convnet_ddp import arguments, convnet, digits
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    parser.add_argument("--float64", action="store_true")
-    args = parser.parse_args()
+    args = arguments()
     dtype = torch.float64 if args.float64 else torch.float32
 
     job = psar.init()                                                  # psar
