@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allreduce.ring import chunk_bounds, ring_allreduce
+from allreduce.ring import PIECE_BYTES, chunk_bounds, ring_allreduce
 from spawn import run_ranks
 
 LENGTHS = (0, 1, 2, 3, 5, 7, 1000, 1001, 4099)
+SHORT = (0, 1, 2, 3, 5, 7, 100, 101)
 
 
 @pytest.mark.parametrize("numel,world", [(10, 3), (0, 2), (2, 4), (7, 7), (1001, 4), (5, 1)])
@@ -26,21 +27,23 @@ def _values(rank: int, numel: int) -> torch.Tensor:
                        dtype=torch.float64)
 
 
-def _ring_ranks(rank, world, wire):
+def _ring_ranks(rank, world, wire, piece_bytes=PIECE_BYTES, lengths=LENGTHS):
     out = {}
-    for numel in LENGTHS:
+    for numel in lengths:
         flat = _values(rank, numel)
-        sent, received = ring_allreduce(flat, rank, world, wire)
+        sent, received = ring_allreduce(flat, rank, world, wire, piece_bytes=piece_bytes)
         out[numel] = (flat.tolist(), sent, received)  # plain data crosses the queue
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_equals_elementwise_sum(world):
-    results = run_ranks(_ring_ranks, world, None)
-    for numel in LENGTHS:
+@pytest.mark.parametrize("world,piece_bytes,lengths", [(2, PIECE_BYTES, LENGTHS), (3, 8, SHORT), (4, 40, LENGTHS)])
+def test_ring_equals_elementwise_sum(world, piece_bytes, lengths):
+    """Whole chunks, and chunks in pipelined pieces of a few elements (pieces of unequal
+    length, and empty ones where a chunk has fewer elements than there are pieces)."""
+    results = run_ranks(_ring_ranks, world, None, piece_bytes, lengths)
+    for numel in lengths:
         expected = sum(_values(r, numel) for r in range(world))
         for rank in range(world):
             flat, sent, received = results[rank][numel]
@@ -58,7 +61,7 @@ def test_ring_equals_elementwise_sum(world):
 @pytest.mark.timeout(120)
 def test_ring_with_fp16_wire_is_identical_on_every_rank():
     world = 3
-    results = run_ranks(_ring_ranks, world, torch.float16)
+    results = run_ranks(_ring_ranks, world, torch.float16, 64)
     for numel in LENGTHS:
         expected = sum(_values(r, numel) for r in range(world))
         flats = [torch.tensor(results[r][numel][0], dtype=torch.float64) for r in range(world)]
@@ -73,6 +76,8 @@ def test_ring_on_one_rank_is_identity():
     assert torch.equal(flat, torch.arange(5, dtype=torch.float64))
 
 
-def test_ring_rejects_non_flat_tensor():
+def test_ring_rejects_non_flat_tensor_and_empty_pieces():
     with pytest.raises(ValueError, match="1-D"):
         ring_allreduce(torch.zeros(2, 2), 0, 2)
+    with pytest.raises(ValueError, match="piece_bytes"):
+        ring_allreduce(torch.zeros(4), 0, 2, piece_bytes=0)
