@@ -77,11 +77,8 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 5) -> list[dict]:
                 for _ in range(iters):
                     _echo_round_trip(echo, payload)
                 mid = time.perf_counter()
-                for _ in range(iters):
-                    push = ps.push(step, None, {key: payload})
-                    pull = ps.pull([key])  # behind the push on the same connection, as the engine does
-                    ps.wait(push)
-                    ps.wait(pull)
+                for _ in range(iters):  # one message each way, as the sync engine sends its buckets
+                    ps.wait(ps.push(step, None, {key: payload}, pull=True))
                     step += 1
                 end = time.perf_counter()
                 if r:  # the first round warms up

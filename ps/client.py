@@ -62,6 +62,8 @@ class PullResult:
     """Longest time a shard held the pull back for its condition (waiting for other workers)."""
     ids: dict[int, torch.Tensor] = field(default_factory=dict)
     """key id -> the row ids whose values `values` holds ((n, dim)), for keys pulled by rows."""
+    staleness: int = 0
+    """Of a push+pull (push(pull=True)): the largest staleness the shards reported for the push."""
 
 
 class PSClient:
@@ -175,13 +177,23 @@ class PSClient:
         self._start_heartbeat()
         return layout, min(self.versions.values()), values
 
-    def push(self, step: int, version: int | None, grads: dict[int, Any]) -> Handle:
+    def push(self, step: int, version: int | None, grads: dict[int, Any], pull: bool = False,
+             next_version: bool = False, clock: int | None = None) -> Handle:
         """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key}
         computed for `step` on parameters of `version` (None: the version last received from
         each shard). Row ids count from the key's first row, strictly increasing (int64); rows
         are (n, dim). Non-blocking; the tensors must not change until wait(handle) returns
-        (they leave without a copy). wait gives the largest staleness reported by the shards."""
+        (they leave without a copy). wait gives the largest staleness reported by the shards.
+
+        pull: ask in the same message for the pushed keys' values, as pull(keys,
+        next_version=next_version, clock=clock) would right behind the push: one message
+        each way instead of two. wait then gives that pull's PullResult, whose `staleness`
+        is the push's. Whole keys only (no rows)."""
         layout = self._need_layout()
+        if pull and any(isinstance(g, tuple) for g in grads.values()):
+            raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
+        if (next_version or clock is not None) and not pull:
+            raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
         by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = defaultdict(lambda: ([], [], []))
         for k, g in grads.items():
             if not (type(k) is int and 0 <= k < len(layout.keys)):
@@ -205,9 +217,13 @@ class PSClient:
             v = version if version is not None else self.versions.get(s, 0)
             at = step if step is not None else self.versions.get(s, 0)  # sync: the shard's own step
             sparse = any(i is not None for i in row_ids)
-            per_shard[s] = ({"op": "push", "step": at, "version": v, "keys": keys}, tensors,
-                            row_ids if sparse else None)
-        return self._start("push", per_shard)
+            header = {"op": "push", "step": at, "version": v, "keys": keys}
+            if pull:
+                header["pull"] = 1
+                header.update({n: c for n, c in (("min_version", self.versions.get(s, 0) + 1 if next_version else None),
+                                                 ("clock", clock)) if c is not None})
+            per_shard[s] = (header, tensors, row_ids if sparse else None)
+        return self._start("push+pull" if pull else "push", per_shard, conditional=next_version or clock is not None)
 
     def _row_ids(self, k: int, ids: torch.Tensor) -> torch.Tensor:
         """ids as the wire wants them: int64 on the CPU, checked against key k's rows."""
@@ -259,16 +275,17 @@ class PSClient:
         Raises PSError on an error reply, PeerTimeout naming the silent shard's address (the
         handle then stays pending: waiting again is allowed)."""
         self._wait_replies(handle, timeout_s if timeout_s is not None else handle.timeout_s)
+        stale = [m.get("staleness") for m in handle.replies.values() if m.get("staleness") is not None]
         if handle.kind == "push":
-            stale = [m.get("staleness") for m in handle.replies.values() if m.get("staleness") is not None]
             return max(stale, default=0)
-        if handle.kind == "pull":
+        if handle.kind in ("pull", "push+pull"):
             versions = {s: m.get("version") for s, m in handle.replies.items()}
             self.versions.update(versions)
             values = {k: t for m in handle.replies.values() for k, t in zip(m.keys, m.tensors)}
             ids = {k: i for m in handle.replies.values() for k, i in zip(m.keys, m.ids) if i is not None}
             waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
-            return PullResult(min(versions.values(), default=0), versions, values, waited / 1e6, ids)
+            return PullResult(min(versions.values(), default=0), versions, values, waited / 1e6, ids,
+                              max(stale, default=0))
         return handle.replies
 
     def wait_alive(self, handle: Handle) -> Any:

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from .client import PeerTimeout, PSClient, PSError
+from .client import PeerTimeout, PSClient, PSError, PullResult
 from .config import PSConfig
 from .layout import ROW_MODULES, ParamSpec
 from .server import NOT_INITIALIZED
@@ -151,9 +151,14 @@ class PSEngine:
             return
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
-        self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
-        if self.mode == "sync" and self._bucket_dense:
-            self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
+        whole = len(self._bucket_dense) == len(self._bucket)  # no rows: the push asks for the values itself
+        if self.mode == "sync" and whole:
+            self._pushes.append((name, time.time(), self.client.push(None, None, self._bucket, pull=True,
+                                                                     next_version=True)))
+        else:
+            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
+            if self.mode == "sync" and self._bucket_dense:
+                self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
         self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
 
     def _row_grads(self, index: int, grad: torch.Tensor) -> dict:
@@ -242,8 +247,9 @@ class PSEngine:
             if self.mode != "sync" and self._dense_keys:  # ssp waits on the clock; async sends it only so the server can record the gap
                 self._pulls = [(f"step {self._step}", time.time(),
                                 self.client.pull(self._dense_keys, clock=self._step + 1))]
-            staleness = [self.client.wait(h) for _, _, h in self._pushes]
-            results = [self.client.wait(h) for _, _, h in self._pulls]
+            pushed = [self.client.wait(h) for _, _, h in self._pushes]
+            staleness = [r.staleness if isinstance(r, PullResult) else r for r in pushed]
+            results = [r for r in pushed if isinstance(r, PullResult)] + [self.client.wait(h) for _, _, h in self._pulls]
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
@@ -254,9 +260,13 @@ class PSEngine:
             return {"comm_s": time.perf_counter() - start, "bytes_sent": 0, "bytes_recv": 0,
                     "staleness": [], "reconnected": 1}
         if self.trace is not None:
-            for name, sent_at, h in self._pushes:  # a reply's time is when the client read it
-                self.trace(f"push {name}", sent_at, h.done_at, thread="push")
-            for (name, sent_at, h), result in zip(self._pulls, results):
+            for (name, sent_at, h), result in zip(self._pushes, pushed):  # a reply's time is when the client read it
+                if isinstance(result, PullResult):
+                    self.trace(f"push+pull {name}", sent_at, h.done_at, thread="push",
+                               waited_on_server_s=result.waited_s)
+                else:
+                    self.trace(f"push {name}", sent_at, h.done_at, thread="push")
+            for (name, sent_at, h), result in zip(self._pulls, results[len(results) - len(self._pulls):]):
                 self.trace(f"pull {name}", sent_at, h.done_at, thread="pull", waited_on_server_s=result.waited_s)
         self._pushes, self._pulls = [], []
         self._load({k: v for result in results for k, v in result.values.items()})

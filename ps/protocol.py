@@ -9,6 +9,11 @@ key instead of the whole key. Header field 'rows' then has one entry per key: -1
 whole key, or n >= 0 rows, whose ids (int64, strictly increasing, within the key's rows,
 counted from the key's first row) come in a frame of their own just before the key's values
 frame; the values are shaped [n, dim]. A pull names rows with ids frames and no values.
+
+A push with 'pull' set (1) asks, in the same message, for the values of the keys it pushes:
+the reply is the reply to a pull of those keys under the push's own 'min_version' and
+'clock' conditions (with the push's 'staleness' beside them), and takes the place of the
+push's plain 'ok'. One message each way per step instead of two; whole keys only.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "init": ({"body"} | _TENSORS, set()),
     "join": (set(), {"settings"}),
-    "push": ({"step", "version"} | _TENSORS, {"rows"}),
+    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock"}),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows"}),
     "heartbeat": (set(), set()),
     "stats": (set(), set()),
@@ -43,7 +48,7 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "error": ({"error"}, set()),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
-_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left",
+_INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left", "pull",
                "waited_us")
 _MAX_INT = 1 << 62
 

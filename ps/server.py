@@ -7,8 +7,9 @@ tested directly; serve(transport) is the loop around it. Modes:
   pushed a key, its grad is the mean over the workers that pushed it and the optimizer
   updates that key, and a pull waiting for it is answered at once, while other keys are
   still arriving (pushes and pulls share the link's two directions). When every key is
-  updated the step is complete and the version goes up by one. Each key's update is what one
-  optimizer step over all of them does to it (the optimizers here are per tensor).
+  updated the step is complete and the version goes up by one. The keys that become ready
+  together (a bucket's) are updated in one optimizer call (ps.shard_optim); each key's update
+  is what one optimizer step over all of them does to it (the optimizers here are per tensor).
 - async (Hogwild-style): every push is applied on arrival (grad scaled by 1/N under
   async_scale="mean"); the version counts completed worker-steps on this shard.
 - ssp: async, and a pull with clock c waits until c - (slowest live worker's clock) <= s.
@@ -34,7 +35,7 @@ import logging
 import resource
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,6 +43,7 @@ import torch
 from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import REPLIES, Limits, Message, ProtocolError, decode, encode, error_reply, peek_ids
+from ps.shard_optim import ShardOptimizer
 
 log = logging.getLogger("psar.ps.server")
 # Row gradients are built from validated ids (ps.protocol), so torch's own checks of sparse
@@ -71,6 +73,7 @@ class _Deferred:
     msg: Message
     since: float
     deadline: float
+    fields: dict = field(default_factory=dict)  # more of the reply's header
 
 
 class ShardServer:
@@ -132,9 +135,8 @@ class ShardServer:
                             for k, c in self.chunks.items() if c.dim() == 2 and mode != "sync"}
         self._row_update = {k: torch.zeros(len(w), dtype=torch.int64) for k, w in self._row_writer.items()}
         self._read_at: dict[int, int] = {}  # worker -> the update counter when its last pull was answered
-        # One optimizer per key: an update of a few keys costs what those keys cost, never a
-        # pass over every chunk of the shard (the optimizers here are per tensor anyway).
-        self.optimizers = {k: make_optimizer([c]) for k, c in self.chunks.items()}
+        # An update of a few keys costs what those keys cost, in one optimizer call.
+        self.optimizer = ShardOptimizer(make_optimizer, self.chunks)
         self._limits = Limits(max_tensor_bytes=config.max_message_bytes)
         self._workers = range(num_workers)
         self.version = 0
@@ -279,13 +281,15 @@ class ShardServer:
         log.info("shard %d: shutdown requested by worker %d", self.shard, msg.worker)
         return [self._ok(peer, msg)]
 
-    def _on_pull(self, peer: bytes, msg: Message) -> list[Reply]:
+    def _on_pull(self, peer: bytes, msg: Message, **fields: Any) -> list[Reply]:
+        """Answer now if the pull's condition holds, else once it does (fields: more of the
+        reply's header, a push+pull's staleness)."""
         self.counters["pulls"] += 1
         if self._pull_ready(msg):
             self._note_gap(msg)
-            return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")))]
+            return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)]
         now = self.clock()
-        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s))
+        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s, fields))
         return []
 
     def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
@@ -304,6 +308,10 @@ class ShardServer:
         twice = [k for k in msg.keys if k in done]
         if twice:
             raise _Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
+        if msg.get("pull") not in (None, 0, 1):
+            raise _Reject(f"push field 'pull' is {msg.get('pull')}; expected 0 or 1")
+        if msg.get("pull") and msg.ids and any(i is not None for i in msg.ids):
+            raise _Reject("a push by rows cannot ask for values ('pull'): pull the rows in a pull")
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
             msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
@@ -334,6 +342,11 @@ class ShardServer:
             self._apply(msg.keys, f"apply push of worker {w} (step {step})")
             if self._note_keys(w, step, msg.keys):
                 self._bump()
+        if msg.get("pull"):  # the pushed keys' values, under the push's own conditions
+            conditions = {f: msg.get(f) for f in ("min_version", "clock") if msg.get(f) is not None}
+            pull = Message({"op": "pull", "v": msg.get("v"), "worker": w, "req": msg.req, "keys": msg.keys,
+                            **conditions})
+            return self._on_pull(peer, pull, staleness=stale)
         return [self._ok(peer, msg, staleness=stale, version=self.version)]
 
     def _grad(self, k: int, g: torch.Tensor, ids: torch.Tensor | None, coalesced: bool = True) -> torch.Tensor:
@@ -364,8 +377,8 @@ class ShardServer:
         """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
         skip every chunk without one). count: it is an update of the shard (the counter)."""
         start = time.time()
+        self.optimizer.step(keys)
         for k in keys:
-            self.optimizers[k].step()
             self.chunks[k].grad = None
             self._snap.pop(k, None)
         self.counters["updates"] += int(count)
@@ -390,18 +403,20 @@ class ShardServer:
         live = self._live()
         if not live:
             return
-        for k in self.keys:
-            if k not in self._updated and k in self._pushed and live <= self._pushed[k]:
-                count = len(self._pushed[k])
-                if k in self._rows:  # every worker's rows, duplicates summed
-                    parts = self._rows.pop(k)
-                    grad = self._grad(k, torch.cat([g for _, g in parts]), torch.cat([i for i, _ in parts]),
-                                      coalesced=len(parts) == 1)
-                    self.chunks[k].grad = grad / count
-                else:
-                    self.chunks[k].grad = self._sum.pop(k).reshape(self.chunks[k].shape).div_(count)
-                self._apply([k], f"update key {k} (step {self.version}, {len(live)} workers)", count=False)
-                self._updated.add(k)
+        ready = [k for k in self._pushed if k not in self._updated and live <= self._pushed[k]]
+        for k in ready:
+            count = len(self._pushed[k])
+            if k in self._rows:  # every worker's rows, duplicates summed
+                parts = self._rows.pop(k)
+                grad = self._grad(k, torch.cat([g for _, g in parts]), torch.cat([i for i, _ in parts]),
+                                  coalesced=len(parts) == 1)
+                self.chunks[k].grad = grad / count
+            else:
+                self.chunks[k].grad = self._sum.pop(k).reshape(self.chunks[k].shape).div_(count)
+        if ready:
+            named = f"key {ready[0]}" if len(ready) == 1 else f"keys {ready[0]}..{ready[-1]} ({len(ready)})"
+            self._apply(ready, f"update {named} (step {self.version}, {len(live)} workers)", count=False)
+            self._updated.update(ready)
         if len(self._updated) == len(self.keys):
             self.counters["updates"] += 1
             self._updated.clear()
@@ -453,8 +468,8 @@ class ShardServer:
             self.waits["total_s"] += waited
             self.waits["max_s"] = max(self.waits["max_s"], waited)
             self._note_gap(d.msg)
-            replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys,
-                                        exact=bool(d.msg.get("wait_left")), waited_us=int(waited * 1e6)))
+            replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys, exact=bool(d.msg.get("wait_left")),
+                                        waited_us=int(waited * 1e6), **d.fields))
         return replies
 
     def _lose(self, w: int, reason: str) -> None:
@@ -528,7 +543,7 @@ class ShardServer:
         """Everything needed to resume this shard: values, optimizer state, version, clocks."""
         return {"shard": self.shard, "fingerprint": self.layout.fingerprint, "version": self.version,
                 "values": {k: t.detach().reshape(-1).clone() for k, t in self.chunks.items()},
-                "optimizer": {k: opt.state_dict() for k, opt in self.optimizers.items()},
+                "optimizer": self.optimizer.state_dict(),
                 "clocks": dict(self.clocks), "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -540,12 +555,7 @@ class ShardServer:
         with torch.no_grad():
             for k, t in state["values"].items():
                 self.chunks[k].copy_(t.reshape(self.chunks[k].shape))
-        saved = state.get("optimizer") or {}
-        if set(saved) != set(self.optimizers):
-            raise ValueError(f"checkpoint holds optimizer state of keys {sorted(saved)[:8]}, this shard has "
-                             f"keys {sorted(self.optimizers)[:8]}")
-        for k, opt in self.optimizers.items():
-            opt.load_state_dict(saved[k])
+        self.optimizer.load_state_dict(state.get("optimizer") or {})
         self.version = int(state["version"])
         self.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
         self.counters.update(state["counters"])

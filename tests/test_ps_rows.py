@@ -165,6 +165,17 @@ def test_bad_row_pushes_are_refused_and_change_nothing(name):
     assert torch.equal(table(server), before) and server.counters["pushes"] == 0
 
 
+def test_push_by_rows_that_asks_for_values_is_refused_and_changes_nothing():
+    server = make("sync")
+    before = table(server).clone()
+    ids, rows = torch.tensor([1, 2]), torch.ones(2, DIM, dtype=torch.float64)
+    parts = split_rows(ids, rows)
+    (reply,) = call(server, 0, "push", [parts[k][1] for k in TABLE_KEYS] + [torch.ones(5, dtype=torch.float64)],
+                    [parts[k][0] for k in TABLE_KEYS] + [None], step=0, version=0, keys=[*TABLE_KEYS, BIAS], pull=1)
+    assert reply.op == "error" and "a push by rows cannot ask for values" in reply.get("error")
+    assert torch.equal(table(server), before) and server.counters["pushes"] == 0
+
+
 @pytest.mark.timeout(60)
 def test_fuzzed_row_messages_never_crash_or_touch_the_shard():
     """Random corruption of valid row pushes and pulls on an async shard (where a push applies

@@ -40,9 +40,10 @@ def call(server, worker, op, tensors=None, **fields):
     return [decode(frames) for _, frames in replies]
 
 
-def push(server, worker, step, grads, version=None, keys=KEYS):
+def push(server, worker, step, grads, version=None, keys=KEYS, **fields):
     version = step if version is None else version
-    return call(server, worker, "push", [grads[k] for k in keys], step=step, version=version, keys=list(keys))
+    return call(server, worker, "push", [grads[k] for k in keys], step=step, version=version, keys=list(keys),
+                **fields)
 
 
 def grads_of(flat_grad):
@@ -67,6 +68,34 @@ def test_sync_barrier_mean_and_deferred_pull():
     assert torch.equal(values(server), expected)
     assert torch.equal(torch.cat(pulled.tensors), expected)
     assert server.stats()["queue_wait"]["count"] == 1 and server.stats()["updates"] == 1
+
+
+def test_push_with_pull_is_answered_with_the_updated_values_in_one_reply():
+    """push(pull=1): sync holds the one reply until the step is done, then sends the values
+    (with the push's staleness); async sends the values right after applying the push."""
+    server, init = make("sync")
+    g0, g1 = torch.arange(15.0, dtype=torch.float64), torch.ones(15, dtype=torch.float64)
+    assert push(server, 0, 0, grads_of(g0), pull=1, min_version=1) == []  # held: worker 1 has not pushed
+    replies = call(server, 1, "push", [grads_of(g1)[k] for k in KEYS], step=0, version=0, keys=KEYS,
+                   pull=1, min_version=1)
+    expected = init - 0.5 * (g0 + g1) / 2
+    assert [(r.op, r.worker) for r in replies] == [("ok", 1), ("ok", 0)]
+    for r in replies:
+        assert r.get("version") == 1 and r.get("staleness") == 0 and r.keys == KEYS
+        assert torch.equal(torch.cat(r.tensors), expected)
+    assert replies[1].get("waited_us") >= 0 and server.counters["pulls"] == 2
+
+    server, init = make("async", lr=1.0, async_scale="sum")
+    (reply,) = push(server, 0, 0, grads_of(g0), pull=1)
+    assert reply.op == "ok" and torch.equal(torch.cat(reply.tensors), init - g0)
+    assert reply.get("staleness") == 0 and reply.get("version") == 1
+
+
+def test_push_with_pull_refuses_a_bad_flag_without_applying():
+    server, init = make("async")
+    err = push(server, 0, 0, grads_of(torch.ones(15, dtype=torch.float64)), pull=2)[0]
+    assert err.op == "error" and "'pull' is 2; expected 0 or 1" in err.get("error")
+    assert torch.equal(values(server), init) and server.counters["updates"] == 0
 
 
 def test_sync_push_in_pieces_and_rejections():

@@ -53,11 +53,12 @@ def test_ps_trace_has_pushes_pulls_and_server_updates(runs):
     events = _events(runs / "ps")
     processes = {e["process"] for e in events}
     assert processes == {"rank 0", "rank 1", "server 0", "server 1"}
-    # quickstart's 4 parameters fit in one bucket (ps.bucket_kb): one push per worker and step,
-    # and under sync one pull right behind it.
-    pushes = [e for e in events if e["name"].startswith("push ")]
+    # quickstart's 4 parameters fit in one bucket (ps.bucket_kb): under sync one message per
+    # worker and step pushes the bucket and asks for its next values (push+pull).
+    pushes = [e for e in events if e["name"].startswith("push+pull ")]
     assert len(pushes) == 2 * 6 and all("(4 parameters)" in e["name"] for e in pushes)
-    assert sum(e["name"].startswith("pull ") for e in events) == 2 * 6
+    assert all(e["args"]["waited_on_server_s"] >= 0 for e in pushes)
+    assert not [e for e in events if e["name"].startswith(("push ", "pull "))]
     # sync: each of the shard's keys is updated once per step, as soon as both workers pushed it
     updates = [e for e in events if e["process"] == "server 0" and e["name"].startswith("update key")]
     assert updates and len(updates) % 6 == 0 and {e["args"]["version"] for e in updates} == set(range(6))

@@ -1,0 +1,67 @@
+"""The experiment's optimizer over a shard's chunks, stepped over any subset of them in one call.
+
+A shard updates the keys of one push (async, ssp) or the keys every worker has now pushed
+(sync) together. One torch optimizer holds every chunk and its state; a step over some keys
+runs it with its parameter group narrowed to those chunks, so the keys of one message cost
+one optimizer call (one foreach kernel per state tensor where torch has one), never a pass
+over the others. The call skips the wrapper torch puts around every `step` (profiler
+record_function, step hooks, grad-mode switch): it runs the optimizer's own step under
+no_grad, which is what the wrapper does for an optimizer that is not differentiable, and
+about 0.1 ms less per call on a 2-core machine; a shard's optimizer has no hooks.
+
+Checkpoints keep one state dict per key, as a one-chunk optimizer would write it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+
+class ShardOptimizer:
+    def __init__(self, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                 chunks: dict[int, torch.Tensor]) -> None:
+        self.keys = list(chunks)
+        self.chunks = chunks
+        self.optimizer = make_optimizer(list(chunks.values()))
+        if len(self.optimizer.param_groups) != 1:
+            raise ValueError(f"a shard's optimizer must have one parameter group, "
+                             f"got {len(self.optimizer.param_groups)}")
+        self._group = self.optimizer.param_groups[0]
+        self._all = self._group["params"]
+        differentiable = self.optimizer.defaults.get("differentiable", False)
+        self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
+
+    def step(self, keys) -> None:
+        """One optimizer step over the chunks of `keys` (their .grad set)."""
+        self._group["params"] = [self.chunks[k] for k in keys]
+        try:
+            if self._step is None:
+                self.optimizer.step()
+            else:
+                with torch.no_grad():
+                    self._step(self.optimizer)
+        finally:
+            self._group["params"] = self._all
+
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        """{key: the state dict a one-chunk optimizer of that key would have}."""
+        full = self.optimizer.state_dict()
+        hyper = {n: v for n, v in full["param_groups"][0].items() if n != "params"}
+        return {k: {"state": {0: full["state"][i]} if i in full["state"] else {},
+                    "param_groups": [{**hyper, "params": [0]}]}
+                for i, k in enumerate(self.keys)}
+
+    def load_state_dict(self, saved: dict[int, dict[str, Any]]) -> None:
+        if set(saved) != set(self.keys):
+            raise ValueError(f"checkpoint holds optimizer state of keys {sorted(saved)[:8]}, this shard has "
+                             f"keys {sorted(self.keys)[:8]}")
+        groups = [saved[k]["param_groups"] for k in self.keys]
+        if any(len(g) != 1 for g in groups):
+            raise ValueError("checkpoint's optimizer state has more than one parameter group for a key")
+        hyper = {n: v for n, v in groups[0][0].items() if n != "params"} if groups else {}
+        state = {i: s for i, k in enumerate(self.keys) for s in saved[k]["state"].values()}
+        self.optimizer.load_state_dict({"state": state,
+                                        "param_groups": [{**hyper, "params": list(range(len(self.keys)))}]})
