@@ -101,6 +101,10 @@ def format_allreduce_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+QUICK_VARIANTS = {"allreduce": ("allreduce", ()), "ps-sync": ("ps-sync", ())}
+QUICK_STEPS = 150
+"""quickstart's own step count: its steps take a few ms, so the PS's per-step cost shows."""
+
 SPARSE_VARIANTS = {"ps-sync": ("ps-sync", ()), "ps-async": ("ps-async", ()),
                    "allreduce-dense": ("allreduce", ("allreduce.sparse=dense",)),
                    "allreduce-allgather": ("allreduce", ("allreduce.sparse=allgather",)),
@@ -167,6 +171,12 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         ratio = med[name] / med["ddp"]
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
+    quick = engine_throughput("quickstart", QUICK_VARIANTS, workers, QUICK_STEPS, rounds, out)
+    quick_med = {name: statistics.median(v) for name, v in quick.items()}
+    echo(f"quickstart, {workers} workers, {QUICK_STEPS} steps x {rounds} interleaved rounds, samples/s: "
+         + ", ".join(f"{name} median {quick_med[name]:.0f} (rounds {', '.join(f'{v:.0f}' for v in quick[name])})"
+                     for name in QUICK_VARIANTS))
+    echo(f"  ps-sync / allreduce = {quick_med['ps-sync'] / quick_med['allreduce']:.2f}x")
     rpc_rates = rpc_throughput("mlp-wide", workers, steps, rounds, out)
     rpc_med = statistics.median(rpc_rates)
     echo(f"  {'rpc-ps':15s} median {rpc_med:8.1f}  rounds {', '.join(f'{v:.1f}' for v in rpc_rates)}"
@@ -176,6 +186,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     sparse = sparse_table(workers, min(steps, 20), rounds, out)
     echo(format_sparse_table(sparse, workers, min(steps, 20), rounds))
     report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
+              "quickstart": quick,
               "rpc_ps": rpc_rates, "sparse": sparse}
     files.write_json(out / "bench.json", report)
     return report
