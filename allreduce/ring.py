@@ -3,9 +3,10 @@
 Each of the N ranks sends and receives 2(N-1) chunks of about 1/N of the tensor, so every
 link carries 2(N-1)/N of the bytes whatever N is: the bandwidth-optimal algorithm.
 
-Each chunk travels as pieces of at most `piece_bytes`, pipelined: while piece j is summed
-into the tensor, piece j+1 is already on the wire, so the reduction overlaps the transfer
-instead of following it (the way NCCL and Gloo's own rings pipeline their chunks).
+Each chunk travels as pieces of at most `piece_bytes`, pipelined: every piece of a hop is on
+the wire at once, and piece j goes on to the next rank as soon as it has been summed, while
+later pieces are still arriving; the reduction overlaps the transfer instead of following
+it (the way NCCL and Gloo's own rings pipeline their chunks).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def ring_allreduce(
     With `wire_dtype` the chunks travel in that dtype (compression) and partial sums are
     accumulated in `flat`'s own dtype; the reduced chunk is rounded to the wire dtype on its
     owner too, so every rank ends with bit-identical values. `delay_s` is an injected
-    latency paid once per hop (before each of the 2(N-1) chunk exchanges). `piece_bytes`
-    bounds one message on the wire (see the module's docstring).
+    latency paid once per hop (2(N-1) times). `piece_bytes` bounds one message on the wire
+    (see the module's docstring).
     """
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("ring_allreduce needs a contiguous 1-D tensor")
@@ -66,6 +67,7 @@ def ring_allreduce(
         right = dist.get_global_rank(group, right)
         left = dist.get_global_rank(group, left)
     scratch = torch.empty(longest, dtype=wire, device=flat.device)
+    slots = chunk_bounds(longest, pieces)
     moved = [0, 0]  # bytes sent, received
 
     def piece(idx: int, j: int) -> tuple[int, int]:
@@ -79,8 +81,11 @@ def ring_allreduce(
         chunk recv_idx from the left, into `flat` itself (into_flat) or into the scratch."""
         s0, s1 = piece(send_idx, j)
         r0, r1 = piece(recv_idx, j)
-        c0 = bounds[recv_idx][0]
-        incoming = flat[r0:r1] if into_flat else scratch[r0 - c0:r1 - c0]
+        # Piece j has its own slot in the scratch (that of the longest chunk's piece j, which
+        # no other chunk's piece j outgrows): the next hop's piece j never lands on a piece
+        # still in flight.
+        slot = slots[j][0]
+        incoming = flat[r0:r1] if into_flat else scratch[slot:slot + r1 - r0]
         ops = []
         if s1 > s0:
             ops.append(dist.P2POp(dist.isend, flat[s0:s1].to(wire), right, group))
@@ -91,21 +96,25 @@ def ring_allreduce(
         # The ops (and the cast tensor they send) stay referenced until their works finish.
         return (ops, dist.batch_isend_irecv(ops) if ops else []), (incoming if r1 > r0 else None)
 
-    def hop(send_idx: int, recv_idx: int, into_flat: bool, arrived) -> None:
-        """One exchange of whole chunks, piece by piece with one piece always in flight;
-        `arrived(r0, r1, incoming)` handles each received piece while the next one travels."""
+    def run(phase: list[tuple[int, int]], into_flat: bool, arrived) -> None:
+        """The hops of one phase, (send chunk, receive chunk) each, piece by piece: every piece
+        of the first hop leaves at once, and piece j of the next hop leaves as soon as piece j
+        of this one has arrived and been handled by `arrived(r0, r1, incoming)`, so the link
+        never waits for a whole chunk to be summed."""
         if delay_s:
             time.sleep(delay_s)
-        pending = post(send_idx, recv_idx, 0, into_flat)
-        for j in range(pieces):
-            current = pending
-            if j + 1 < pieces:
-                pending = post(send_idx, recv_idx, j + 1, into_flat)
-            (_, works), incoming = current
-            for work in works:
-                work.wait()
-            if incoming is not None:
-                arrived(*piece(recv_idx, j), incoming)
+        flights = [post(*phase[0], j, into_flat) for j in range(pieces)]
+        for h, (_, recv_idx) in enumerate(phase):
+            if h and delay_s:
+                time.sleep(delay_s)
+            for j in range(pieces):
+                (_, works), incoming = flights[j]
+                for work in works:
+                    work.wait()
+                if incoming is not None:
+                    arrived(*piece(recv_idx, j), incoming)
+                if h + 1 < len(phase):
+                    flights[j] = post(*phase[h + 1], j, into_flat)
 
     def add(r0: int, r1: int, incoming: torch.Tensor) -> None:
         flat[r0:r1] += incoming
@@ -114,14 +123,13 @@ def ring_allreduce(
         if incoming.data_ptr() != flat[r0:r1].data_ptr():
             flat[r0:r1] = incoming
 
-    for s in range(world - 1):
-        hop((rank - s) % world, (rank - s - 1) % world, False, add)
+    # Reduce-scatter: hop s sends the chunk it summed in hop s-1; rank r ends owning chunk r+1.
+    run([((rank - s) % world, (rank - s - 1) % world) for s in range(world - 1)], False, add)
     owned = (rank + 1) % world
     if wire != flat.dtype:
         o0, o1 = bounds[owned]
         flat[o0:o1] = flat[o0:o1].to(wire)
-    for s in range(world - 1):
-        # Uncompressed, the reduced chunks land in place; compressed, they come in the wire
-        # dtype and are widened into `flat`.
-        hop((rank - s + 1) % world, (rank - s) % world, wire == flat.dtype, store)
+    # All-gather: uncompressed, the reduced chunks land in place; compressed, they come in the
+    # wire dtype and are widened into `flat`.
+    run([((rank - s + 1) % world, (rank - s) % world) for s in range(world - 1)], wire == flat.dtype, store)
     return moved[0], moved[1]
