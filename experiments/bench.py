@@ -162,7 +162,8 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo("")
     variants = {"ddp": ("ddp", ()), "allreduce": ("allreduce", ()),
                 "allreduce-ring": ("allreduce", ("allreduce.algorithm=ring",)),
-                "ps-sync": ("ps-sync", ()), "ps-async": ("ps-async", ())}
+                "ps-sync": ("ps-sync", ()), "ps-sync-bf16": ("ps-sync", ("ps.compression=bf16",)),
+                "ps-async": ("ps-async", ())}
     tput = engine_throughput("mlp-wide", variants, workers, steps, rounds, out)
     med = {name: statistics.median(v) for name, v in tput.items()}
     echo(f"mlp-wide, {workers} workers, batch 64/worker, {steps} steps x {rounds} interleaved rounds "
@@ -171,6 +172,11 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         ratio = med[name] / med["ddp"]
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
+    wire = {name: statistics.median(files.read_json(out / f"{name}-round{r}" / "summary.json")["bytes_per_worker_per_step"]
+                                    for r in range(rounds)) for name in ("ps-sync", "ps-sync-bf16")}
+    echo(f"  ps.compression=bf16: {wire['ps-sync-bf16']:.0f} bytes/worker/step = "
+         f"{wire['ps-sync-bf16'] / wire['ps-sync']:.3f} of float32's {wire['ps-sync']:.0f}, "
+         f"samples/s {med['ps-sync-bf16'] / med['ps-sync']:.2f}x ps-sync")
     quick = engine_throughput("quickstart", QUICK_VARIANTS, workers, QUICK_STEPS, rounds, out)
     quick_med = {name: statistics.median(v) for name, v in quick.items()}
     echo(f"quickstart, {workers} workers, {QUICK_STEPS} steps x {rounds} interleaved rounds, samples/s: "

@@ -4,9 +4,9 @@ Gradient hooks push each parameter's chunks to their shards as soon as backward 
 produced them, so pushes overlap the rest of backward and go to every shard at once; small
 gradients wait in a bucket (ps.bucket_kb, as DDP's buckets) so that they leave together, one
 message per shard. Under
-sync the hook also asks at once for that parameter's next values, which a shard sends as soon
-as every worker has pushed them: the pulls of early parameters come back while later ones
-are still being pushed. `step()` waits for the pushes and the pulls (async and ssp pull then:
+sync that message also asks for the bucket's next values (push+pull), which a shard sends,
+as its reply, as soon as every worker has pushed them: the values of early buckets come back
+while later ones are still being pushed. `step()` waits for the pushes and the pulls (async and ssp pull then:
 whatever is current, or within the staleness bound) and copies the values into the model. The optimizer
 runs on the servers, so the `make_optimizer` given to attach is not used here.
 
@@ -145,8 +145,8 @@ class PSEngine:
             self._flush(step)
 
     def _flush(self, step: int | None) -> None:
-        """Push the bucket (one message per shard) and, under sync, ask right behind it for
-        its keys' next values: no extra round trip."""
+        """Push the bucket (one message per shard); under sync the same message asks for its
+        keys' next values (push+pull), or, where the bucket holds rows, a pull right behind it."""
         if not self._bucket:
             return
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
