@@ -6,8 +6,9 @@ runs it with its parameter group narrowed to those chunks, so the keys of one me
 one optimizer call (one foreach kernel per state tensor where torch has one), never a pass
 over the others. The call skips the wrapper torch puts around every `step` (profiler
 record_function, step hooks, grad-mode switch): it runs the optimizer's own step under
-no_grad, which is what the wrapper does for an optimizer that is not differentiable, and
-about 0.1 ms less per call on a 2-core machine; a shard's optimizer has no hooks.
+no_grad, which is what the wrapper does for an optimizer that is not differentiable (a
+shard's optimizer has no hooks). For SGD over 4 small keys that took one call from 133 us
+to 22 us on a loaded 2-core machine, against 370 us for one optimizer per key.
 
 Checkpoints keep one state dict per key, as a one-chunk optimizer would write it.
 """
