@@ -63,6 +63,16 @@ def _nbytes(frames: Sequence[Any]) -> int:
         return 0
 
 
+def _in_use(t: torch.Tensor) -> bool:
+    """Whether anything besides `t` holds its memory: a reply built on it (frames that ZeroMQ
+    has not sent yet, or a reader's tensors). A fresh allocation of a large snapshot costs
+    page faults on every update (a 16 MiB clone took 2x a copy into a kept buffer); a kept
+    buffer is written again only when nothing else can see it. Without torch's use count,
+    every buffer counts as in use (a fresh copy each time)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is None or count(t.untyped_storage()._cdata) > 2  # t's own, and this call's
+
+
 class _Reject(Exception):
     """A well-formed request that cannot be served now; becomes an error reply."""
 
@@ -161,6 +171,7 @@ class ShardServer:
         self.max_clock_gap = 0
         self._last_malformed_log = float("-inf")
         self._snap: dict[int, dict] = {}  # key -> {wire dtype or None: its values as of its last update}
+        self._spare: dict[tuple, torch.Tensor] = {}  # (key, wire dtype) -> a former snapshot, for reuse
 
     # -- the handler -------------------------------------------------------------------------
 
@@ -380,7 +391,8 @@ class ShardServer:
         self.optimizer.step(keys)
         for k in keys:
             self.chunks[k].grad = None
-            self._snap.pop(k, None)
+            for wire, old in self._snap.pop(k, {}).items():
+                self._spare[k, wire] = old
         self.counters["updates"] += int(count)
         if self.trace is not None:
             self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
@@ -526,12 +538,16 @@ class ShardServer:
         """A copy of chunk k as of its last update (in the wire dtype unless exact), shared by
         every pull until the next one. Replies leave zero-copy and the optimizer updates chunks
         in place, so replies must never point at a chunk itself; a snapshot is never written
-        after it is made."""
+        while a reply may point at it (a replaced one's buffer is reused once none does)."""
         wire = None if exact or not self.config.wire_dtype else TORCH_DTYPES[self.config.wire_dtype]
         copies = self._snap.setdefault(k, {})
         if wire not in copies:
             flat = self.chunks[k].detach().reshape(-1)
-            copies[wire] = flat.to(wire) if wire is not None else flat.clone()
+            spare = self._spare.pop((k, wire), None)
+            if spare is not None and not _in_use(spare):  # no reply still points at it: write it again
+                copies[wire] = spare.copy_(flat)
+            else:
+                copies[wire] = flat.to(wire) if wire is not None else flat.clone()
         return copies[wire]
 
     def _bump(self) -> None:
@@ -608,6 +624,7 @@ class ShardServer:
                 while held and held[0][0] <= now:
                     _, _, peer, frames = heapq.heappop(held)
                     transport.send(peer, frames)
+                replies = frames = item = None  # sent: nothing here keeps a reply's snapshot in use
                 if held:
                     continue
                 if self.stopped:

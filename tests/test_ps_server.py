@@ -91,6 +91,24 @@ def test_push_with_pull_is_answered_with_the_updated_values_in_one_reply():
     assert reply.get("staleness") == 0 and reply.get("version") == 1
 
 
+def test_a_snapshot_buffer_is_reused_only_once_no_reply_points_at_it():
+    server, init = make("async", lr=1.0, async_scale="sum")
+    g = torch.ones(15, dtype=torch.float64)
+    (held,) = push(server, 0, 0, grads_of(g), pull=1)  # its tensors are built on the snapshot
+    first = [t.data_ptr() for t in held.tensors]
+    (later,) = push(server, 0, 1, grads_of(g), pull=1)
+    # The held reply still points at the old snapshot: it was neither reused nor written.
+    assert not {t.data_ptr() for t in later.tensors} & set(first)
+    assert torch.equal(torch.cat(held.tensors), init - g)
+    assert torch.equal(torch.cat(later.tensors), init - 2 * g)
+    second = [t.data_ptr() for t in later.tensors]
+    del held, later
+    (reply,) = push(server, 0, 2, grads_of(g), pull=1)
+    assert torch.equal(torch.cat(reply.tensors), init - 3 * g)
+    if hasattr(torch._C, "_storage_Use_Count"):  # the replaced snapshot's buffers, free now, are reused
+        assert [t.data_ptr() for t in reply.tensors] == second
+
+
 def test_push_with_pull_refuses_a_bad_flag_without_applying():
     server, init = make("async")
     err = push(server, 0, 0, grads_of(torch.ones(15, dtype=torch.float64)), pull=2)[0]
