@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -172,10 +173,19 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
             started.append((name, proc, log_path))
         _watch(started, deadline_s)
     finally:
-        for _, proc, _ in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        running = [proc for _, proc, _ in started if proc.poll() is None]
+        for proc in running:  # a process held somewhere writes where, to its log, before it is killed
+            proc.send_signal(signal.SIGUSR1)
+        if running:
+            time.sleep(STACK_DUMP_S)
+        for proc in running:
+            proc.kill()
+            proc.wait()
+
+
+STACK_DUMP_S = 0.5
+"""How long a process still running when its job has failed gets to write its threads' stacks
+to its log (SIGUSR1, faulthandler) before it is killed."""
 
 
 def _watch(procs, deadline_s: float | None, grace_s: float = 10.0) -> None:

@@ -7,7 +7,9 @@ every worker has left. Its counters go to RUN_DIR/metrics/server<SHARD>.json.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -129,4 +131,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # see experiments.worker.main
     sys.exit(main(sys.argv[1:]))

@@ -9,7 +9,9 @@ one line naming the rank and the error; the traceback goes to RUN_DIR/logs/rank<
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -52,6 +54,9 @@ def run_worker(run_dir: Path, env: DistEnv | None = None, resume: bool = False,
 
 
 def main(argv: list[str]) -> int:
+    # The launcher sends SIGUSR1 before it kills a process still running after another one
+    # failed: where each thread stands goes to this process's log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
     if not argv:

@@ -189,3 +189,21 @@ def test_psar_server_and_workers_started_by_hand_match_launch(launched, tmp_path
         assert w.returncode == 0, output
     state = torch.load(tmp_path / "runs" / "convnet_psar" / "model.pt", weights_only=True)
     assert max_param_diff(launched["ps-sync"][1], state) < 1e-10
+
+
+@pytest.mark.timeout(60)
+def test_a_process_held_when_its_job_fails_writes_its_stacks_before_it_is_killed(tmp_path):
+    """One process fails; the other, held in a sleep, is killed after the grace period, and
+    first writes where each of its threads stands to its log (SIGUSR1, faulthandler)."""
+    from experiments import launcher
+
+    held = ("import faulthandler, signal, time\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+            "def held_in_teardown():\n    time.sleep(60)\n"
+            "held_in_teardown()\n")
+    procs = [("rank 0", [sys.executable, "-c", "import sys; sys.exit(3)"], dict(os.environ)),
+             ("rank 1", [sys.executable, "-c", held], dict(os.environ))]
+    with pytest.raises(LaunchError, match="rank 0 exited with code 3"):
+        launcher.run_processes(procs, tmp_path)
+    log = (tmp_path / "rank1.log").read_text()
+    assert "in held_in_teardown" in log and "Current thread" in log
