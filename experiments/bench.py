@@ -117,11 +117,9 @@ def sparse_table(workers: int, steps: int, rounds: int, out: Path) -> dict[str, 
     tput = engine_throughput("dlrm", SPARSE_VARIANTS, workers, steps, rounds, out)
     rows = {}
     for name in SPARSE_VARIANTS:
-        summaries = [files.read_json(out / f"{name}-round{r}" / "summary.json") for r in range(rounds)]
         rates = [v for v in tput[name] if v is not None]  # None: too few steps to measure
         rows[name] = {"samples_per_sec": statistics.median(rates) if rates else None, "rounds": tput[name],
-                      "bytes_per_worker_per_step": statistics.median(
-                          s["bytes_per_worker_per_step"] for s in summaries)}
+                      "bytes_per_worker_per_step": _median_bytes(out, name, rounds)}
     dense = rows["allreduce-dense"]
     for row in rows.values():
         row["bytes_vs_dense"] = row["bytes_per_worker_per_step"] / dense["bytes_per_worker_per_step"]
@@ -140,6 +138,12 @@ def format_sparse_table(rows: dict[str, dict], workers: int, steps: int, rounds:
                      f"{'-' if speed is None else f'{speed:.2f}x':>8} "
                      f"{r['bytes_per_worker_per_step']:>18.0f} {r['bytes_vs_dense']:>9.5f}")
     return "\n".join(lines)
+
+
+def _median_bytes(out: Path, name: str, rounds: int) -> float:
+    """A variant's bytes per worker per step (summary.json), median over its rounds."""
+    return statistics.median(files.read_json(out / f"{name}-round{r}" / "summary.json")["bytes_per_worker_per_step"]
+                             for r in range(rounds))
 
 
 def _size(nbytes: int) -> str:
@@ -172,8 +176,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
         ratio = med[name] / med["ddp"]
         echo(f"  {name:15s} median {med[name]:8.1f}  rounds {', '.join(f'{v:.1f}' for v in values)}"
              f"  = {ratio:.3f}x ddp")
-    wire = {name: statistics.median(files.read_json(out / f"{name}-round{r}" / "summary.json")["bytes_per_worker_per_step"]
-                                    for r in range(rounds)) for name in ("ps-sync", "ps-sync-bf16")}
+    wire = {name: _median_bytes(out, name, rounds) for name in ("ps-sync", "ps-sync-bf16")}
     echo(f"  ps.compression=bf16: {wire['ps-sync-bf16']:.0f} bytes/worker/step = "
          f"{wire['ps-sync-bf16'] / wire['ps-sync']:.3f} of float32's {wire['ps-sync']:.0f}, "
          f"samples/s {med['ps-sync-bf16'] / med['ps-sync']:.2f}x ps-sync")

@@ -151,6 +151,11 @@ def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | N
                    for r in range(nprocs)], log_dir, deadline_s, show_progress)
 
 
+STACK_DUMP_S = 0.5
+"""How long a process still running when its job has failed gets to write its threads' stacks
+to its log (SIGUSR1, faulthandler) before it is killed."""
+
+
 def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: Path,
                   deadline_s: float | None = None, show_progress: bool = False,
                   append: bool = False) -> None:
@@ -181,11 +186,6 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
         for proc in running:
             proc.kill()
             proc.wait()
-
-
-STACK_DUMP_S = 0.5
-"""How long a process still running when its job has failed gets to write its threads' stacks
-to its log (SIGUSR1, faulthandler) before it is killed."""
 
 
 def _watch(procs, deadline_s: float | None, grace_s: float = 10.0) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ps.layout import ROW_MODULES, Layout, ParamSpec, build_layout, chunk_elems_from_mb
 
+
 def embedding_tables(model: nn.Module) -> dict[str, nn.Module]:
     """{parameter name: the module that looks rows up in it} for every embedding weight that
     can have a row-sparse gradient: 2-D, trainable, without max_norm (which rewrites the rows

@@ -248,8 +248,9 @@ class PSEngine:
                 self._pulls = [(f"step {self._step}", time.time(),
                                 self.client.pull(self._dense_keys, clock=self._step + 1))]
             pushed = [self.client.wait(h) for _, _, h in self._pushes]
+            pulled = [self.client.wait(h) for _, _, h in self._pulls]
             staleness = [r.staleness if isinstance(r, PullResult) else r for r in pushed]
-            results = [r for r in pushed if isinstance(r, PullResult)] + [self.client.wait(h) for _, _, h in self._pulls]
+            results = [r for r in pushed if isinstance(r, PullResult)] + pulled
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
@@ -266,7 +267,7 @@ class PSEngine:
                                waited_on_server_s=result.waited_s)
                 else:
                     self.trace(f"push {name}", sent_at, h.done_at, thread="push")
-            for (name, sent_at, h), result in zip(self._pulls, results[len(results) - len(self._pulls):]):
+            for (name, sent_at, h), result in zip(self._pulls, pulled):
                 self.trace(f"pull {name}", sent_at, h.done_at, thread="pull", waited_on_server_s=result.waited_s)
         self._pushes, self._pulls = [], []
         self._load({k: v for result in results for k, v in result.values.items()})

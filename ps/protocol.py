@@ -250,6 +250,10 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
             if shard is not None and layout.keys[k].shard != shard:
                 _fail(f"key {k} belongs to shard {layout.keys[k].shard}, not to this shard {shard}")
     rows = _check_rows(h, keys, layout, limits) if "rows" in h else [-1] * len(keys)
+    if h.get("pull") not in (None, 0, 1):
+        _fail(f"header field 'pull' is {h['pull']}; expected 0 or 1")
+    if h.get("pull") and any(n >= 0 for n in rows):
+        _fail("a push by rows cannot ask for values ('pull'): pull the rows in a pull")
     n_ids = sum(n >= 0 for n in rows)
     has_tensors = "dtypes" in h or "shapes" in h
     if has_tensors and not _TENSORS <= set(h):

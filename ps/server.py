@@ -319,10 +319,6 @@ class ShardServer:
         twice = [k for k in msg.keys if k in done]
         if twice:
             raise _Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
-        if msg.get("pull") not in (None, 0, 1):
-            raise _Reject(f"push field 'pull' is {msg.get('pull')}; expected 0 or 1")
-        if msg.get("pull") and msg.ids and any(i is not None for i in msg.ids):
-            raise _Reject("a push by rows cannot ask for values ('pull'): pull the rows in a pull")
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
             msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
