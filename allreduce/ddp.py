@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .backward_state import BackwardStates
 from .collective import bus_bytes
 from .compression import WIRE_DTYPES
 from .config import AllReduceConfig
@@ -21,8 +22,10 @@ class DDPEngine:
                  timeout_s: float = 60.0) -> None:
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.shards = [rank]
+        self.timeout_s = timeout_s
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
+        self._backward_states = BackwardStates()
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         ids = [self.device] if self.device.type == "cuda" else None
@@ -42,7 +45,7 @@ class DDPEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._liveness.naming_lost_ranks():  # DDP's all-reduces finish inside backward
-            loss.backward()
+            self._backward_states.backward(loss)
 
     def step(self) -> dict[str, float]:
         self.optimizer.step()
@@ -55,7 +58,7 @@ class DDPEngine:
     def close(self) -> None:
         self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
-            shutdown()
+            shutdown(self._backward_states, self.timeout_s)
         self._liveness.close()
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .backward_state import BackwardStates
 from .collective import make_collective
 from .compression import wire_dtype
 from .config import AllReduceConfig
@@ -41,8 +42,10 @@ class AllReduceEngine:
         self.trace, self.delay_s = trace, delay_s
         self._sparse_tables = sparse_tables
         self.shards = [rank]
+        self.timeout_s = timeout_s
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
+        self._backward_states = BackwardStates()
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         # Before any collective, so that a refusal (an optimizer without sparse updates) is
@@ -68,7 +71,7 @@ class AllReduceEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self._reducer.prepare()
         with self._liveness.naming_lost_ranks():
-            loss.backward()
+            self._backward_states.backward(loss)
 
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -92,5 +95,5 @@ class AllReduceEngine:
         self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
             self._collective.close()
-            shutdown()
+            shutdown(self._backward_states, self.timeout_s)
         self._liveness.close()

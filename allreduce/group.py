@@ -7,6 +7,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .backward_state import BackwardStates
+
 
 def init_process_group(device: torch.device, rank: int, world: int, timeout_s: float) -> str:
     """Join the torch.distributed job (env:// rendezvous: MASTER_ADDR, MASTER_PORT).
@@ -43,8 +45,12 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> int:
     return nbytes
 
 
-def shutdown() -> None:
-    """Leave the job after every rank has arrived, so no rank tears down a peer mid-message."""
+def shutdown(backward_states: BackwardStates | None = None, timeout_s: float = 60.0) -> None:
+    """Leave the job after every rank has arrived, so no rank tears down a peer mid-message,
+    and once this rank's backend threads have let go of the collectives started inside
+    backward (see allreduce.backward_state)."""
     if dist.is_initialized():
         dist.barrier()
+        if backward_states is not None:
+            backward_states.wait_released(timeout_s, f"rank {dist.get_rank()}")
         dist.destroy_process_group()

@@ -15,24 +15,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, queue):
+def _entry(fn, rank, world, port, args, queue, group):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+        if group:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
         result = fn(rank, world, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        if group:
+            dist.barrier()
+            dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *args, timeout_s: float = 60.0) -> list:
+def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, group: bool = True) -> list:
     """Call fn(rank, world, *args) on `world` spawned processes; return results by rank.
+
+    group=False: no process group around fn, which makes its own (MASTER_ADDR and a free
+    MASTER_PORT are set).
 
     fn must be importable (a module-level function) and return plain Python data (no tensors). A rank that fails or a run that passes
     the deadline raises AssertionError with the rank's traceback.
@@ -40,7 +45,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, group)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

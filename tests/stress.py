@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("tests/test_ps_processes.py", "tests/test_ps_restart.py", "tests/test_process_loss.py",
          "tests/test_multihost.py", "tests/test_ps_cluster.py", "tests/test_files.py",
-         "tests/test_network.py")
+         "tests/test_network.py", "tests/test_teardown.py")
 
 
 def _spin() -> None:
