@@ -5,8 +5,10 @@ the command line that starts it there; nothing else knows whether a link is shap
 from __future__ import annotations
 
 import dataclasses
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import RunConfig
 from .network import NetConfig, Network, clean_stale, has_netem, parse_rate, unavailable
@@ -15,8 +17,42 @@ MASTER_PORT = 29500  # an emulated host is a new namespace: its ports are all fr
 SERVER_PORT = 5555
 
 
+_GIVEN: set[int] = set()
+_pick = random.SystemRandom()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel picks from for bind(port 0) and for a connection's own end."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on this host now, below the kernel's ephemeral range, and not given
+    before by this process.
+
+    The ports of a batch's later jobs are chosen at its start and bound minutes later: one
+    from the ephemeral range could be taken meanwhile by a connection or by one of Gloo's
+    listening sockets (bind to port 0), which the kernel picks from that range; then the job's
+    rendezvous cannot listen. Ports below it are bound only by those who name them.
+    """
+    low, _ = ephemeral_range()
+    start = max(1024, low - 20000)
+    for _ in range(1000 if low - start >= 1000 else 0):
+        port = _pick.randrange(start, low)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

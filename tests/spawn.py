@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from datetime import timedelta
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from experiments.sites import free_port
 
 
 def _entry(fn, rank, world, port, args, queue, group):
@@ -44,7 +39,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, group: bool = True
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, group)) for r in range(world)]
     for p in procs:
         p.start()

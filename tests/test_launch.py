@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from conftest import max_param_diff, started
 
+from experiments.api import script_config
 from experiments.cli import main
 from experiments.launcher import LaunchError, launch_batch
-from experiments.api import script_config
+from experiments.sites import ephemeral_range, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "examples" / "convnet_psar.py"
@@ -27,10 +27,14 @@ ARGS = ["--float64", "--steps", "12"]
 ENGINES = {"allreduce": {}, "ddp": {}, "ps-sync": {"servers": 2}}
 
 
-def _free_port() -> int:
+def test_free_ports_lie_below_the_kernels_ephemeral_range_and_are_never_given_twice():
+    # A batch's later jobs bind theirs minutes after they were chosen: the kernel must not
+    # hand them meanwhile to a connection or to a listening socket on port 0.
+    low, _ = ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind(("127.0.0.1", ports[-1]))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,7 @@ def test_every_engine_runs_the_script_to_the_same_parameters(launched):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_script_under_torchrun_matches(launched, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = started(subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
          str(SCRIPT), *ARGS], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -125,7 +129,7 @@ def test_api_misuse_is_a_clear_error(tmp_path):
     script = tmp_path / "misuse.py"
     script.write_text(MISUSE.format(out=str(tmp_path / "run")))
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+               MASTER_PORT=str(free_port()))
     env.pop("PSAR_RUN_DIR", None)
     proc = started(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True))
@@ -173,7 +177,7 @@ def test_slurm_rendezvous_is_the_first_host_of_the_job(monkeypatch, nodelist, ho
 def test_psar_server_and_workers_started_by_hand_match_launch(launched, tmp_path):
     """As the README's sbatch script does it: `psar server --script` on one host, the workers
     with RANK/WORLD_SIZE (or Slurm's), PSAR_ENGINE and PSAR_SERVERS on others."""
-    port, master = _free_port(), _free_port()
+    port, master = free_port(), free_port()
     psar = Path(sys.executable).parent / "psar"
     started(subprocess.Popen([str(psar), "server", "--script", str(SCRIPT), "--engine", "ps-sync", "--workers", "2",
                               "--bind", f"tcp://127.0.0.1:{port}", "--out", str(tmp_path / "shard")],

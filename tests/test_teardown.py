@@ -10,13 +10,13 @@ loaded 2-core machine; `make stress` runs this file too.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 from spawn import run_ranks
 
 from allreduce.backward_state import KEY, BackwardStates, held_elsewhere
+from experiments.sites import free_port
 
 needs_tls = pytest.mark.skipif(not hasattr(torch._C, "_stash_obj_in_tls"),
                                reason="this torch keeps no Python object in thread-local state")
@@ -52,17 +52,6 @@ def test_backward_notes_its_state_and_the_shutdown_waits_until_it_is_let_go():
     assert states._held == []
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _one_job(rank: int, world: int, engine_name: str) -> float:
     """One short job, its engine and model let go of when this returns, as train() does."""
     from allreduce.config import AllReduceConfig
@@ -94,5 +83,5 @@ def _jobs_in_a_row(rank: int, world: int, ports: list[int]) -> list[float]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_ddp_and_allreduce_jobs_one_after_another_in_one_process_never_hold_a_rank():
-    ranks = run_ranks(_jobs_in_a_row, 2, _free_ports(JOBS), timeout_s=120, group=False)
+    ranks = run_ranks(_jobs_in_a_row, 2, [free_port() for _ in range(JOBS)], timeout_s=120, group=False)
     assert len(ranks[0]) == JOBS and ranks[0] == ranks[1]  # every job ended, alike on both ranks
