@@ -1,6 +1,6 @@
 """Leaving a process group safely after collectives that were started inside backward.
 
-For the length of each backward, torch keeps a Python object (the caller's contextvars
+For the length of each backward, torch (2.13) keeps a Python object (the caller's contextvars
 context) in its thread-local state (`_engine_run_backward` in torch/autograd/graph.py). Every
 collective started inside backward (the buckets' all-reduces, started from gradient hooks)
 captures that state, and the backend's worker thread lets go of it when it drops the finished
@@ -25,8 +25,10 @@ KEY = "context"
 """The key under which torch keeps the object during backward."""
 
 
-def _supported() -> bool:
-    return hasattr(torch._C, "_is_key_in_tls") and hasattr(torch._C, "_get_obj_in_tls")
+def supported() -> bool:
+    """Whether this torch keeps an object there during backward and takes it out after (2.11
+    keeps none: there is nothing to wait for)."""
+    return all(hasattr(torch._C, name) for name in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls"))
 
 
 def held_elsewhere(objs: list) -> list[bool]:
@@ -46,7 +48,7 @@ class BackwardStates:
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), noting the state its collectives capture."""
-        if _supported() and loss.requires_grad:
+        if supported() and loss.requires_grad:
             loss.register_hook(self._note)  # the first node backward runs, inside its state
         loss.backward()
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from spawn import run_ranks
 
-from allreduce.backward_state import KEY, BackwardStates, held_elsewhere
+from allreduce.backward_state import KEY, BackwardStates, held_elsewhere, supported
 from experiments.sites import free_port
 
-needs_tls = pytest.mark.skipif(not hasattr(torch._C, "_stash_obj_in_tls"),
-                               reason="this torch keeps no Python object in thread-local state")
+needs_tls = pytest.mark.skipif(not supported(),
+                               reason="this torch keeps no Python object in thread-local state during backward")
 
 JOBS = int(os.environ.get("PSAR_TEARDOWN_JOBS", "24"))
 
