@@ -25,10 +25,9 @@ KEY = "context"
 """The key under which torch keeps the object during backward."""
 
 
-def supported() -> bool:
-    """Whether this torch keeps an object there during backward and takes it out after (2.11
-    keeps none: there is nothing to wait for)."""
-    return all(hasattr(torch._C, name) for name in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls"))
+SUPPORTED = all(hasattr(torch._C, name) for name in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls"))
+"""Whether this torch keeps an object there during backward and takes it out after (2.11
+keeps none: there is nothing to wait for)."""
 
 
 def held_elsewhere(objs: list) -> list[bool]:
@@ -41,14 +40,15 @@ def held_elsewhere(objs: list) -> list[bool]:
 
 class BackwardStates:
     """Notes the thread-local object of each backward; `wait_released` waits until the
-    collectives that captured one have all been let go of."""
+    collectives that captured one have all been let go of, for at most timeout_s."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
         self._held: list = []
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), noting the state its collectives capture."""
-        if supported() and loss.requires_grad:
+        if SUPPORTED and loss.requires_grad:
             loss.register_hook(self._note)  # the first node backward runs, inside its state
         loss.backward()
 
@@ -58,14 +58,14 @@ class BackwardStates:
             self._held = [obj for obj, held in zip(self._held, still) if held]
             self._held.append(torch._C._get_obj_in_tls(KEY))
 
-    def wait_released(self, timeout_s: float, who: str) -> None:
+    def wait_released(self, who: str) -> None:
         """Until no collective holds a noted object (each is let go of on a worker thread that
         needs the GIL, so this sleeps meanwhile). Raises RuntimeError after timeout_s."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.timeout_s
         while any(held_elsewhere(self._held)):
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{who}: the process group's worker threads still hold collectives of the "
-                    f"last backward after {timeout_s:.0f} s; leaving the group now could deadlock")
+                    f"last backward after {self.timeout_s:.0f} s; leaving the group now could deadlock")
             time.sleep(0.001)
         self._held = []

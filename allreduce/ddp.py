@@ -22,10 +22,9 @@ class DDPEngine:
                  timeout_s: float = 60.0) -> None:
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.shards = [rank]
-        self.timeout_s = timeout_s
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
-        self._backward_states = BackwardStates()
+        self._backward_states = BackwardStates(timeout_s)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         ids = [self.device] if self.device.type == "cuda" else None
@@ -58,7 +57,7 @@ class DDPEngine:
     def close(self) -> None:
         self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
-            shutdown(self._backward_states, self.timeout_s)
+            shutdown(self._backward_states)
         self._liveness.close()
 
 

@@ -42,10 +42,9 @@ class AllReduceEngine:
         self.trace, self.delay_s = trace, delay_s
         self._sparse_tables = sparse_tables
         self.shards = [rank]
-        self.timeout_s = timeout_s
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
-        self._backward_states = BackwardStates()
+        self._backward_states = BackwardStates(timeout_s)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         # Before any collective, so that a refusal (an optimizer without sparse updates) is
@@ -95,5 +94,5 @@ class AllReduceEngine:
         self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
             self._collective.close()
-            shutdown(self._backward_states, self.timeout_s)
+            shutdown(self._backward_states)
         self._liveness.close()

@@ -45,12 +45,12 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> int:
     return nbytes
 
 
-def shutdown(backward_states: BackwardStates | None = None, timeout_s: float = 60.0) -> None:
+def shutdown(backward_states: BackwardStates | None = None) -> None:
     """Leave the job after every rank has arrived, so no rank tears down a peer mid-message,
     and once this rank's backend threads have let go of the collectives started inside
     backward (see allreduce.backward_state)."""
     if dist.is_initialized():
         dist.barrier()
         if backward_states is not None:
-            backward_states.wait_released(timeout_s, f"rank {dist.get_rank()}")
+            backward_states.wait_released(f"rank {dist.get_rank()}")
         dist.destroy_process_group()

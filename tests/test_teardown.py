@@ -15,10 +15,10 @@ import pytest
 import torch
 from spawn import run_ranks
 
-from allreduce.backward_state import KEY, BackwardStates, held_elsewhere, supported
+from allreduce.backward_state import KEY, SUPPORTED, BackwardStates, held_elsewhere
 from experiments.sites import free_port
 
-needs_tls = pytest.mark.skipif(not supported(),
+needs_tls = pytest.mark.skipif(not SUPPORTED,
                                reason="this torch keeps no Python object in thread-local state during backward")
 
 JOBS = int(os.environ.get("PSAR_TEARDOWN_JOBS", "24"))
@@ -40,15 +40,15 @@ def test_an_object_in_torchs_thread_local_state_counts_as_held():
 
 @needs_tls
 def test_backward_notes_its_state_and_the_shutdown_waits_until_it_is_let_go():
-    states = BackwardStates()
+    states = BackwardStates(timeout_s=0.05)
     w = torch.randn(3, requires_grad=True)
     states.backward((w * 2).sum())
     assert len(states._held) == 1 and w.grad is not None
     kept = states._held[0]  # a holder that never lets go
     with pytest.raises(RuntimeError, match=r"rank 7: .* still hold collectives .* after 0 s"):
-        states.wait_released(0.05, "rank 7")
+        states.wait_released("rank 7")
     del kept
-    states.wait_released(1.0, "rank 7")
+    states.wait_released("rank 7")
     assert states._held == []
 
 
