@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -27,20 +28,84 @@ def run_job(tmp_path: Path, experiment: str, engine: str, workers: int = 2, step
 
 def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dict]]:
     """Run named jobs (kwargs of build_config plus `experiment`), batched by process count."""
+    return {name: (summary, torch.load(tmp_path / name / "model.pt", weights_only=True))
+            for name, summary in _launch_jobs(tmp_path, jobs).items()}
+
+
+def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False) -> dict[str, dict]:
+    """Each job in root/NAME, one launch_batch per process shape; the summaries by name.
+    A job's `resume_steps` is for the pool's second round (see Pool), not build_config."""
     batches: dict[tuple[int, int], list[tuple[str, object, Path]]] = {}
     for name, job in jobs.items():
         job = dict(job)
+        job.pop("resume_steps", None)
         experiment, overrides = job.pop("experiment"), job.pop("overrides", ())
         job.setdefault("steps", 20)  # None: the experiment's own
         cfg = build_config(experiment, overrides, **job)
-        batches.setdefault(process_shape(cfg), []).append((name, cfg, tmp_path / name))
-    results = {}
+        batches.setdefault(process_shape(cfg), []).append((name, cfg, root / name))
+    summaries = {}
     for batch in batches.values():
-        summaries = launch_batch([(cfg, d) for _, cfg, d in batch],
-                                 deadline_s=RUN_DEADLINE_S * len(batch), quiet=True)
-        for (name, _, run_dir), summary in zip(batch, summaries):
-            results[name] = (summary, torch.load(run_dir / "model.pt", weights_only=True))
-    return results
+        done = launch_batch([(cfg, d) for _, cfg, d in batch], deadline_s=RUN_DEADLINE_S * len(batch),
+                            quiet=True, resume=resume)
+        summaries.update((name, summary) for (name, _, _), summary in zip(batch, done))
+    return summaries
+
+
+class Pool:
+    """The jobs of every module under test that declares them (a function POOL_JOBS returning
+    run_jobs's dict), run together: one set of processes per process shape for the whole
+    session. Starting a process (importing torch: 3 s of CPU here) costs more than most of
+    these runs, so the suite pays it once per shape rather than once per module and shape.
+
+    A job with `resume_steps` runs, and is then resumed in its own directory from its last
+    checkpoint with steps=resume_steps (a second round, batched the same way).
+    """
+
+    def __init__(self, root: Path, modules: dict[str, dict[str, dict]]):
+        self.root, self.error = root, None
+        jobs = {f"{module}/{name}": job for module, own in modules.items() for name, job in own.items()}
+        try:
+            _launch_jobs(root, jobs)
+            again = {name: dict(job, steps=job["resume_steps"]) for name, job in jobs.items()
+                     if job.get("resume_steps")}
+            if again:
+                _launch_jobs(root, again, resume=True)
+        except (RuntimeError, OSError, ValueError) as err:  # every module of the pool reports it
+            self.error = err
+
+    def folder(self, module: str) -> Path:
+        """The module's jobs' run directories, root/MODULE/NAME; raises the pool's error if any."""
+        if self.error is not None:
+            raise RuntimeError(f"the pooled jobs failed: {self.error}") from self.error
+        return self.root / module
+
+    def results(self, module: str) -> dict[str, tuple[dict, dict]]:
+        """run_jobs's answer for the module's jobs: (summary, final parameters) by name."""
+        folder = self.folder(module)
+        return {d.name: (json.loads((d / "summary.json").read_text()),
+                         torch.load(d / "model.pt", weights_only=True))
+                for d in sorted(folder.iterdir()) if (d / "summary.json").exists()}
+
+
+POOL_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(items):
+    """Whichever test first asks for the pool runs every module's jobs in its set-up: each
+    test that may be first gets the time for that."""
+    for item in items:
+        if "pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(POOL_TIMEOUT_S), append=False)
+
+
+@pytest.fixture(scope="session")
+def pool(request, tmp_path_factory) -> Pool:
+    """Pool of the modules whose selected tests use this fixture."""
+    modules = {}
+    for item in request.session.items:
+        if "pool" in getattr(item, "fixturenames", ()) and item.module.__name__ not in modules:
+            modules[item.module.__name__] = item.module.POOL_JOBS()
+    return Pool(tmp_path_factory.mktemp("pool"), modules)
 
 
 def wait_for_steps(run_dir: Path, rank: int, steps: int, timeout: float = 150.0) -> None:

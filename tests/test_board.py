@@ -9,7 +9,6 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from conftest import run_jobs
 from experiments import board
 from experiments.cli import main
 
@@ -26,12 +25,17 @@ def _scalars(folder) -> dict[str, list[int]]:
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def POOL_JOBS() -> dict[str, dict]:
+    if board.available() is not None:
+        return {}
+    return {e: dict(experiment="quickstart", engine=e, steps=STEPS, overrides=("tensorboard=true",))
+            for e in ("ps-sync", "allreduce")}
+
+
 @needs_tb
 @pytest.mark.multiprocess
-def test_live_event_files_and_the_converted_ones_hold_every_step(tmp_path):
-    jobs = {e: dict(experiment="quickstart", engine=e, steps=STEPS, overrides=("tensorboard=true",))
-            for e in ("ps-sync", "allreduce")}
-    run_jobs(tmp_path, jobs)
+def test_live_event_files_and_the_converted_ones_hold_every_step(pool):
+    tmp_path = pool.folder(__name__)
     for engine, name in (("ps-sync", "quickstart_ps-sync_x2_s1"), ("allreduce", "quickstart_allreduce_x2")):
         folder = tmp_path / engine / "tensorboard" / name
         for rank in (0, 1):

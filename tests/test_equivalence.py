@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import max_param_diff, max_rel_diff, run_jobs
+from conftest import max_param_diff, max_rel_diff
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -32,7 +32,7 @@ VARIANTS = {
 F32_VARIANTS = ("ddp", "library", "ring")
 
 
-def _jobs() -> dict[str, dict]:
+def POOL_JOBS() -> dict[str, dict]:
     jobs = {}
     for exp in EXPERIMENTS:
         jobs[f"{exp}-local-f64"] = dict(experiment=exp, engine="local", overrides=F64)
@@ -55,8 +55,8 @@ def _jobs() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def results(runs_dir):
-    return run_jobs(runs_dir / "equivalence", _jobs())
+def results(pool):
+    return pool.results(__name__)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import max_param_diff, run_jobs
+from conftest import max_param_diff
 from experiments.network import Network, NetworkError, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -58,13 +58,15 @@ def net():
         assert not problems, "teardown left things behind: " + "; ".join(problems)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def POOL_JOBS() -> dict[str, dict]:
     """The loopback runs: local (the numerical reference), ps-sync and allreduce."""
     job = dict(experiment="quickstart", workers=2, steps=STEPS, overrides=OVERRIDES)
-    results = run_jobs(tmp_path_factory.mktemp("loopback"),
-                       {e: dict(job, engine=e) for e in ("local", "ps-sync", "allreduce")})
-    return Reference({engine: state for engine, (_, state) in results.items()})
+    return {e: dict(job, engine=e) for e in ("local", "ps-sync", "allreduce")}
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return Reference({engine: state for engine, (_, state) in pool.results(__name__).items()})
 
 
 class Reference(dict):

@@ -15,6 +15,7 @@ from experiments import network
 from experiments.network import Network, parse_rate
 
 REASON = network.unavailable()
+F64 = ("dtype=float64", "threads=1")
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated hosts unavailable: {REASON}")
 
 # Receive for SECONDS on the host's address; meanwhile send to the peer as fast as it takes.
@@ -120,19 +121,22 @@ def test_sigterm_removes_the_network():
     assert not [n for n in network._namespaces() if n.startswith(prefix)]
 
 
+def POOL_JOBS() -> dict[str, dict]:
+    return {"local": dict(experiment="quickstart", engine="local", steps=6, overrides=F64)}
+
+
 @needs_netns
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_shaped_runs_compute_what_loopback_computes(tmp_path):
+def test_shaped_runs_compute_what_loopback_computes(tmp_path, pool):
     """ps-sync with its shard on a host of its own, and all-reduce, each on hosts joined by
     shaped links, end with the parameters of the local reference (float64, 1e-10)."""
     from conftest import max_param_diff, run_job
 
-    sets = ("dtype=float64", "threads=1")
-    _, reference = run_job(tmp_path, "quickstart", "local", steps=6, overrides=sets)
+    reference = pool.results(__name__)["local"][1]
     for engine, extra in (("ps-sync", ("net.placement=separate",)), ("allreduce", ())):
         summary, state = run_job(tmp_path, "quickstart", engine, steps=6,
-                                 overrides=sets + ("net.rate=1gbit", *extra))
+                                 overrides=F64 + ("net.rate=1gbit", *extra))
         assert max_param_diff(state, reference) <= 1e-10, engine
         hosts = summary["network"]["hosts"]
         assert set(hosts) == ({"w0", "w1", "s0"} if engine == "ps-sync" else {"w0", "w1"})

@@ -12,7 +12,6 @@ from matplotlib.colors import to_hex
 
 from analysis import plots, style
 from analysis.results import Run, load_run
-from conftest import run_jobs
 
 pytestmark = [pytest.mark.timeout(600)]
 multiprocess = pytest.mark.multiprocess  # only the tests on real runs; the unit tests need none
@@ -110,12 +109,13 @@ def test_figures_without_content_are_not_written(tmp_path):
 
 # -- real runs -----------------------------------------------------------------------------
 
+def POOL_JOBS() -> dict[str, dict]:
+    return {name: dict(job, experiment="quickstart", steps=8) for name, job in JOBS.items()}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[Run]:
-    root = tmp_path_factory.mktemp("plot-runs")
-    run_jobs(root, {name: dict(job, experiment="quickstart", steps=8)
-                    for name, job in JOBS.items()})
-    return [load_run(root / name) for name in JOBS]
+def runs(pool) -> list[Run]:
+    return [load_run(pool.folder(__name__) / name) for name in JOBS]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import max_param_diff, run_jobs
+from conftest import max_param_diff
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -20,7 +20,7 @@ SERVERS = (1, 2, 4)
 CONVERGENCE = {"quickstart": 0.3, "logreg-sparse": 0.62}  # final loss below; both start near 2.3 / 0.69
 
 
-def _jobs():
+def POOL_JOBS():
     jobs = {}
     for exp in ("quickstart", "cnn"):
         jobs[f"{exp}-local"] = dict(experiment=exp, engine="local", overrides=F64)
@@ -40,9 +40,8 @@ def _jobs():
 
 
 @pytest.fixture(scope="module")
-def results(runs_dir):
-    jobs = _jobs()
-    return run_jobs(runs_dir / "ps", jobs), runs_dir / "ps"
+def results(pool):
+    return pool.results(__name__), pool.folder(__name__)
 
 
 @pytest.mark.parametrize("experiment", ["quickstart", "cnn"])

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from conftest import max_param_diff, run_jobs
+from conftest import max_param_diff
 from experiments import checkpoint
-from experiments.launcher import launch, launch_batch, process_shape
+from experiments.launcher import launch
 from experiments.presets import build_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -21,24 +21,19 @@ ENGINES = {"allreduce": ("cnn", {}), "ddp": ("quickstart", {}), "local": ("quick
            "ps-sync": ("cnn", {"servers": 2})}
 
 
-@pytest.fixture(scope="module")
-def resumed(runs_dir):
-    root = runs_dir / "resume"
+def POOL_JOBS() -> dict[str, dict]:
     jobs = {}
     for engine, (experiment, extra) in ENGINES.items():
         jobs[f"{engine}-full"] = dict(experiment=experiment, engine=engine, steps=12, overrides=SETTINGS, **extra)
-        jobs[f"{engine}-cut"] = dict(experiment=experiment, engine=engine, steps=7, overrides=SETTINGS, **extra)
-    results = run_jobs(root, jobs)
-    # Resume each cut run (its last checkpoint is step 5) and carry on to step 12.
-    batches = {}
-    for engine, (experiment, _) in ENGINES.items():
-        cfg = json.loads((root / f"{engine}-cut/config.json").read_text())
-        loaded = build_config(experiment, SETTINGS + ("steps=12",), engine=engine,
-                              servers=cfg["servers"], workers=cfg["workers"])
-        batches.setdefault(process_shape(loaded), []).append((loaded, root / f"{engine}-cut"))
-    for jobs_ in batches.values():
-        launch_batch(jobs_, deadline_s=300, quiet=True, resume=True)
-    return root, results
+        # Stopped after step 7 (its last checkpoint is step 5), then resumed to step 12.
+        jobs[f"{engine}-cut"] = dict(experiment=experiment, engine=engine, steps=7, resume_steps=12,
+                                     overrides=SETTINGS, **extra)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def resumed(pool):
+    return pool.folder(__name__), pool.results(__name__)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))

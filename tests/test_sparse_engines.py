@@ -27,7 +27,7 @@ MODES = ("dense", "allgather")
 SHARDS = (1, 2)
 
 
-def _jobs() -> dict[str, dict]:
+def POOL_JOBS() -> dict[str, dict]:
     jobs = {}
     for opt, extra in OPTIMIZERS.items():
         common = dict(experiment="dlrm", workers=WORLD, steps=8, batch_size=BATCH)
@@ -44,8 +44,8 @@ def _jobs() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def results(runs_dir):
-    return run_jobs(runs_dir / "sparse", _jobs())
+def results(pool):
+    return pool.results(__name__)
 
 
 @pytest.mark.multiprocess

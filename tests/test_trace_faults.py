@@ -7,15 +7,11 @@ import statistics
 
 import pytest
 
-from conftest import run_jobs
-
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def runs(runs_dir):
-    root = runs_dir / "trace-faults"
-    jobs = {
+def POOL_JOBS() -> dict[str, dict]:
+    return {
         "ring": dict(experiment="cnn", engine="allreduce", steps=6,
                      overrides=("trace=true", "allreduce.algorithm=ring", "allreduce.bucket_cap_mb=0.02",
                                "allreduce.first_bucket_mb=0.02")),
@@ -27,8 +23,11 @@ def runs(runs_dir):
         "ps-fast": dict(experiment="quickstart", engine="ps-async", steps=12),
         "ps-slow": dict(experiment="quickstart", engine="ps-async", steps=12, overrides=("fault.delay_ms=20",)),
     }
-    run_jobs(root, jobs)
-    return root
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    return pool.folder(__name__)
 
 
 def _events(run_dir):
