@@ -10,8 +10,43 @@ import torch.distributed as dist
 from .backward_state import BackwardStates
 
 
+class SharedStore:
+    """One rendezvous store for the jobs a process runs one after another (a batch of runs):
+    job n's group meets under the key prefix "job<n>/" of a TCPStore made once, which rank 0
+    serves on MASTER_ADDR:MASTER_PORT for the process's life.
+
+    Each job meeting on a store of its own made rank 0 (always last to finish a job: it
+    writes the model and summary) half a second late for every job after the first: a peer
+    whose connection is refused retries only after a back-off. Every rank runs the same jobs
+    in the same order, so their job counts agree.
+    """
+
+    def __init__(self, addr: str, port: int):
+        self.addr, self.port = addr, port
+        self.store: dist.TCPStore | None = None
+        self.jobs = 0
+
+    def next_job(self, rank: int, world: int, timeout_s: float) -> dist.Store:
+        timeout = timedelta(seconds=timeout_s)
+        if self.store is None:
+            self.store = dist.TCPStore(self.addr, self.port, world, rank == 0, timeout)
+        self.store.set_timeout(timeout)
+        self.jobs += 1
+        return dist.PrefixStore(f"job{self.jobs}/", self.store)
+
+
+_shared: SharedStore | None = None
+
+
+def share_store(addr: str, port: int) -> None:
+    """The jobs this process runs from now on meet on one store (see SharedStore)."""
+    global _shared
+    _shared = SharedStore(addr, port)
+
+
 def init_process_group(device: torch.device, rank: int, world: int, timeout_s: float) -> str:
-    """Join the torch.distributed job (env:// rendezvous: MASTER_ADDR, MASTER_PORT).
+    """Join the torch.distributed job (env:// rendezvous: MASTER_ADDR, MASTER_PORT), or the
+    next job on the store share_store set up.
 
     Using env:// lets torchrun and Slurm launch the workers as they launch any PyTorch job.
     Returns the backend: NCCL on CUDA, Gloo on CPU.
@@ -19,8 +54,12 @@ def init_process_group(device: torch.device, rank: int, world: int, timeout_s: f
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s), **kwargs)
+        if _shared is not None:
+            kwargs["store"] = _shared.next_job(rank, world, timeout_s)
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                **kwargs)
     return backend
 
 

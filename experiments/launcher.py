@@ -70,14 +70,13 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         require_checkpoints(cfg, run_dir)
     with sites_for(jobs[0][0].net, nprocs, nservers) as sites:
         run_dirs = [prepare_run_dir(sites.adjust(cfg), run_dir) for cfg, run_dir in jobs]
-        ports = [sites.master_port(i) for i in range(len(jobs))]
         for run_dir in run_dirs if nservers else []:
             addresses = [f"tcp://{sites.server(s).addr}:{sites.server_port(s)}" for s in range(nservers)]
             files.write_json(run_dir / SERVERS_FILE, addresses)
         dirs = [str(d) for d in run_dirs]
         base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                    MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(ports[0]),
-                    PSAR_MASTER_PORTS=",".join(map(str, ports)), PYTHONUNBUFFERED="1")
+                    MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(sites.master_port()),
+                    PYTHONUNBUFFERED="1")
         again = ["--resume"] if resume else []
         procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.ps_server",
                                                         *again, str(s), *dirs]), base)

@@ -34,10 +34,10 @@ def free_port() -> int:
     """A TCP port free on this host now, below the kernel's ephemeral range, and not given
     before by this process.
 
-    The ports of a batch's later jobs are chosen at its start and bound minutes later: one
-    from the ephemeral range could be taken meanwhile by a connection or by one of Gloo's
-    listening sockets (bind to port 0), which the kernel picks from that range; then the job's
-    rendezvous cannot listen. Ports below it are bound only by those who name them.
+    A launch's ports (its rendezvous, its server shards) are chosen before its processes
+    start and bound seconds later: one from the ephemeral range could be taken meanwhile by a
+    connection or by one of Gloo's listening sockets (bind to port 0), which the kernel picks
+    from that range. Ports below it are bound only by those who name them.
     """
     low, _ = ephemeral_range()
     start = max(1024, low - 20000)
@@ -88,7 +88,7 @@ class Loopback:
     def server(self, shard: int) -> Site:
         return Site()
 
-    def master_port(self, job: int) -> int:
+    def master_port(self) -> int:
         return free_port()
 
     def server_port(self, shard: int) -> int:
@@ -142,8 +142,8 @@ class Emulated:
         separate = self.net.placement == "separate"
         return self._site(f"s{shard}" if separate else f"w{shard % self.workers}")
 
-    def master_port(self, job: int) -> int:
-        return MASTER_PORT + job
+    def master_port(self) -> int:
+        return MASTER_PORT
 
     def server_port(self, shard: int) -> int:
         return SERVER_PORT + shard  # co-located shards share a host, not a port

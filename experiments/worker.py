@@ -1,20 +1,21 @@
 """Entry point of one worker process: `python -m experiments.worker RUN_DIR [RUN_DIR ...]`.
 
 Reads RUN_DIR/config.json and the launcher's RANK / WORLD_SIZE variables; several run
-directories are trained one after another, each meeting its peers on its own port from
-PSAR_MASTER_PORTS. A failure prints
-one line naming the rank and the error; the traceback goes to RUN_DIR/logs/rank<r>.log.
+directories are trained one after another, their all-reduce groups meeting on one store at
+MASTER_ADDR:MASTER_PORT (allreduce.group.SharedStore). A failure prints one line naming the
+rank and the error; the traceback goes to RUN_DIR/logs/rank<r>.log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import os
 import signal
 import sys
 import traceback
 from pathlib import Path
+
+from allreduce import group
 
 from . import config as config_mod
 from . import files
@@ -61,12 +62,11 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--resume"]
     if not argv:
         return "usage: python -m experiments.worker [--resume] RUN_DIR [RUN_DIR ...]"
-    ports = [p for p in os.environ.get("PSAR_MASTER_PORTS", "").split(",") if p]
-    if ports and len(ports) != len(argv):
-        return f"PSAR_MASTER_PORTS names {len(ports)} ports for {len(argv)} run directories"
-    for i, run_dir in enumerate(argv):
-        if ports:
-            os.environ["MASTER_PORT"] = ports[i]  # torch's env:// rendezvous reads it
+    master = DistEnv.from_environ().master
+    if len(argv) > 1 and master:  # a batch of runs: their all-reduce groups meet on one store
+        addr, _, port = master.rpartition(":")
+        group.share_store(addr, int(port))
+    for run_dir in argv:
         code = run_worker(Path(run_dir), resume=resume)
         if code:
             return code
