@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -12,24 +13,26 @@ from .backward_state import BackwardStates
 
 class SharedStore:
     """One rendezvous store for the jobs a process runs one after another (a batch of runs):
-    job n's group meets under the key prefix "job<n>/" of a TCPStore made once, which rank 0
-    serves on MASTER_ADDR:MASTER_PORT for the process's life.
+    job n's group meets under the key prefix "job<n>/" of a TCPStore made at the first job,
+    which rank 0 serves, at env://'s MASTER_ADDR:MASTER_PORT, for the process's life.
 
-    Each job meeting on a store of its own made rank 0 (always last to finish a job: it
-    writes the model and summary) half a second late for every job after the first: a peer
-    whose connection is refused retries only after a back-off. Every rank runs the same jobs
-    in the same order, so their job counts agree.
+    With a store per job, every job after the first started half a second late: rank 0 is
+    always the last to finish a job (it writes the model and summary), and a peer whose
+    connection is refused retries only after a back-off. Every rank runs the same jobs in the
+    same order, so their job counts agree.
     """
 
-    def __init__(self, addr: str, port: int):
-        self.addr, self.port = addr, port
+    def __init__(self) -> None:
         self.store: dist.TCPStore | None = None
         self.jobs = 0
 
     def next_job(self, rank: int, world: int, timeout_s: float) -> dist.Store:
         timeout = timedelta(seconds=timeout_s)
         if self.store is None:
-            self.store = dist.TCPStore(self.addr, self.port, world, rank == 0, timeout)
+            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not addr or not port:
+                raise ValueError("a batch of runs meets at MASTER_ADDR and MASTER_PORT: set both")
+            self.store = dist.TCPStore(addr, int(port), world, rank == 0, timeout)
         self.store.set_timeout(timeout)
         self.jobs += 1
         return dist.PrefixStore(f"job{self.jobs}/", self.store)
@@ -38,10 +41,10 @@ class SharedStore:
 _shared: SharedStore | None = None
 
 
-def share_store(addr: str, port: int) -> None:
+def share_store() -> None:
     """The jobs this process runs from now on meet on one store (see SharedStore)."""
     global _shared
-    _shared = SharedStore(addr, port)
+    _shared = SharedStore()
 
 
 def init_process_group(device: torch.device, rank: int, world: int, timeout_s: float) -> str:

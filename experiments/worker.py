@@ -62,10 +62,8 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--resume"]
     if not argv:
         return "usage: python -m experiments.worker [--resume] RUN_DIR [RUN_DIR ...]"
-    master = DistEnv.from_environ().master
-    if len(argv) > 1 and master:  # a batch of runs: their all-reduce groups meet on one store
-        addr, _, port = master.rpartition(":")
-        group.share_store(addr, int(port))
+    if len(argv) > 1:  # a batch of runs: their all-reduce groups meet on one store
+        group.share_store()
     for run_dir in argv:
         code = run_worker(Path(run_dir), resume=resume)
         if code:

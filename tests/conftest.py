@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -28,8 +27,13 @@ def run_job(tmp_path: Path, experiment: str, engine: str, workers: int = 2, step
 
 def run_jobs(tmp_path: Path, jobs: dict[str, dict]) -> dict[str, tuple[dict, dict]]:
     """Run named jobs (kwargs of build_config plus `experiment`), batched by process count."""
-    return {name: (summary, torch.load(tmp_path / name / "model.pt", weights_only=True))
-            for name, summary in _launch_jobs(tmp_path, jobs).items()}
+    return _with_parameters(tmp_path, _launch_jobs(tmp_path, jobs))
+
+
+def _with_parameters(root: Path, summaries: dict[str, dict]) -> dict[str, tuple[dict, dict]]:
+    """Each job's summary and final parameters (root/NAME/model.pt), by name."""
+    return {name: (summary, torch.load(root / name / "model.pt", weights_only=True))
+            for name, summary in summaries.items()}
 
 
 def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False) -> dict[str, dict]:
@@ -63,13 +67,14 @@ class Pool:
 
     def __init__(self, root: Path, modules: dict[str, dict[str, dict]]):
         self.root, self.error = root, None
+        self.summaries: dict[str, dict] = {}  # by MODULE/NAME
         jobs = {f"{module}/{name}": job for module, own in modules.items() for name, job in own.items()}
         try:
-            _launch_jobs(root, jobs)
+            self.summaries = _launch_jobs(root, jobs)
             again = {name: dict(job, steps=job["resume_steps"]) for name, job in jobs.items()
                      if job.get("resume_steps")}
             if again:
-                _launch_jobs(root, again, resume=True)
+                self.summaries.update(_launch_jobs(root, again, resume=True))
         except (RuntimeError, OSError, ValueError) as err:  # every module of the pool reports it
             self.error = err
 
@@ -82,9 +87,8 @@ class Pool:
     def results(self, module: str) -> dict[str, tuple[dict, dict]]:
         """run_jobs's answer for the module's jobs: (summary, final parameters) by name."""
         folder = self.folder(module)
-        return {d.name: (json.loads((d / "summary.json").read_text()),
-                         torch.load(d / "model.pt", weights_only=True))
-                for d in sorted(folder.iterdir()) if (d / "summary.json").exists()}
+        own = (name.split("/") + [summary] for name, summary in self.summaries.items())
+        return _with_parameters(folder, {name: summary for owner, name, summary in own if owner == module})
 
 
 POOL_TIMEOUT_S = 900
