@@ -116,7 +116,7 @@ def test_a_worker_with_other_settings_is_refused(tmp_path):
     """One worker given another --seed (a shard checks at join), then two all-reduce workers
     given other --steps (rank 0 checks at rendezvous): each is refused, naming the setting."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    common = ["--engine", "ps-sync", *FAST_LIVENESS, "--set", "ps.timeout_s=6"]  # worker 1 never joins
+    common = ["--engine", "ps-sync", *FAST_LIVENESS]
     server = psar("server", "--bind", address, "--experiment", "quickstart", "--workers", 2,
                   "--out", tmp_path / "ps", *common)
     workers = [psar("worker", "quickstart", "--servers", address, "--rank", rank, "--world", 2,
@@ -124,8 +124,11 @@ def test_a_worker_with_other_settings_is_refused(tmp_path):
                for rank, seed in ((0, []), (1, ["--seed", 3]))]
     code, out = finish(workers[1], 120)
     assert code != 0 and "seed: worker 1 has 3, shard 0 has 0" in out, out
+    # Worker 1 never joins, so the shard and worker 0 would wait out their join window: stop them.
+    # (A window short enough to wait out would also bound worker 1's wait for a shard still starting.)
     for proc in (workers[0], server):
-        finish(proc, 120)
+        proc.kill()
+        finish(proc, 30)
     port = str(free_port())
     workers = [psar("worker", "quickstart", "--engine", "allreduce", "--rank", rank, "--world", 2,
                     "--steps", steps, "--out", tmp_path / "ar", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
