@@ -194,6 +194,14 @@ class Host:
         return out
 
 
+QUEUE_MS = 10
+"""Most a link's queue holds, in milliseconds of its rate (tbf's latency): a switch port's or
+fq_codel's few milliseconds, not a bufferbloated 200 ms. A host that sends and receives at once
+queues the ACKs of what it receives behind what it sends. With 200 ms of queue, a co-located
+ps-sync step at 2 workers inside `psar compare link-scaling` took 1.45 and 1.58 s (one rank
+waiting on the other every step) where alone it took 1.1 s; with 10 ms it took 1.11 s there."""
+
+
 @dataclass
 class Network:
     """Hosts `names` on one bridge, every link shaped to `rate` both ways (tc tbf), with
@@ -235,7 +243,7 @@ class Network:
         else:
             parent = ("root",)
         run("tc", "-n", netns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
-            "rate", self.rate, "burst", str(burst), "latency", "200ms")
+            "rate", self.rate, "burst", str(burst), "latency", f"{QUEUE_MS}ms")
 
     def up(self) -> "Network":
         """Build the hosts; on any failure, what was built is torn down and NetworkError raised."""
