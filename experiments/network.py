@@ -196,8 +196,8 @@ class Host:
 
 QUEUE_MS = 10
 """Most a link's queue holds, in milliseconds of its rate (tbf's latency): a switch port's or
-fq_codel's few milliseconds, not a bufferbloated 200 ms. A host that sends and receives at once
-queues the ACKs of what it receives behind what it sends. With 200 ms of queue, a co-located
+fq_codel's few milliseconds, not a bufferbloated 200 ms, behind which a host that sends and
+receives at once also queues the ACKs of what it receives. With 200 ms of queue, a co-located
 ps-sync step at 2 workers inside `psar compare link-scaling` took 1.45 and 1.58 s (one rank
 waiting on the other every step) where alone it took 1.1 s; with 10 ms it took 1.11 s there."""
 
