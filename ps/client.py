@@ -270,6 +270,14 @@ class PSClient:
                                     for s, ks in by_shard.items()},
                            conditional=bool(cond) or next_version or bool(per_shard_min))
 
+    def step_done(self) -> Handle:
+        """Ask every shard to answer, without values, once it has finished the sync step past
+        the version this client last saw from it (every key updated). Non-blocking; wait gives
+        {shard: version} and the longest time a shard held the answer back."""
+        self._need_layout()
+        return self._start("wait", {s: ({"op": "wait", "min_version": self.versions.get(s, 0) + 1}, None)
+                                    for s in range(len(self.addresses))}, conditional=True)
+
     def wait(self, handle: Handle, timeout_s: float | None = None) -> Any:
         """Block until every shard of handle has answered; its result (see push / pull).
         Raises PSError on an error reply, PeerTimeout naming the silent shard's address (the
@@ -278,6 +286,9 @@ class PSClient:
         stale = [m.get("staleness") for m in handle.replies.values() if m.get("staleness") is not None]
         if handle.kind == "push":
             return max(stale, default=0)
+        if handle.kind == "wait":
+            waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
+            return {s: m.get("version") for s, m in handle.replies.items()}, waited / 1e6
         if handle.kind in ("pull", "push+pull"):
             versions = {s: m.get("version") for s, m in handle.replies.items()}
             self.versions.update(versions)

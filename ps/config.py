@@ -9,6 +9,7 @@ WORKER_LOSS_POLICIES = ("mode", "drop", "abort")
 WIRE_DTYPES = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 """ps.compression: the dtype pushes and pulls travel in (the shards keep their own)."""
 ASYNC_SCALES = ("mean", "sum")
+EXCHANGES = ("pipelined", "phased")
 SPARSE_MODES = ("auto", "rows", "dense")
 
 
@@ -64,6 +65,15 @@ class PSConfig:
     KiB (or backward is done): fewer, larger messages, as DDP's buckets; 0: each parameter's
     as soon as backward produces it."""
 
+    exchange: str = "pipelined"
+    """How a sync worker gets the step's new values back. "pipelined": each push asks for its
+    keys' next values, which a shard sends as soon as every worker has pushed them, so the
+    values of early buckets come back while later ones are still being pushed: the fastest
+    where shards have links of their own. "phased": the worker pulls only once every shard
+    has finished the step, so no reply shares a link with a push: for shards co-located with
+    the workers, where a shard's replies to a host would otherwise slow the pushes to that
+    host's own shard, which then answers last, alone on its link. Costs one round trip."""
+
     sparse: str = "auto"
     """Embedding tables: "rows" pushes the rows a batch touched (ids and summed rows) and
     pulls the rows the next batch looks up, and the shards update only those; "dense" moves
@@ -74,6 +84,8 @@ class PSConfig:
         if isinstance(self.bucket_kb, bool) or not isinstance(self.bucket_kb, (int, float)) or \
                 not 0 <= self.bucket_kb < math.inf:
             raise ValueError(f"bucket_kb must be a finite number >= 0, got {self.bucket_kb!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.sparse not in SPARSE_MODES:
             raise ValueError(f"sparse must be one of {SPARSE_MODES}, got {self.sparse!r}")
         if type(self.staleness) is not int or self.staleness < 0:

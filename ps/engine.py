@@ -6,7 +6,9 @@ gradients wait in a bucket (ps.bucket_kb, as DDP's buckets) so that they leave t
 message per shard. Under
 sync that message also asks for the bucket's next values (push+pull), which a shard sends,
 as its reply, as soon as every worker has pushed them: the values of early buckets come back
-while later ones are still being pushed. `step()` waits for the pushes and the pulls (async and ssp pull then:
+while later ones are still being pushed (ps.exchange=pipelined); or, with ps.exchange=phased,
+the worker pulls only once every shard has finished the step, so that no reply shares a
+link with a push (shards co-located with workers). `step()` waits for the pushes and the pulls (async and ssp pull then:
 whatever is current, or within the staleness bound) and copies the values into the model. The optimizer
 runs on the servers, so the `make_optimizer` given to attach is not used here.
 
@@ -152,12 +154,13 @@ class PSEngine:
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
         whole = len(self._bucket_dense) == len(self._bucket)  # no rows: the push asks for the values itself
-        if self.mode == "sync" and whole:
+        phased = self.config.exchange == "phased"  # then step() pulls, once every shard is done
+        if self.mode == "sync" and whole and not phased:
             self._pushes.append((name, time.time(), self.client.push(None, None, self._bucket, pull=True,
                                                                      next_version=True)))
         else:
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
-            if self.mode == "sync" and self._bucket_dense:
+            if self.mode == "sync" and self._bucket_dense and not phased:
                 self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
         self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
 
@@ -247,6 +250,7 @@ class PSEngine:
             if self.mode != "sync" and self._dense_keys:  # ssp waits on the clock; async sends it only so the server can record the gap
                 self._pulls = [(f"step {self._step}", time.time(),
                                 self.client.pull(self._dense_keys, clock=self._step + 1))]
+            waited = self._phase() if self.mode == "sync" and self.config.exchange == "phased" else 0.0
             pushed = [self.client.wait(h) for _, _, h in self._pushes]
             pulled = [self.client.wait(h) for _, _, h in self._pulls]
             staleness = [r.staleness if isinstance(r, PullResult) else r for r in pushed]
@@ -278,7 +282,20 @@ class PSEngine:
         sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         return {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
-                "wait_s": max((r.waited_s for r in results), default=0.0), "staleness": staleness}
+                "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
+
+    def _phase(self) -> float:
+        """ps.exchange=phased: wait until every shard has finished the step, then pull the
+        dense keys (rows come at lookup, as ever); the longest a shard held its answer back."""
+        sent_at, done = time.time(), self.client.step_done()
+        for _, _, h in self._pushes:  # a refused push fails here, not after a wait's timeout
+            self.client.wait(h)
+        versions, waited = self.client.wait(done)
+        if self.trace is not None:
+            self.trace("wait for every shard's step", sent_at, done.done_at, thread="pull")
+        if self._dense_keys:
+            self._pulls = [("dense keys", time.time(), self.client.pull(self._dense_keys, min_version=versions))]
+        return waited
 
     def _reconnect(self, err: Exception) -> None:
         """A shard went away: wait (at most ps.reconnect_s) for it to come back from its

@@ -14,6 +14,10 @@ A push with 'pull' set (1) asks, in the same message, for the values of the keys
 the reply is the reply to a pull of those keys under the push's own 'min_version' and
 'clock' conditions (with the push's 'staleness' beside them), and takes the place of the
 push's plain 'ok'. One message each way per step instead of two; whole keys only.
+
+A 'wait' carries no keys: the shard answers it ('ok' with its version, no values) once it has
+finished the sync step to 'min_version', every key updated. A worker that pulls only after
+every shard answered its wait never has a pull's reply compete with a push for a link.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from ps.layout import ITEMSIZE, TORCH_DTYPES, Layout, dtype_name
 
 PROTOCOL_VERSION = 1
-REQUESTS = ("init", "join", "push", "pull", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
+REQUESTS = ("init", "join", "push", "pull", "wait", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
 REPLIES = ("ok", "error")
 OPS = REQUESTS + REPLIES
 
@@ -39,6 +43,7 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "join": (set(), {"settings"}),
     "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock"}),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows"}),
+    "wait": ({"min_version"}, set()),
     "heartbeat": (set(), set()),
     "stats": (set(), set()),
     "checkpoint": (set(), set()),

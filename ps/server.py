@@ -227,7 +227,7 @@ class ShardServer:
         for d in [d for d in self._deferred if now >= d.deadline and not d.msg.get("wait_left")]:
             self._deferred.remove(d)
             replies.append(self._error(d.peer, d.msg.worker, d.msg.req,
-                                       f"shard {self.shard}: pull waited {now - d.since:.2f} s "
+                                       f"shard {self.shard}: {d.msg.op} waited {now - d.since:.2f} s "
                                        f"(timeout_s={self.config.timeout_s:g}) for {self._wait_reason(d.msg)}"))
         if self.aborted:
             replies += [self._error(d.peer, d.msg.worker, d.msg.req, self.aborted) for d in self._deferred]
@@ -301,6 +301,15 @@ class ShardServer:
             return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)]
         now = self.clock()
         self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s, fields))
+        return []
+
+    def _on_wait(self, peer: bytes, msg: Message) -> list[Reply]:
+        """Answer, without values, once this shard's version reaches min_version (the whole
+        step done, not only some keys); else once it does."""
+        if self._pull_ready(msg):
+            return [self._ok(peer, msg, version=self.version)]
+        now = self.clock()
+        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s, {}))
         return []
 
     def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
@@ -441,6 +450,8 @@ class ShardServer:
 
     def _pull_ready(self, msg: Message) -> bool:
         min_version, clock = msg.get("min_version"), msg.get("clock")
+        if msg.op == "wait":
+            return self.version >= min_version
         if msg.get("wait_left") and any(w != msg.worker for w in self._live()):
             return False
         if min_version is not None and self._version_of(msg.keys or self.keys) < min_version:
@@ -475,6 +486,9 @@ class ShardServer:
             self.waits["count"] += 1
             self.waits["total_s"] += waited
             self.waits["max_s"] = max(self.waits["max_s"], waited)
+            if d.msg.op == "wait":
+                replies.append(self._ok(d.peer, d.msg, version=self.version, waited_us=int(waited * 1e6)))
+                continue
             self._note_gap(d.msg)
             replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys, exact=bool(d.msg.get("wait_left")),
                                         waited_us=int(waited * 1e6), **d.fields))

@@ -29,6 +29,9 @@ def POOL_JOBS():
     # Each parameter's gradient in a message of its own, in place of one bucket per shard.
     jobs["quickstart-sync-s2-unbucketed"] = dict(experiment="quickstart", engine="ps-sync", servers=2,
                                                  overrides=F64 + ("ps.bucket_kb=0",))
+    # Pulls only once every shard finished the step (ps.exchange=phased): the same update.
+    jobs["quickstart-sync-s2-phased"] = {"experiment": "quickstart", "engine": "ps-sync", "servers": 2,
+                                         "overrides": F64 + ("ps.exchange=phased",)}
     for exp in CONVERGENCE:
         for engine in ("ps-async", "ps-ssp"):
             jobs[f"{exp}-{engine}"] = dict(experiment=exp, engine=engine, servers=2, steps=None)
@@ -64,6 +67,16 @@ def test_buckets_send_one_push_per_shard_per_step_and_change_nothing(results):
     assert [s["pushes"] for s in bucketed["server_stats"]] == [per_step, per_step]
     # quickstart's 4 parameters over 2 shards: unbucketed, a shard pushed to once per parameter it holds
     assert sorted(s["pushes"] for s in unbucketed["server_stats"]) == [per_step, 3 * per_step]
+
+
+def test_phased_exchange_changes_nothing_but_when_values_are_pulled(results):
+    res, _ = results
+    summary, state = res["quickstart-sync-s2-phased"]
+    assert max_param_diff(res["quickstart-local"][1], state) < 1e-10
+    per_step = 20 * 2  # steps x workers
+    # One push and one pull of the dense keys per shard, worker and step (push+pull when pipelined).
+    for stats in summary["server_stats"]:
+        assert stats["pushes"] == per_step and stats["pulls"] >= per_step, stats
 
 
 @pytest.mark.parametrize("experiment", list(CONVERGENCE))

@@ -34,7 +34,7 @@ WORKERS = 2
 SOCKETS = 4
 BATCH = 64  # messages in flight per socket before its replies are read
 REPLY_WAIT_S = 10.0
-REQUESTS = ("push", "pull", "heartbeat", "stats", "checkpoint", "leave", "shutdown")
+REQUESTS = ("push", "pull", "wait", "heartbeat", "stats", "checkpoint", "leave", "shutdown")
 
 
 def init_params():
@@ -53,6 +53,8 @@ def request(rng, op, worker=None, keys=None, step=0, version=0):
         tensors = [torch.full((LAYOUT.keys[k].numel,), 0.5, dtype=TORCH_DTYPES[LAYOUT.dtype(k)]) for k in keys]
     elif op == "pull":
         header["keys"] = rng.sample(KEYS0, rng.randint(0, len(KEYS0)))
+    elif op == "wait":
+        header["min_version"] = 0  # answered at once: nothing here completes a step
     frames = encode(header, tensors)
     return msgpack.unpackb(frames[0]), [bytes(f) for f in frames[1:]]
 

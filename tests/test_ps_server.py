@@ -292,6 +292,36 @@ def test_sync_answers_a_keys_pull_as_soon_as_every_worker_pushed_it():
     assert torch.equal(values(server), expected)  # the same as one step over all keys
 
 
+def test_a_wait_is_answered_without_values_once_the_whole_step_is_done():
+    """ps.exchange=phased: a wait names no keys; one key updated is not enough, the shard's
+    step is; the reply carries the version and no tensors; unanswered, it times out naming
+    what it waited for."""
+    clock = FakeClock()
+    server, _ = make("sync", clock=clock, timeout_s=5.0)
+    g = torch.ones(15, dtype=torch.float64)
+    first, rest = KEYS[:1], KEYS[1:]
+    assert call(server, 0, "wait", min_version=1) == []
+    push(server, 0, 0, grads_of(g), keys=first)
+    assert [r.op for r in push(server, 1, 0, grads_of(g), keys=first)] == ["ok"]  # key 0 updated: not yet
+    push(server, 0, 0, grads_of(g), keys=rest)
+    replies = push(server, 1, 0, grads_of(g), keys=rest)
+    done = [r for r in replies if r.worker == 0]
+    assert len(done) == 1 and done[0].op == "ok" and done[0].get("version") == 1
+    assert done[0].keys == [] and done[0].tensors == []
+    assert call(server, 1, "wait", min_version=1)[0].get("version") == 1  # already done: at once
+    assert call(server, 1, "wait", min_version=2) == []
+    clock.now += 5.5
+    (_, frames), = server.tick()
+    err = decode(frames).get("error")
+    assert "wait waited 5.50 s" in err and "version >= 2 (shard at version 1)" in err
+
+
+def test_a_wait_without_min_version_is_refused():
+    server, _ = make("sync")
+    (reply,) = call(server, 0, "wait")
+    assert reply.op == "error" and "min_version" in reply.get("error")
+
+
 class QueueTransport:
     """recv() hands out queued (peer, frames); send() keeps the replies, decoded."""
 
