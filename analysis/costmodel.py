@@ -209,7 +209,7 @@ class CostModel:
 
 # ---------------------------------------------------------------- quantities read from runs
 
-def _floating_tensors(run: Run) -> list:
+def _floating_state(run: Run) -> dict:
     import torch  # only the run-directory readers need torch
 
     path = run.path / "model.pt"
@@ -217,7 +217,26 @@ def _floating_tensors(run: Run) -> list:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError) as err:
         raise ValueError(f"cannot read {path}: {err}") from None
-    return [t for t in state.values() if torch.is_tensor(t) and t.is_floating_point()]
+    return {name: t for name, t in state.items() if torch.is_tensor(t) and t.is_floating_point()}
+
+
+def _floating_tensors(run: Run) -> list:
+    return list(_floating_state(run).values())
+
+
+def push_messages(run: Run) -> list[int]:
+    """Bytes of each push message a ps worker sends a step, in the order they leave: the
+    model's parameters from last to first (the order backward produces their gradients),
+    gathered until a message holds ps.bucket_kb KiB, as the engine's buckets are."""
+    cap = run.config.get("ps", {}).get("bucket_kb", 1024.0) * 1024
+    sizes, bucket = [], 0
+    params = [t for name, t in _floating_state(run).items() if not name.endswith(("running_mean", "running_var"))]
+    for t in reversed(params):
+        bucket += t.numel() * t.element_size()
+        if bucket >= cap:
+            sizes.append(bucket)
+            bucket = 0
+    return sizes + [bucket] if bucket else sizes
 
 
 def gradient_bytes(run: Run) -> int:
@@ -285,10 +304,10 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
         nbytes = wire_bytes(run)
         buckets = run_buckets(run, nbytes) if label in LIBRARY_LABELS + RING_LABELS else None
         compute_s = compute_time(run)
-        link = run_link_time(run, nbytes)
+        link = run_link_time(run, nbytes, push_messages(run) if label == "ps-sync" else None)
         if link is not None:
             net = run.summary["network"]
-            where = f", shards {net.get('placement', 'colocated')}" if label in PS_LABELS else ""
+            where = f", shards {run.placement}" if run.placement else ""
             predicted, basis = compute_s + link, f"link {net['rate']}{where}"
         elif model is None:
             raise ValueError(f"{run.path} ran on loopback: its prediction needs a bench fit (--bench)")

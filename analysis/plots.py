@@ -54,7 +54,8 @@ def _network(runs: list[Run]) -> str:
 
 
 def _order(run: Run) -> tuple:
-    return run.label, run.summary["workers"], run.summary.get("servers", 1)
+    """A run's grid cell, as the table's (runs of one cell are repeats)."""
+    return run.label, run.summary["workers"], run.summary.get("servers", 1), run.placement or ""
 
 
 def _variant(run: Run, runs: list[Run]) -> int:

@@ -28,6 +28,16 @@ class Run:
         label = f"allreduce/{settings.get('algorithm', 'library')}"
         return label + "+allgather" if settings.get("sparse") == "allgather" else label
 
+    @property
+    def placement(self) -> str | None:
+        """Where a ps-* run's shards were on an emulated network ("colocated", "separate"),
+        with ", phased" under ps.exchange=phased; None for other engines and on loopback."""
+        net = self.summary.get("network")
+        if not self.engine.startswith("ps-") or not net:
+            return None
+        phased = self.config.get("ps", {}).get("exchange") == "phased"
+        return net.get("placement", "colocated") + (", phased" if phased else "")
+
     def records(self) -> list[dict]:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]
 

@@ -56,9 +56,8 @@ def label_of(run: Run, workers: bool = False) -> str:
     if workers:
         text += f" x{run.summary['workers']}"
     servers = run.summary.get("servers", 1)
-    placement = (run.summary.get("network") or {}).get("placement")
-    if run.engine.startswith("ps-") and placement:  # on an emulated network: where they were
-        text += f" ({servers} shard{'s' if servers > 1 else ''}, {placement})"
+    if run.placement:  # on an emulated network: where they were
+        text += f" ({servers} shard{'s' if servers > 1 else ''}, {run.placement})"
     elif run.engine.startswith("ps-") and servers > 1:
         text += f" ({servers} shards)"
     return text

@@ -42,8 +42,10 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
             else:
                 cfg = build_config(experiment, tuple(overrides) + variant.overrides, steps=steps, **fields)
             where = f"-{cfg.net.placement}" if with_servers and cfg.net.rate else ""
-            # Variants of one engine told apart by their settings' values: allreduce-w2-allgather
-            also = "".join(f"-{o.split('=', 1)[-1]}" for o in variant.overrides) if not with_servers else ""
+            # Variants of one engine told apart by their settings' values: allreduce-w2-allgather,
+            # ps-sync-w4-phased-s4-colocated (the placement is said after the shards)
+            also = "".join(f"-{o.split('=', 1)[-1]}" for o in variant.overrides
+                           if not (with_servers and o.startswith("net.placement=")))
             also = "".join(c if c.isalnum() or c in "-_." else "_" for c in also)
             cells.append((cfg, f"{variant.engine}-w{n}{also}" + (f"-s{s}{where}" if with_servers else ""),
                           f"{n} worker(s)" + (f", {s} server shard(s){where.replace('-', ' ')}"

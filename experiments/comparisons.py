@@ -58,10 +58,12 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
     Comparison(
         "link-scaling", "mlp-mid", ("allreduce", "ps-sync"), (2, 4), steps=8, net="200mbit",
         variants=(Variant("allreduce"), Variant("ps-sync", 1, ("net.placement=separate",)),
-                  Variant("ps-sync", "N", ("net.placement=colocated",))),
+                  Variant("ps-sync", "N", ("net.placement=colocated",)),
+                  Variant("ps-sync", "N", ("net.placement=colocated", "ps.exchange=phased"))),
         claim="On links of a fixed rate, the ring's bytes per link stay 2(N-1)/N of the gradient "
               "as N grows, one server shard's link carries N times it, and N shards co-located "
-              "with the workers carry what the ring does."),
+              "with the workers carry what the ring does; pulling only once every shard has "
+              "finished (phased) keeps the replies off the links the pushes need."),
     Comparison(
         "spare-servers", "mlp-mid", ("allreduce", "ps-sync"), (4,), steps=8, net="200mbit",
         variants=(Variant("allreduce"),) + tuple(Variant("ps-sync", k, ("net.placement=separate",))

@@ -342,7 +342,8 @@ class Network:
     def describe(self) -> dict:
         """What summary.json records about the network."""
         return {"rate": self.rate, "rate_bits": parse_rate(self.rate) if self.rate else None,
-                "latency_ms": self.latency_ms, "hosts": {n: h.addr for n, h in self.hosts.items()},
+                "latency_ms": self.latency_ms, "queue_ms": QUEUE_MS if self.rate else None,
+                "hosts": {n: h.addr for n, h in self.hosts.items()},
                 "made_with": "network namespaces, a bridge, veth links shaped with tc tbf on both ends"
                              + (" and netem delay" if self.latency_ms else "")}
 

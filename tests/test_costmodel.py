@@ -10,7 +10,7 @@ import torch
 
 from analysis.costmodel import (CostModel, Fit, bucket_count, compute_time, fit_allreduce, fit_ps,
                                 fit_summary, format_validation, gradient_bytes, measured_step,
-                                plot_scaling, scaling, shard_count, validate, wire_bytes)
+                                plot_scaling, push_messages, scaling, shard_count, validate, wire_bytes)
 from analysis.results import load_run
 
 MIB = 2**20
@@ -219,6 +219,21 @@ def test_run_quantities(tmp_path):
     assert measured_step(run) == pytest.approx(0.215)
     compressed = write_run(tmp_path / "c", "allreduce", compression="fp16")
     assert wire_bytes(compressed) == 2 * STATE_FLOATS
+
+
+def test_push_messages_follow_backward_and_the_bucket_size(tmp_path):
+    # Last parameter first (b, 64 bytes) joins w (2 MiB), which fills a 1 MiB bucket; the
+    # BatchNorm statistics are buffers, never pushed. Smaller buckets hold one parameter each.
+    run = write_run(tmp_path / "r", "ps-sync")
+    w, b = 512 * 1024 * 4, 8 * 8
+    assert push_messages(run) == [b + w]
+    config = json.loads((run.path / "config.json").read_text())
+    config["ps"] = {"bucket_kb": 0}
+    (run.path / "config.json").write_text(json.dumps(config))
+    assert push_messages(load_run(run.path)) == [b, w]
+    config["ps"] = {"bucket_kb": 4096}
+    (run.path / "config.json").write_text(json.dumps(config))
+    assert push_messages(load_run(run.path)) == [b + w]
 
 
 def test_validate(tmp_path):

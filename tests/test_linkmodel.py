@@ -2,7 +2,7 @@
 
 import pytest
 
-from analysis.linkmodel import link_time, phases
+from analysis.linkmodel import PAYLOAD, link_time, overlapped, phases
 
 
 def _busiest(label, n, s, placement):
@@ -33,9 +33,33 @@ def test_pull_phase_mirrors_the_push_phase():
 
 
 def test_link_time_at_the_rate():
-    # 80.15 MB through a 200 Mbit/s link once each way: the interface's 3.2 s.
-    assert link_time("allreduce", 2, 1, 80.15e6, 200e6) == pytest.approx(3.206)
+    # 80.15 MB through a 200 Mbit/s link once each way: the interface's 3.2 s, and the frames'
+    # headers on top (1448 bytes of data in each 1514-byte frame).
+    assert PAYLOAD == pytest.approx(0.9564, abs=1e-4)
+    assert link_time("allreduce", 2, 1, 80.15e6, 200e6) == pytest.approx(3.206 / PAYLOAD)
     two, four = (link_time("ps-sync", n, 1, 80.15e6, 200e6, "separate") for n in (2, 4))
     assert four == pytest.approx(2 * two)
     with pytest.raises(ValueError, match="placement"):
         link_time("ps-sync", 2, 1, 1.0, 1.0, "sideways")
+
+
+def test_overlap_of_pipelined_replies():
+    # One message: nothing to overlap. Two halves: the first half's reply runs while the
+    # second half is pushed. Many small ones: the pull hides behind the push but for the last.
+    assert overlapped(1.0, 1.0, [1.0]) == pytest.approx(2.0)
+    assert overlapped(1.0, 1.0, [0.5, 0.5]) == pytest.approx(1.5)
+    assert overlapped(1.0, 1.0, [1] * 100) == pytest.approx(1.01)
+    # mlp-mid's two messages (16.9 MB first, 6.4 MB second): the second reply waits for the first.
+    assert overlapped(1.0, 1.0, [16.9, 6.4]) == pytest.approx(2 * 16.9 / 23.3 + 6.4 / 23.3)
+    assert overlapped(1.0, 1.0, [6.4, 16.9]) == pytest.approx(1 + 16.9 / 23.3)
+    with pytest.raises(ValueError, match="fractions"):
+        overlapped(1.0, 1.0, [])
+
+
+def test_messages_overlap_only_separate_ps_sync():
+    two_phase = link_time("ps-sync", 4, 1, 1e6, 1e6, "separate")
+    assert link_time("ps-sync", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(0.75 * two_phase)
+    # Co-located, replies share the links with the pushes; async pulls once all is pushed.
+    assert link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated", [0.5, 0.5]) == \
+        pytest.approx(link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated"))
+    assert link_time("ps-async", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(two_phase)

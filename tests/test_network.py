@@ -139,6 +139,7 @@ def test_shaped_runs_compute_what_loopback_computes(tmp_path, pool):
                                  overrides=F64 + ("net.rate=1gbit", *extra))
         assert max_param_diff(state, reference) <= 1e-10, engine
         hosts = summary["network"]["hosts"]
+        assert summary["network"]["queue_ms"] == network.QUEUE_MS
         assert set(hosts) == ({"w0", "w1", "s0"} if engine == "ps-sync" else {"w0", "w1"})
         assert all(h["tx_bytes"] > 0 and h["rx_bytes"] > 0 for h in hosts.values())
     assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]

@@ -222,3 +222,11 @@ def test_plot_takes_a_compare_folder_and_keeps_experiments_apart(runs, tmp_path)
     assert (tmp_path / "fig/quickstart/loss_vs_step.png").exists()
     result = CliRunner().invoke(main, ["plot", str(tmp_path), "--out", str(tmp_path / "x")])
     assert result.exit_code != 0 and "neither a finished run directory" in result.output
+
+
+def test_runs_that_differ_only_in_how_the_shards_answer_are_two_cells():
+    net = {"rate": "200mbit", "placement": "colocated"}
+    a, b = (Run(Path(f"/runs/{n}"), config, dict(engine="ps-sync", workers=4, servers=4, network=net), {})
+            for n, config in (("a", {}), ("b", {"ps": {"exchange": "phased"}})))
+    assert plots._order(a) != plots._order(b)
+    assert {plots._variant(r, [a, b]) for r in (a, b)} == {0, 1}
