@@ -328,6 +328,59 @@ class Network:
                 p.kill()
                 p.wait(timeout=10)
 
+    def all_to_all(self, nbytes: int, port: int, timeout_s: float = 60.0) -> dict[str, float]:
+        """Every host sends nbytes to every other host at once, over connections opened
+        beforehand, and reads what they send it: the seconds from the common start until each
+        host has all its bytes acknowledged and all the others' in (bare TCP, the traffic of
+        co-located shards without psar). Raises NetworkError naming a host that fails."""
+        script = ("import socket,sys,threading,time\n"
+                  "me,port,n,start=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),float(sys.argv[4])\n"
+                  "peers=sys.argv[5:]\n"
+                  "srv=socket.create_server((me,port)); srv.settimeout(start+30-time.time())\n"
+                  "ends=[]\n"
+                  "def take(c):\n"
+                  "    got=0\n"
+                  "    while got<n:\n"
+                  "        b=c.recv(1<<20)\n"
+                  "        if not b: sys.exit(f'{me}: a peer closed after {got} of {n} bytes')\n"
+                  "        got+=len(b)\n"
+                  "    ends.append(time.time()); c.sendall(b'k')\n"
+                  "takers=[threading.Thread(target=take,args=(srv.accept()[0],)) for _ in peers]\n"
+                  "time.sleep(max(0,start-time.time()))\n"
+                  "buf=bytes(n)\n"
+                  "def give(c):\n"
+                  "    c.sendall(buf)\n"
+                  "    if c.recv(1)!=b'k': sys.exit(f'{me}: no acknowledgement')\n"
+                  "givers=[threading.Thread(target=give,args=(c,)) for c in conns]\n"
+                  "for t in takers+givers: t.start()\n"
+                  "for t in takers+givers: t.join(start+30-time.time())\n"
+                  "print(max(ends+[time.time()])-start)\n")
+        # Listeners first, connections a second before the start, the bytes at the start.
+        script = script.replace("takers=", "time.sleep(max(0,start-1-time.time()))\n"
+                                "conns=[socket.create_connection((p,port),timeout=10) for p in peers]\n"
+                                "takers=", 1)
+        start = time.time() + 2.0 + 0.3 * len(self.hosts)
+        procs = {name: subprocess.Popen(h.argv(sys.executable, "-c", script, h.addr, port, nbytes, start,
+                                               *[o.addr for o in self.hosts.values() if o is not h]),
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for name, h in self.hosts.items()}
+        seconds = {}
+        try:
+            for name, proc in procs.items():
+                try:
+                    out, err = proc.communicate(timeout=max(1.0, start + timeout_s - time.time()))
+                except subprocess.TimeoutExpired:
+                    raise NetworkError(f"all-to-all: host {name} did not finish within {timeout_s:g} s") from None
+                if proc.returncode != 0:
+                    raise NetworkError(f"all-to-all: host {name} failed: {err.strip()[-300:]}")
+                seconds[name] = float(out.split()[-1])
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+        return seconds
+
     def __enter__(self) -> "Network":
         self._old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
         return self.up()

@@ -1,9 +1,10 @@
 """The shape of the results on a shaped network, as ratios of step times measured in one run
 of this file: the ring's step grows as 2(N-1)/N, one separate shard's as N, k separate shards
 divide the shard links' load by k. Link-bound runs of a small model (quickstart's MLP widened
-to 1.2 MB of gradients, at 20 Mbit/s: about 0.5 s per gradient on a link).
+to 1.2 MB of gradients, at 20 Mbit/s: about 0.5 s per gradient on a link). And bare TCP, no
+psar, between 2 hosts and among 4, against the link model's payload rate.
 
-Marked `long` (about 2 minutes): `make bench` runs it, `make test` does not. Needs root and
+Marked `long` (about 2.5 minutes): `make bench` runs it, `make test` does not. Needs root and
 iproute2; skipped elsewhere, with the reason.
 """
 
@@ -48,3 +49,23 @@ def test_spare_shards_divide_the_shard_links_load(tmp_path):
     # Down to the workers' own links at k = N (2 in theory; 8 processes share 2 cores here,
     # and 1.39 was seen with the cores also busy with other work).
     assert 1.2 < steps[2] / steps[4] < 2.4
+
+
+def test_bare_tcp_between_two_hosts_and_among_four(capsys):
+    """Bare TCP on 200mbit links, no psar: each host sends 17.5 MB a round, to its one peer or
+    split over 3 (the co-located parameter server's traffic). A pair runs within 15% of the
+    bytes at the payload rate; the slowest of 4 is printed beside it (seen: 1.10 to 1.19)."""
+    from analysis.linkmodel import PAYLOAD
+
+    ratios = {}
+    for n in (2, 4):
+        per_peer = int(17.5e6 / (n - 1))
+        ideal = per_peer * (n - 1) * 8 / (200e6 * PAYLOAD)
+        with network.Network(tuple(f"h{i}" for i in range(n)), rate="200mbit") as net:
+            rounds = [max(net.all_to_all(per_peer, 6100).values()) / ideal for _ in range(3)]
+        ratios[n] = sorted(rounds)[1]
+        with capsys.disabled():
+            print(f"\n{n} hosts, each sending 17.5 MB over {n - 1} flow(s): slowest host "
+                  f"{', '.join(f'{r:.2f}' for r in rounds)} times the bytes at the payload rate")
+    assert ratios[2] < 1.15
+    assert ratios[4] < 1.6
