@@ -201,6 +201,11 @@ receives at once also queues the ACKs of what it receives. With 200 ms of queue,
 ps-sync step at 2 workers inside `psar compare link-scaling` took 1.45 and 1.58 s (one rank
 waiting on the other every step) where alone it took 1.1 s; with 10 ms it took 1.11 s there."""
 
+QUEUE_MIN_BYTES = 150_000
+"""...and never less than about 100 full frames: 10 ms of a slow link is a few packets (17 at
+20mbit), too few for two senders into one port. With 25 KB at 20mbit, one separate shard's
+step at 2 workers took 1.85 to 2.26 s from run to run (tests/test_net_orderings.py)."""
+
 
 @dataclass
 class Network:
@@ -243,7 +248,11 @@ class Network:
         else:
             parent = ("root",)
         run("tc", "-n", netns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
-            "rate", self.rate, "burst", str(burst), "latency", f"{QUEUE_MS}ms")
+            "rate", self.rate, "burst", str(burst), "limit", str(self.queue_bytes(burst)))
+
+    def queue_bytes(self, burst: int) -> int:
+        """tbf's limit: QUEUE_MS of the rate past the burst, at least QUEUE_MIN_BYTES."""
+        return max(QUEUE_MIN_BYTES, int(parse_rate(self.rate) / 8 * QUEUE_MS / 1000) + burst)
 
     def up(self) -> "Network":
         """Build the hosts; on any failure, what was built is torn down and NetworkError raised."""

@@ -62,6 +62,12 @@ def test_parse_rate_refuses(rate):
         parse_rate(rate)
 
 
+def test_a_queue_holds_10_ms_of_the_rate_but_never_a_handful_of_packets():
+    # tbf's limit: 10 ms of the rate past the burst (what `latency 10ms` gave), 150 KB at least.
+    assert network.Network(("a",), rate="200mbit").queue_bytes(100_000) == 350_000
+    assert network.Network(("a",), rate="20mbit").queue_bytes(16_000) == network.QUEUE_MIN_BYTES
+
+
 @needs_netns
 @pytest.mark.timeout(120)
 def test_each_way_runs_at_the_rate_at_once():
