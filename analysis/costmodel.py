@@ -304,7 +304,7 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
         nbytes = wire_bytes(run)
         buckets = run_buckets(run, nbytes) if label in LIBRARY_LABELS + RING_LABELS else None
         compute_s = compute_time(run)
-        link = run_link_time(run, nbytes, push_messages(run) if label == "ps-sync" else None)
+        link = run_link_time(run, nbytes)
         if link is not None:
             net = run.summary["network"]
             where = f", shards {run.placement}" if run.placement else ""

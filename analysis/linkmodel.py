@@ -92,13 +92,17 @@ def link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: 
     return sum(times)
 
 
-def run_link_time(run: Run, nbytes: float, messages: Sequence[float] | None = None) -> float | None:
-    """link_time for a run on an emulated network (None for a loopback run); messages as in
-    link_time, used when the run's ps-sync exchange was pipelined."""
+def run_link_time(run: Run, nbytes: float) -> float | None:
+    """link_time for a run on an emulated network (None for a loopback run), with its push
+    messages when its ps-sync exchange was pipelined."""
     net = run.summary.get("network")
     if not net or not net.get("rate_bits"):
         return None
     servers = int(run.config.get("servers", 1)) if run.label in PS else 1
-    pipelined = run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined"
+    messages = None
+    if run.label == "ps-sync" and run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined":
+        # Here, not at the top: costmodel imports this module, and reads model.pt with torch.
+        from .costmodel import push_messages
+        messages = push_messages(run)
     return link_time(run.label, int(run.summary["workers"]), servers, nbytes, float(net["rate_bits"]),
-                     net.get("placement", "colocated"), messages if pipelined else None)
+                     net.get("placement", "colocated"), messages)

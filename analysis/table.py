@@ -144,13 +144,13 @@ def rows(runs: list[Run]) -> list[dict]:
 def _link_theory(group: list[Run]) -> dict:
     """On an emulated network: the measured step, the step the link model predicts from the
     rate (compute + the busiest link's bytes at the rate) and their ratio; else nothing."""
-    from .costmodel import compute_time, measured_step, push_messages, wire_bytes
+    from .costmodel import compute_time, measured_step, wire_bytes
     from .linkmodel import run_link_time
 
     pairs = []
     for run in group:
         if run.summary.get("network") and run.records():
-            link = run_link_time(run, wire_bytes(run), push_messages(run) if run.label == "ps-sync" else None)
+            link = run_link_time(run, wire_bytes(run))
             if link is not None:
                 pairs.append((measured_step(run), compute_time(run) + link))
     if not pairs:

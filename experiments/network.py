@@ -195,7 +195,7 @@ class Host:
 
 
 QUEUE_MS = 10
-"""Most a link's queue holds, in milliseconds of its rate (tbf's latency): a switch port's or
+"""Most a link's queue holds past its burst, in milliseconds of its rate: a switch port's or
 fq_codel's few milliseconds, not a bufferbloated 200 ms, behind which a host that sends and
 receives at once also queues the ACKs of what it receives. With 200 ms of queue, a co-located
 ps-sync step at 2 workers inside `psar compare link-scaling` took 1.45 and 1.58 s (one rank
@@ -342,10 +342,14 @@ class Network:
         beforehand, and reads what they send it: the seconds from the common start until each
         host has all its bytes acknowledged and all the others' in (bare TCP, the traffic of
         co-located shards without psar). Raises NetworkError naming a host that fails."""
+        # Listeners first, connections a second before the common start, the bytes at it.
         script = ("import socket,sys,threading,time\n"
-                  "me,port,n,start=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),float(sys.argv[4])\n"
-                  "peers=sys.argv[5:]\n"
-                  "srv=socket.create_server((me,port)); srv.settimeout(start+30-time.time())\n"
+                  "me,port,n,start,limit=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),float(sys.argv[4]),"
+                  "float(sys.argv[5])\n"
+                  "peers=sys.argv[6:]\n"
+                  "srv=socket.create_server((me,port)); srv.settimeout(start+limit-time.time())\n"
+                  "time.sleep(max(0,start-1-time.time()))\n"
+                  "conns=[socket.create_connection((p,port),timeout=10) for p in peers]\n"
                   "ends=[]\n"
                   "def take(c):\n"
                   "    got=0\n"
@@ -362,14 +366,10 @@ class Network:
                   "    if c.recv(1)!=b'k': sys.exit(f'{me}: no acknowledgement')\n"
                   "givers=[threading.Thread(target=give,args=(c,)) for c in conns]\n"
                   "for t in takers+givers: t.start()\n"
-                  "for t in takers+givers: t.join(start+30-time.time())\n"
+                  "for t in takers+givers: t.join(start+limit-time.time())\n"
                   "print(max(ends+[time.time()])-start)\n")
-        # Listeners first, connections a second before the start, the bytes at the start.
-        script = script.replace("takers=", "time.sleep(max(0,start-1-time.time()))\n"
-                                "conns=[socket.create_connection((p,port),timeout=10) for p in peers]\n"
-                                "takers=", 1)
         start = time.time() + 2.0 + 0.3 * len(self.hosts)
-        procs = {name: subprocess.Popen(h.argv(sys.executable, "-c", script, h.addr, port, nbytes, start,
+        procs = {name: subprocess.Popen(h.argv(sys.executable, "-c", script, h.addr, port, nbytes, start, timeout_s,
                                                *[o.addr for o in self.hosts.values() if o is not h]),
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for name, h in self.hosts.items()}

@@ -60,6 +60,7 @@ class PSEngine:
         self.addresses = list(addresses)
         self.trace, self.settings, self.initializer = trace, settings, initializer
         self.shards = [rank]
+        self._phased = self.mode == "sync" and config.exchange == "phased"  # pull once every shard is done
         self._server_stats: list[dict] = []
         self.updates_lost = 0
         self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
@@ -154,13 +155,12 @@ class PSEngine:
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
         whole = len(self._bucket_dense) == len(self._bucket)  # no rows: the push asks for the values itself
-        phased = self.config.exchange == "phased"  # then step() pulls, once every shard is done
-        if self.mode == "sync" and whole and not phased:
+        if self.mode == "sync" and whole and not self._phased:
             self._pushes.append((name, time.time(), self.client.push(None, None, self._bucket, pull=True,
                                                                      next_version=True)))
         else:
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
-            if self.mode == "sync" and self._bucket_dense and not phased:
+            if self.mode == "sync" and self._bucket_dense and not self._phased:
                 self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
         self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
 
@@ -250,7 +250,7 @@ class PSEngine:
             if self.mode != "sync" and self._dense_keys:  # ssp waits on the clock; async sends it only so the server can record the gap
                 self._pulls = [(f"step {self._step}", time.time(),
                                 self.client.pull(self._dense_keys, clock=self._step + 1))]
-            waited = self._phase() if self.mode == "sync" and self.config.exchange == "phased" else 0.0
+            waited = self._phase() if self._phased else 0.0
             pushed = [self.client.wait(h) for _, _, h in self._pushes]
             pulled = [self.client.wait(h) for _, _, h in self._pulls]
             staleness = [r.staleness if isinstance(r, PullResult) else r for r in pushed]

@@ -296,21 +296,26 @@ class ShardServer:
         """Answer now if the pull's condition holds, else once it does (fields: more of the
         reply's header, a push+pull's staleness)."""
         self.counters["pulls"] += 1
-        if self._pull_ready(msg):
-            self._note_gap(msg)
-            return [self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)]
-        now = self.clock()
-        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s, fields))
-        return []
+        return self._answer_or_defer(peer, msg, fields)
 
     def _on_wait(self, peer: bytes, msg: Message) -> list[Reply]:
         """Answer, without values, once this shard's version reaches min_version (the whole
         step done, not only some keys); else once it does."""
+        return self._answer_or_defer(peer, msg, {})
+
+    def _answer_or_defer(self, peer: bytes, msg: Message, fields: dict) -> list[Reply]:
         if self._pull_ready(msg):
-            return [self._ok(peer, msg, version=self.version)]
+            return [self._answer(peer, msg, **fields)]
         now = self.clock()
-        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s, {}))
+        self._deferred.append(_Deferred(peer, msg, now, now + self.config.timeout_s, fields))
         return []
+
+    def _answer(self, peer: bytes, msg: Message, **fields: Any) -> Reply:
+        """The reply to a pull (its values) or a wait (the version) whose condition holds."""
+        if msg.op == "wait":
+            return self._ok(peer, msg, version=self.version, **fields)
+        self._note_gap(msg)
+        return self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)
 
     def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
         w, step, version = msg.worker, msg.get("step"), msg.get("version")
@@ -476,7 +481,7 @@ class ShardServer:
         return " and ".join(parts) or "nothing"
 
     def _release(self) -> list[Reply]:
-        """Answer the deferred pulls whose condition now holds."""
+        """Answer the deferred pulls and waits whose condition now holds."""
         if self.aborted:
             return []
         replies, now = [], self.clock()
@@ -486,12 +491,7 @@ class ShardServer:
             self.waits["count"] += 1
             self.waits["total_s"] += waited
             self.waits["max_s"] = max(self.waits["max_s"], waited)
-            if d.msg.op == "wait":
-                replies.append(self._ok(d.peer, d.msg, version=self.version, waited_us=int(waited * 1e6)))
-                continue
-            self._note_gap(d.msg)
-            replies.append(self._values(d.peer, d.msg, d.msg.keys or self.keys, exact=bool(d.msg.get("wait_left")),
-                                        waited_us=int(waited * 1e6), **d.fields))
+            replies.append(self._answer(d.peer, d.msg, waited_us=int(waited * 1e6), **d.fields))
         return replies
 
     def _lose(self, w: int, reason: str) -> None:

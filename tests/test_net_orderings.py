@@ -54,7 +54,7 @@ def test_spare_shards_divide_the_shard_links_load(tmp_path):
 def test_bare_tcp_between_two_hosts_and_among_four(capsys):
     """Bare TCP on 200mbit links, no psar: each host sends 17.5 MB a round, to its one peer or
     split over 3 (the co-located parameter server's traffic). A pair runs within 15% of the
-    bytes at the payload rate; the slowest of 4 is printed beside it (seen: 1.09 to 1.23)."""
+    bytes at the payload rate; the slowest of 4 is printed beside it (seen: 1.07 to 1.23)."""
     from analysis.linkmodel import PAYLOAD
 
     ratios = {}
