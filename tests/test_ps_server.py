@@ -109,6 +109,20 @@ def test_a_snapshot_buffer_is_reused_only_once_no_reply_points_at_it():
         assert [t.data_ptr() for t in reply.tensors] == second
 
 
+@pytest.mark.skipif(not hasattr(torch._C, "_storage_Use_Count"), reason="this torch keeps no storage use count")
+def test_an_older_snapshot_is_reused_while_a_newer_one_is_still_being_sent():
+    server, init = make("async", lr=1.0, async_scale="sum")
+    g = torch.ones(15, dtype=torch.float64)
+    (old,) = push(server, 0, 0, grads_of(g), pull=1)
+    first = [t.data_ptr() for t in old.tensors]
+    (newer,) = push(server, 0, 1, grads_of(g), pull=1)  # a new buffer: the first is held
+    del old  # sent; the newer reply is not yet
+    (reply,) = push(server, 0, 2, grads_of(g), pull=1)
+    assert [t.data_ptr() for t in reply.tensors] == first
+    assert torch.equal(torch.cat(newer.tensors), init - 2 * g)
+    assert torch.equal(torch.cat(reply.tensors), init - 3 * g)
+
+
 def test_push_with_pull_refuses_a_bad_flag_without_applying():
     server, init = make("async")
     err = push(server, 0, 0, grads_of(torch.ones(15, dtype=torch.float64)), pull=2)[0]
