@@ -226,16 +226,27 @@ def _floating_tensors(run: Run) -> list:
 
 def push_messages(run: Run) -> list[int]:
     """Bytes of each push message a ps worker sends a step, in the order they leave: the
-    model's parameters from last to first (the order backward produces their gradients),
-    gathered until a message holds ps.bucket_kb KiB, as the engine's buckets are."""
-    cap = run.config.get("ps", {}).get("bucket_kb", 1024.0) * 1024
-    sizes, bucket = [], 0
+    model's parameters from last to first (the order backward produces their gradients), each
+    cut into its keys (ps.chunk_mb, as the run's layout cuts it), gathered until a message
+    holds ps.bucket_kb KiB, as the engine's buckets are, even between one parameter's keys."""
+    from ps.config import PSConfig
+    from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, dtype_name
+
+    section = {**{"chunk_mb": PSConfig.chunk_mb, "bucket_kb": PSConfig.bucket_kb}, **run.config.get("ps", {})}
+    cap = section["bucket_kb"] * 1024
     params = [t for name, t in _floating_state(run).items() if not name.endswith(("running_mean", "running_var"))]
-    for t in reversed(params):
-        bucket += t.numel() * t.element_size()
-        if bucket >= cap:
-            sizes.append(bucket)
-            bucket = 0
+    if not params:
+        return []
+    specs = [ParamSpec(str(i), tuple(t.shape), dtype_name(t.dtype)) for i, t in enumerate(params)]
+    servers = int(run.config.get("servers", 1) or 1)
+    layout = build_layout(specs, servers, chunk_elems_from_mb(section["chunk_mb"], params[0].element_size()))
+    sizes, bucket = [], 0
+    for p in reversed(range(len(params))):
+        for key in layout.param_keys(p):
+            bucket += layout.nbytes(key)
+            if bucket >= cap:
+                sizes.append(bucket)
+                bucket = 0
     return sizes + [bucket] if bucket else sizes
 
 

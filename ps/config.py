@@ -20,8 +20,13 @@ class PSConfig:
     staleness: int = 2
     """ps-ssp bound s: a worker may run at most s clocks ahead of the slowest live worker."""
 
-    chunk_mb: float = 4.0
-    """Tensors larger than this many MiB are split into chunks (keys) spread over the shards."""
+    chunk_mb: float = 0.5
+    """Tensors larger than this many MiB are split into chunks (keys) spread over the shards.
+    A key is the unit of pipelining: a shard answers it once every worker has pushed it,
+    while later keys still arrive, so both directions of its link are busy; the wait for a
+    shard's first key, and the replies after its last, each cost a key from every worker. On
+    200mbit links (mlp-mid, 4 workers, 4 shards of their own) 1 MiB keys gave a 1.29 s step,
+    0.5 MiB 1.20 to 1.23 s."""
 
     timeout_s: float = 60.0
     """Longest single wait on a peer (a reply, a deferred pull) before it is an error."""
@@ -60,10 +65,11 @@ class PSConfig:
     """Pushes and pulls cast to "fp16" or "bf16" on the wire (half the bytes); the shards keep
     their master values and optimizer state in the parameters' own dtype. "none": as they are."""
 
-    bucket_kb: float = 1024.0
-    """Gradients of several parameters leave in one message per shard once they hold this many
-    KiB (or backward is done): fewer, larger messages, as DDP's buckets; 0: each parameter's
-    as soon as backward produces it."""
+    bucket_kb: float = 512.0
+    """Gradients leave in one message per shard once they hold this many KiB (or backward is
+    done): small parameters together, as DDP's buckets, and a large one's keys as soon as
+    each fills it (a message never waits for the rest of its parameter); 0: each parameter's
+    keys as soon as backward produces them."""
 
     exchange: str = "pipelined"
     """How a sync worker gets the step's new values back. "pipelined": each push asks for its

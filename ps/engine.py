@@ -137,15 +137,20 @@ class PSEngine:
         if self.mode == "sync":
             for k in keys:
                 self._want[k.shard] = self.client.versions.get(k.shard, 0) + 1
-        self._bucket.update(grads)
-        self._bucket_names.append(self._named[index][0])
-        if index not in self._tables:
-            self._bucket_dense += list(grads)
-        self._bucket_bytes += sum(g[0].nbytes + g[1].nbytes if isinstance(g, tuple) else g.nbytes
-                                  for g in grads.values())
+        # Key by key: a message leaves once it holds ps.bucket_kb, even between the keys of one
+        # parameter, so that a shard can answer its first pieces while later ones arrive.
+        name, cap = self._named[index][0], self.config.bucket_kb * 1024
         self._ready += 1
-        if self._bucket_bytes >= self.config.bucket_kb * 1024 or self._ready == len(self._named):
-            self._flush(step)
+        for j, (k, g) in enumerate(grads.items()):
+            self._bucket[k] = g
+            if not self._bucket_names or self._bucket_names[-1] != name:
+                self._bucket_names.append(name)
+            if index not in self._tables:
+                self._bucket_dense.append(k)
+            self._bucket_bytes += g[0].nbytes + g[1].nbytes if isinstance(g, tuple) else g.nbytes
+            last = j == len(grads) - 1
+            if self._bucket_bytes >= cap or (last and self._ready == len(self._named)):
+                self._flush(step)
 
     def _flush(self, step: int | None) -> None:
         """Push the bucket (one message per shard); under sync the same message asks for its

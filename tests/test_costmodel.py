@@ -221,19 +221,23 @@ def test_run_quantities(tmp_path):
     assert wire_bytes(compressed) == 2 * STATE_FLOATS
 
 
-def test_push_messages_follow_backward_and_the_bucket_size(tmp_path):
-    # Last parameter first (b, 64 bytes) joins w (2 MiB), which fills a 1 MiB bucket; the
-    # BatchNorm statistics are buffers, never pushed. Smaller buckets hold one parameter each.
+def test_push_messages_follow_backward_the_keys_and_the_bucket_size(tmp_path):
+    # Last parameter first (b, 64 bytes) joins w's first key: w (2 MiB) is cut into 4 keys of
+    # 512 KiB (ps.chunk_mb=0.5), and a 512 KiB bucket leaves between them. The BatchNorm
+    # statistics are buffers, never pushed. bucket_kb=0: a message per key; 4096: one in all.
     run = write_run(tmp_path / "r", "ps-sync")
-    w, b = 512 * 1024 * 4, 8 * 8
-    assert push_messages(run) == [b + w]
+    k, b = 512 * 1024, 8 * 8
+    assert push_messages(run) == [b + k, k, k, k]
     config = json.loads((run.path / "config.json").read_text())
     config["ps"] = {"bucket_kb": 0}
     (run.path / "config.json").write_text(json.dumps(config))
-    assert push_messages(load_run(run.path)) == [b, w]
+    assert push_messages(load_run(run.path)) == [b, k, k, k, k]
     config["ps"] = {"bucket_kb": 4096}
     (run.path / "config.json").write_text(json.dumps(config))
-    assert push_messages(load_run(run.path)) == [b + w]
+    assert push_messages(load_run(run.path)) == [b + 4 * k]
+    config["ps"] = {"bucket_kb": 1024, "chunk_mb": 4}
+    (run.path / "config.json").write_text(json.dumps(config))
+    assert push_messages(load_run(run.path)) == [b + 4 * k]
 
 
 def test_validate(tmp_path):

@@ -330,3 +330,38 @@ def test_compressed_wire_halves_the_bytes_and_keeps_float32_masters(compression,
     print(f"{compression}: relative difference {rel:.2e}, bytes in {bytes_in[compression] / bytes_in['none']:.3f}x")
     assert 0 < rel < tol, rel
     assert bytes_in[compression] < 0.6 * bytes_in["none"]
+
+
+@pytest.mark.timeout(60)
+def test_a_large_parameter_leaves_in_pieces_and_is_updated_as_one_step_would():
+    """A parameter of several keys leaves as a message per ps.bucket_kb, even between its own
+    keys, so a shard can answer its first pieces while later ones arrive; the update is a
+    plain SGD step all the same (float64)."""
+    from ps.engine import PSEngine
+    from ps.layout import chunk_elems_from_mb
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512).double()
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = PSConfig(chunk_mb=0.25, bucket_kb=256, **FAST)
+    specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
+    layout = build_layout(specs, 2, chunk_elems_from_mb(cfg.chunk_mb, 8))
+    assert len(layout.param_keys(0)) == 8  # the 2 MiB weight: 8 keys of 256 KiB, 4 a shard
+    x, y = torch.randn(16, 512, dtype=torch.float64), torch.randn(16, 512, dtype=torch.float64)
+    sent = []
+    with LocalCluster(layout, before, lambda p: torch.optim.SGD(p, lr=0.1), "sync", 1, cfg) as cluster:
+        engine = PSEngine(0, 1, torch.device("cpu"), cluster.addresses, "sync", cfg,
+                          trace=lambda name, *a, **k: sent.append(name))
+        engine.attach(model, None)
+        engine.backward(torch.nn.functional.mse_loss(model(x), y))
+        engine.step()
+        engine.close()
+    pushes = [n for n in sent if n.startswith("push+pull")]
+    assert len(pushes) >= 8, pushes  # a message per key of the weight (before: one per shard)
+    reference = torch.nn.Linear(512, 512).double()
+    with torch.no_grad():
+        for p, b in zip(reference.parameters(), before):
+            p.copy_(b)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, r - 0.1 * r.grad, rtol=0, atol=1e-12)
