@@ -4,6 +4,7 @@ even by a run that was killed. Needs root and iproute2; skipped elsewhere, with 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,66 @@ def test_each_way_runs_at_the_rate_at_once():
     for measured in rates:
         assert abs(measured / 200e6 - 1) < 0.15, f"{measured / 1e6:.0f} Mbit/s on a 200mbit link"
     assert counters["tx_bytes"] > 0.8 * 2.0 * 200e6 / 8 and counters["rx_bytes"] > 0.8 * 2.0 * 200e6 / 8
+
+
+# Send to every peer given at once, one flow each, for SECONDS; a peer counts what it gets.
+FAN_OUT = """
+import socket, sys, threading, time
+me, port, seconds, peers = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
+chunk = b"x" * (1 << 16)
+def send(peer):
+    for _ in range(100):
+        try:
+            out = socket.create_connection((peer, port), timeout=5); break
+        except OSError:
+            time.sleep(0.05)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        out.sendall(chunk)
+    out.close()
+threads = [threading.Thread(target=send, args=(p,)) for p in peers]
+for t in threads: t.start()
+for t in threads: t.join(60)
+"""
+SINK = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+conn, _ = server.accept()
+n, start = 0, None
+while True:
+    data = conn.recv(1 << 16)
+    if not data:
+        break
+    start = start or time.monotonic()
+    n += len(data)
+    last = time.monotonic()
+print(n * 8 / (last - start))
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_a_host_shares_its_link_equally_among_its_peers_and_drops_none_of_its_own():
+    """A NIC under fair queueing: a host sending to two peers at once gives each half of its
+    rate, and its own queue never drops what its flows hand it."""
+    with Network(("a", "b", "c"), rate="200mbit") as net:
+        a, b, c = (net.hosts[n] for n in "abc")
+        sinks = [subprocess.Popen(h.argv(sys.executable, "-c", SINK, h.addr, 6001), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for h in (b, c)]
+        time.sleep(0.5)
+        source = subprocess.run(a.argv(sys.executable, "-c", FAN_OUT, a.addr, 6001, 3.0, b.addr, c.addr),
+                                capture_output=True, text=True, timeout=60)
+        assert source.returncode == 0, source.stderr
+        rates = []
+        for p in sinks:
+            out, err = p.communicate(timeout=30)
+            assert p.returncode == 0, err
+            rates.append(float(out) / 1e6)
+        drops = network.run("tc", "-n", a.netns, "-s", "qdisc", "show", "dev", network.IFNAME).stdout
+    print(f"one host to two peers on 200mbit: {rates[0]:.1f} and {rates[1]:.1f} Mbit/s")
+    assert all(70 < r < 120 for r in rates), rates
+    assert sum(rates) > 170, rates
+    assert "dropped 0," in drops and not re.search(r"dropped [1-9]", drops), drops
 
 
 @needs_netns
