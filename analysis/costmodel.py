@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .linkmodel import run_link_time
+from .linkmodel import run_link_time, run_psar_link_time
 from .results import Run, median
 
 MIB = 2**20
@@ -316,10 +316,12 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
         buckets = run_buckets(run, nbytes) if label in LIBRARY_LABELS + RING_LABELS else None
         compute_s = compute_time(run)
         link = run_link_time(run, nbytes)
+        psar_s = None
         if link is not None:
             net = run.summary["network"]
             where = f", shards {run.placement}" if run.placement else ""
-            predicted, basis = compute_s + link, f"link {net['rate']}{where}"
+            predicted, basis = compute_s + link, f"ideal at {net['rate']}{where}"
+            psar_s = compute_s + run_psar_link_time(run, nbytes)
         elif model is None:
             raise ValueError(f"{run.path} ran on loopback: its prediction needs a bench fit (--bench)")
         else:
@@ -328,22 +330,25 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
         measured = measured_step(run)
         rows.append({"label": label, "workers": workers, "servers": servers,
                      "M_MB": nbytes / 1e6, "buckets": buckets, "compute_s": compute_s,
-                     "predicted_s": predicted, "measured_s": measured, "basis": basis,
+                     "predicted_s": predicted, "measured_s": measured, "basis": basis, "psar_model_s": psar_s,
                      "error": predicted / measured - 1.0})
     return sorted(rows, key=lambda r: (r["label"], r["workers"], r["servers"] or 0))
 
 
 def format_validation(rows: list[dict], tolerance: float = 0.25) -> str:
-    """A plain text table of validate()'s rows, ending with how many are within `tolerance`."""
+    """A plain text table of validate()'s rows, ending with how many are within `tolerance`.
+    On an emulated network `predicted` is the algorithm's ideal, and `psar model` the model
+    of psar's own exchange beside it."""
     head = (f"{'engine':<18} {'N':>4} {'S':>4} {'M(MB)':>9} {'B':>3} {'compute(s)':>11} "
-            f"{'predicted(s)':>13} {'measured(s)':>12} {'error':>8}  basis")
+            f"{'predicted(s)':>13} {'measured(s)':>12} {'error':>8} {'psar model(s)':>14}  basis")
     lines = [head]
     for r in rows:
         servers = "-" if r["servers"] is None else str(r["servers"])
         buckets = "-" if r.get("buckets") is None else str(r["buckets"])
+        psar = "-" if r.get("psar_model_s") is None else f"{r['psar_model_s']:.4f}"
         lines.append(f"{r['label']:<18} {r['workers']:>4} {servers:>4} {r['M_MB']:>9.3f} {buckets:>3} "
                      f"{r['compute_s']:>11.4f} {r['predicted_s']:>13.4f} {r['measured_s']:>12.4f} "
-                     f"{r['error']:>+8.1%}  {r.get('basis', '')}")
+                     f"{r['error']:>+8.1%} {psar:>14}  {r.get('basis', '')}")
     within = sum(1 for r in rows if abs(r["error"]) <= tolerance)
     lines.append(f"within {tolerance:.0%}: {within} of {len(rows)} runs")
     return "\n".join(lines)

@@ -1,30 +1,29 @@
 """Communication time on a known link (`--net RATE`): no fitted bandwidth, the rate itself.
 
 Every host sends and receives at RATE bits/s at once (full duplex), of which the TCP payload
-is PAYLOAD (the rest is the headers of each frame). A step's communication is one or more
-phases that follow each other; a phase lasts as long as the busiest host needs for its
-busier direction. Bytes each host's link carries, with M gradient bytes per worker, N
-workers and S shards:
+is PAYLOAD (the rest is the headers of each frame). Bytes each host's link carries per step,
+with M gradient bytes per worker, N workers and S shards (`phases`):
 
-- ring all-reduce (ours or the backend's, and ddp), one phase: every host sends and receives
+- ring all-reduce (ours or the backend's, and ddp): every host sends and receives
   2(N-1)/N * M (reduce-scatter, then all-gather, each sending while it receives).
-- parameter server, two phases: the pushes, then the pulls (a shard answers a pull with the
-  parameters the pushes produced). Shards on hosts of their own: in each phase a worker's
-  link carries M and a shard's N*M/S, so the phases take 2 * max(M, N*M/S) / RATE.
+- parameter server: the pushes, and the pulls that return the parameters they produced.
+  Shards on hosts of their own: a worker's link carries M each way, a shard's N*M/S.
   Co-located, shard s on worker s mod N's host: what a worker pushes to its own host's
   shards and pulls back never leaves the host; host h holding c_h of the S shards sends
-  M*(1 - c_h/S) of pushes and receives (N-1)*M*c_h/S of the others' in the push phase, and
-  the reverse in the pull phase. With S = N that is (N-1)/N * M each way in each phase: the
-  ring's 2(N-1)/N * M in all.
-  The phases follow each other as they are with ps.exchange=phased. With ps-sync's default
-  pipelined exchange a shard answers each push message as soon as every worker has sent it,
-  so where pushes and replies have links of their own (separate shards) the replies of
-  early messages overlap later pushes: message i carrying the fraction f_i of the gradient,
-  in the order they leave, is in at P * (f_1 + ... + f_i), P the push phase, and its reply
-  takes P' * f_i after the reply before it (`overlapped`). Co-located, a reply shares its
-  host's links with the pushes to that host's own shard, so nothing is gained: there, and
-  wherever many hosts send to many at once, the phases are a bound from below (TCP does not
-  share a link among several flows perfectly).
+  M*(1 - c_h/S) of pushes and receives (N-1)*M*c_h/S of the others', and the reverse for
+  the pulls. With S = N that is 2(N-1)/N * M each way: the ring's.
+
+`link_time` is the algorithm's ideal, the theory column of every table: a perfect
+implementation on these links, each direction busy all step (a shard answers each small
+piece once every worker has pushed it, while later pieces arrive), so the step's
+communication lasts as long as the busiest host needs for its busier direction: the ring
+2(N-1)/N * M/B, separate shards max(M, N*M/S)/B, co-located shards as the ring. A run far
+above it is psar's gap to close, not a match to report.
+
+`psar_link_time` models psar's own exchange beside it: pushes and pulls as two phases that
+follow each other (ps.exchange=phased, ps-async and ps-ssp), each as long as its busiest link
+needs; ps-sync's pipelined exchange with separate shards overlaps them message by message
+(`overlapped`), the messages' sizes read off the run (costmodel.push_messages).
 """
 
 from __future__ import annotations
@@ -81,10 +80,22 @@ def overlapped(push_s: float, pull_s: float, fractions: Sequence[float]) -> floa
 
 
 def link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: float,
-              placement: str = "colocated", messages: Sequence[float] | None = None) -> float:
-    """Seconds of communication per step: each phase's busiest host and direction, at the
-    payload rate of rate_bits. messages: ps-sync's pipelined exchange, the fractions of the
-    gradient its push messages carry in the order they leave (overlapped when separate)."""
+              placement: str = "colocated") -> float:
+    """The algorithm's ideal seconds of communication per step: every phase's bytes at once,
+    full duplex, the busiest host's busier direction at the payload rate of rate_bits."""
+    steps = phases(label, workers, servers, nbytes, placement)
+    hosts = {h for phase in steps for h in phase}
+    worst = max((max(sum(p[h][0] for p in steps if h in p), sum(p[h][1] for p in steps if h in p))
+                 for h in hosts), default=0.0)
+    return worst * 8 / (rate_bits * PAYLOAD)
+
+
+def psar_link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: float,
+                   placement: str = "colocated", messages: Sequence[float] | None = None) -> float:
+    """psar's exchange: each phase's busiest host and direction, the phases one after the
+    other, at the payload rate of rate_bits. messages: ps-sync's pipelined exchange, the
+    fractions of the gradient its push messages carry in the order they leave (overlapped
+    when separate)."""
     times = [max(max(out, inn) for out, inn in phase.values()) * 8 / (rate_bits * PAYLOAD)
              for phase in phases(label, workers, servers, nbytes, placement)]
     if messages and label == "ps-sync" and placement == "separate":
@@ -92,17 +103,34 @@ def link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: 
     return sum(times)
 
 
-def run_link_time(run: Run, nbytes: float) -> float | None:
-    """link_time for a run on an emulated network (None for a loopback run), with its push
-    messages when its ps-sync exchange was pipelined."""
+def _network(run: Run) -> dict | None:
     net = run.summary.get("network")
-    if not net or not net.get("rate_bits"):
-        return None
+    return net if net and net.get("rate_bits") else None
+
+
+def _shape(run: Run) -> tuple[str, int, int]:
     servers = int(run.config.get("servers", 1)) if run.label in PS else 1
+    return run.label, int(run.summary["workers"]), servers
+
+
+def run_link_time(run: Run, nbytes: float) -> float | None:
+    """link_time, the ideal, for a run on an emulated network (None for a loopback run)."""
+    net = _network(run)
+    if net is None:
+        return None
+    return link_time(*_shape(run), nbytes, float(net["rate_bits"]), net.get("placement", "colocated"))
+
+
+def run_psar_link_time(run: Run, nbytes: float) -> float | None:
+    """psar_link_time for a run on an emulated network (None for a loopback run), with its
+    push messages when its ps-sync exchange was pipelined."""
+    net = _network(run)
+    if net is None:
+        return None
     messages = None
     if run.label == "ps-sync" and run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined":
         # Here, not at the top: costmodel imports this module, and reads model.pt with torch.
         from .costmodel import push_messages
         messages = push_messages(run)
-    return link_time(run.label, int(run.summary["workers"]), servers, nbytes, float(net["rate_bits"]),
-                     net.get("placement", "colocated"), messages)
+    return psar_link_time(*_shape(run), nbytes, float(net["rate_bits"]), net.get("placement", "colocated"),
+                          messages)

@@ -1,8 +1,9 @@
-"""The link model's bytes per host and phase, case by case (M = 1: fractions of M)."""
+"""The link model's bytes per host and phase, case by case (M = 1: fractions of M); the
+algorithm's ideal from them, and the model of psar's own exchange beside it."""
 
 import pytest
 
-from analysis.linkmodel import PAYLOAD, link_time, overlapped, phases
+from analysis.linkmodel import PAYLOAD, link_time, overlapped, phases, psar_link_time
 
 
 def _busiest(label, n, s, placement):
@@ -43,6 +44,21 @@ def test_link_time_at_the_rate():
         link_time("ps-sync", 2, 1, 1.0, 1.0, "sideways")
 
 
+@pytest.mark.parametrize("label,n,s,placement,expected", [
+    ("allreduce", 4, 1, "colocated", 1.5),          # 2(N-1)/N
+    ("ps-sync", 2, 1, "separate", 2.0),             # the shard's link: N*M each way, at once
+    ("ps-sync", 4, 2, "separate", 2.0),
+    ("ps-sync", 4, 4, "separate", 1.0),             # BytePS: k = N spare shards, M/B
+    ("ps-sync", 4, 8, "separate", 1.0),             # never below the workers' own links
+    ("ps-async", 4, 4, "colocated", 1.5),           # co-located: as the ring
+    ("ps-sync", 3, 3, "colocated", 4 / 3),
+])
+def test_the_ideal_is_full_duplex_and_finely_pipelined(label, n, s, placement, expected):
+    assert link_time(label, n, s, 1.0, 8.0 / PAYLOAD, placement) == pytest.approx(expected)
+    # psar's two-phase exchange is never faster than the ideal
+    assert psar_link_time(label, n, s, 1.0, 8.0 / PAYLOAD, placement) >= expected - 1e-12
+
+
 def test_overlap_of_pipelined_replies():
     # One message: nothing to overlap. Two halves: the first half's reply runs while the
     # second half is pushed. Many small ones: the pull hides behind the push but for the last.
@@ -57,9 +73,10 @@ def test_overlap_of_pipelined_replies():
 
 
 def test_messages_overlap_only_separate_ps_sync():
-    two_phase = link_time("ps-sync", 4, 1, 1e6, 1e6, "separate")
-    assert link_time("ps-sync", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(0.75 * two_phase)
+    two_phase = psar_link_time("ps-sync", 4, 1, 1e6, 1e6, "separate")
+    assert two_phase == pytest.approx(2 * link_time("ps-sync", 4, 1, 1e6, 1e6, "separate"))
+    assert psar_link_time("ps-sync", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(0.75 * two_phase)
     # Co-located, replies share the links with the pushes; async pulls once all is pushed.
-    assert link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated", [0.5, 0.5]) == \
-        pytest.approx(link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated"))
-    assert link_time("ps-async", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(two_phase)
+    assert psar_link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated", [0.5, 0.5]) == \
+        pytest.approx(psar_link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated"))
+    assert psar_link_time("ps-async", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(two_phase)
