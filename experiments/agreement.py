@@ -18,7 +18,7 @@ from .overrides import to_dict
 
 LOCAL = ("threads", "trace", "tensorboard", "timeout_s", "eval_batch_size", "device", "checkpoint.",
          "ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
-         "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "net.")
+         "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb", "net.")
 """Settings each process may choose for itself (keys, or prefixes ending in a dot)."""
 
 WORKERS_ONLY = ("steps", "batch_size", "data.")

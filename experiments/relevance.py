@@ -17,6 +17,8 @@ READ_BY: list[tuple[str, tuple[str, ...]]] = [
     ("allreduce.sparse", ("allreduce",)),
     ("allreduce.", ("allreduce", "ddp")),
     ("ps.staleness", ("ps-ssp",)),
+    ("ps.window_mb", ("ps-sync",)),
+    ("ps.exchange", ("ps-sync",)),
     ("ps.async_scale", ("ps-async", "ps-ssp")),
     ("ps.", ("ps-sync", "ps-async", "ps-ssp")),
     ("servers", ("ps-sync", "ps-async", "ps-ssp")),

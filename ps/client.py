@@ -12,7 +12,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -27,6 +27,11 @@ from ps.transport import ClientTransport, PeerTimeout, TransportError, poll_many
 log = logging.getLogger("psar.ps.client")
 
 __all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "PullResult"]
+
+
+UNBLOCK_S = 0.5
+"""With push+pulls held by the window, a wait that hears nothing for this long sends the next
+ones anyway (see PSClient._unblock)."""
 
 
 class PSError(RuntimeError):
@@ -82,11 +87,13 @@ class PSClient:
         curve_name: which client keypair of curve_dir to use (default "worker").
         compression: "none", "fp16" or "bf16": pushes leave cast to that dtype, and pulls may
             come in it (ps.compression; the shards must have the same).
+        window_mb: most bytes of push+pull messages a shard may hold unanswered from this
+            client (ps.window_mb); later ones wait here until replies come. 0 (default): none.
     """
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float = 60.0, heartbeat_s: float = 1.0,
                  context: Any = None, max_message_mb: float = 1024.0, curve_dir: str = "",
-                 curve_name: str = "worker", compression: str = "none"):
+                 curve_name: str = "worker", compression: str = "none", window_mb: float = 0.0):
         if not addresses:
             raise ValueError("PSClient needs at least one server address")
         self.addresses, self.worker = list(addresses), worker
@@ -100,6 +107,10 @@ class PSClient:
                               max_tensor_bytes=self._max_bytes)
         self._transports = [self._transport(a) for a in self.addresses]
         self._inflight: dict[int, Handle] = {}
+        self._window = int(window_mb * (1 << 20))
+        self._held: dict[int, deque] = defaultdict(deque)  # shard -> [(req, frames, bytes)] the window holds
+        self._unanswered: dict[int, int] = defaultdict(int)  # shard -> bytes of push+pulls it has not answered
+        self._counted: dict[int, tuple[int, int]] = {}  # req -> (shard, bytes), push+pulls in the window
         self._reqs = itertools.count(1)
         self.layout: Layout | None = None
         self.versions: dict[int, int] = {}
@@ -367,12 +378,48 @@ class PSClient:
         for s, (header, tensors, *ids) in per_shard.items():
             req = next(self._reqs)
             frames = encode({**header, "worker": self.worker, "req": req}, tensors, ids[0] if ids else None)
-            self._transports[s].send(frames)
-            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            nbytes = sum(memoryview(f).nbytes for f in frames)
+            if kind == "push+pull" and self._window and (self._held[s] or not self._fits(s, nbytes)):
+                self._held[s].append((req, frames, nbytes))
+            else:
+                self._send(s, req, frames, nbytes, counted=kind == "push+pull")
             h.pending[req] = s
             h.keep.append((tensors, ids))
             self._inflight[req] = h
         return h
+
+    # A window of push+pulls per shard: each is answered once every worker has pushed its
+    # keys, so a worker whose flow to a shard runs ahead of the others' fills its window and
+    # waits, leaving that shard's link to the workers behind (whose pieces the shard needs
+    # before it can answer anyone). Without it, one shard and 2 workers on 200mbit: 2.19 s a
+    # step; with 3 MiB, 2.11 s (4 workers: 4.79 s, 4.45 s; the ideal 1.95 s and 3.90 s).
+
+    def _fits(self, s: int, nbytes: int) -> bool:
+        return not self._unanswered[s] or self._unanswered[s] + nbytes <= self._window
+
+    def _send(self, s: int, req: int, frames: list, nbytes: int, counted: bool = False) -> None:
+        self._transports[s].send(frames)
+        self.bytes_sent += nbytes
+        if counted and self._window:
+            self._unanswered[s] += nbytes
+            self._counted[req] = (s, nbytes)
+
+    def _release(self, req: int) -> None:
+        """req was answered (or abandoned): send what the window now lets through."""
+        s, nbytes = self._counted.pop(req, (None, 0))
+        if s is None:
+            return
+        self._unanswered[s] -= nbytes
+        held = self._held[s]
+        while held and self._fits(s, held[0][2]):
+            self._send(s, *held.popleft(), counted=True)
+
+    def _unblock(self) -> None:
+        """Nothing came for a while with messages held: send each shard's next one anyway, so
+        that workers whose keys leave in different orders can never wait on each other."""
+        for s, held in self._held.items():
+            if held:
+                self._send(s, *held.popleft(), counted=True)
 
     def _wait_replies(self, h: Handle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -390,7 +437,13 @@ class PSClient:
                                   f"to {h.kind} (req {sorted(h.pending)}){hint}")
             # Wake at least every heartbeat interval: what the heartbeats learn (a shard gone
             # silent, or restarted) must end this wait, not the timeout.
-            self._progress(min(left, self.heartbeat_s) if self._hb_thread is not None else left)
+            wait_s = min(left, self.heartbeat_s) if self._hb_thread is not None else left
+            if any(self._held.values()):
+                wait_s = min(wait_s, UNBLOCK_S)
+                if not self._progress(wait_s):
+                    self._unblock()
+            else:
+                self._progress(wait_s)
         h.keep.clear()
         if h.error is not None:
             raise h.error
@@ -421,15 +474,22 @@ class PSClient:
         for h in self._inflight.values():
             h.pending.clear()
         self._inflight.clear()
+        self._held.clear()
+        self._unanswered.clear()
+        self._counted.clear()
 
-    def _progress(self, timeout_s: float) -> None:
-        """Wait at most timeout_s for replies on the shards with requests in flight; file them."""
+    def _progress(self, timeout_s: float) -> int:
+        """Wait at most timeout_s for replies on the shards with requests in flight; file
+        them; how many came."""
         shards = sorted(set(s for h in self._inflight.values() for s in h.pending.values()))
         transports = [self._transports[s] for s in shards]
+        came = 0
         for t in poll_many(transports, timeout_s):
             s = self._transports.index(t)
             while t.readable(0):
                 self._file(s, t.recv(0))
+                came += 1
+        return came
 
     def _file(self, s: int, frames: list) -> None:
         self.bytes_recv += sum(f.nbytes for f in frames)
@@ -438,6 +498,7 @@ class PSClient:
         except ProtocolError as e:
             raise PSError(f"malformed reply from {self.addresses[s]} (shard {s}): {e}") from e
         h = self._inflight.pop(msg.req, None)
+        self._release(msg.req)
         if h is None:
             if msg.op == "error" and msg.req == -1:  # the server could not even read our request id
                 raise PSError(f"{self.addresses[s]} (shard {s}) refused a message: {msg.get('error')}")

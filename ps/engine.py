@@ -71,7 +71,8 @@ class PSEngine:
                                heartbeat_s=self.config.heartbeat_s,
                                max_message_mb=self.config.max_message_mb,
                                curve_dir=self.config.curve_dir, curve_name=self.config.curve_name,
-                               compression=self.config.compression)
+                               compression=self.config.compression,
+                               window_mb=self.config.window_mb if self.mode == "sync" else 0.0)
         if self.initializer is not None and self.rank == 0:
             self.client.init(*self.initializer(model, make_optimizer))
         layout, version, values = self._join()

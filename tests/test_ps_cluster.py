@@ -365,3 +365,52 @@ def test_a_large_parameter_leaves_in_pieces_and_is_updated_as_one_step_would():
     torch.nn.functional.mse_loss(reference(x), y).backward()
     for p, r in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p, r - 0.1 * r.grad, rtol=0, atol=1e-12)
+
+
+def _three_keys():
+    specs = [ParamSpec(n, (64,), "float64") for n in "abc"]
+    layout = build_layout(specs, 1, 1 << 20)
+    return layout, [torch.zeros(64, dtype=torch.float64) for _ in specs]
+
+
+@pytest.mark.timeout(30)
+def test_the_window_holds_push_pulls_until_the_shard_answers():
+    """With room for one push+pull, a worker's later ones wait on the worker until the shard
+    answers the first, which it does once the other worker has pushed that key too."""
+    layout, init = _three_keys()
+    g = torch.ones(64, dtype=torch.float64)
+    one = 600 / (1 << 20)  # a message of one 64-value key fits; two do not
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "sync", 2, PSConfig(**FAST)) as cluster:
+        c0, c1 = cluster.client(0, window_mb=one), cluster.client(1, window_mb=one)
+        c0.join(), c1.join()
+        first = [c0.push(None, None, {k: g}, pull=True, next_version=True) for k in range(3)]
+        assert sum(s["pushes"] for s in c1.stats()) == 1  # two held on worker 0
+        second = [c1.push(None, None, {k: g}, pull=True, next_version=True) for k in range(3)]
+        results = {}
+        run_workers(lambda w: results.setdefault(w, [(c0, c1)[w].wait(h) for h in (first, second)[w]]), 2)
+        for w in (0, 1):
+            assert [r.versions[0] for r in results[w]] == [1, 1, 1]
+            assert all(torch.equal(v, -g) for r in results[w] for v in r.values.values())
+        c0.close(), c1.close()
+
+
+@pytest.mark.timeout(30)
+def test_workers_whose_keys_leave_in_other_orders_never_wait_on_each_other():
+    """Worker 0 pushes keys 0, 1, 2 and worker 1 pushes 2, 1, 0, each with room for one: each
+    holds what the other needs, until a wait that hears nothing sends the next one anyway."""
+    layout, init = _three_keys()
+    g = torch.ones(64, dtype=torch.float64)
+    one = 600 / (1 << 20)
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "sync", 2, PSConfig(**FAST)) as cluster:
+        clients = [cluster.client(w, window_mb=one) for w in (0, 1)]
+        for c in clients:
+            c.join()
+        orders = ([0, 1, 2], [2, 1, 0])
+        handles = [[c.push(None, None, {k: g}, pull=True, next_version=True) for k in order]
+                   for c, order in zip(clients, orders)]
+        results = {}
+        run_workers(lambda w: results.setdefault(w, [clients[w].wait(h) for h in handles[w]]), 2)
+        for w in (0, 1):
+            assert all(torch.equal(v, -g) for r in results[w] for v in r.values.values())
+        for c in clients:
+            c.close()
