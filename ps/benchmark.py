@@ -54,13 +54,37 @@ def serve(echo_addr: str, ps_addr: str) -> None:
     thread.join(5)
 
 
-def _echo_round_trip(client: ClientTransport, payload: torch.Tensor) -> None:
-    client.send([b"x", memoryview(payload.numpy()).cast("B")])
-    client.recv(CONFIG.timeout_s, "echo")
+WINDOW_BYTES = 3 << 20
+"""The streamed columns keep this many bytes of messages in flight (ps.window_mb's default),
+as the sync engine does with its pieces."""
+
+
+def _echo_stream(client: ClientTransport, payload: torch.Tensor, iters: int, depth: int) -> None:
+    frames = [b"x", memoryview(payload.numpy()).cast("B")]
+    for i in range(iters + depth):
+        if i < iters:
+            client.send(frames)
+        if i >= depth - 1 and i - depth + 1 < iters:
+            client.recv(CONFIG.timeout_s, "echo")
+
+
+def _ps_stream(ps: PSClient, key: int, payload: torch.Tensor, iters: int, depth: int, step: int) -> int:
+    """iters push+pulls of payload to key, depth of them in flight; the next step number."""
+    inflight = []
+    for _ in range(iters):
+        if len(inflight) == depth:
+            ps.wait(inflight.pop(0))
+        inflight.append(ps.push(step, None, {key: payload}, pull=True))
+        step += 1
+    for h in inflight:
+        ps.wait(h)
+    return step
 
 
 def measure(echo_addr: str, ps_addr: str, rounds: int = 5) -> list[dict]:
-    """Median seconds per round trip for each size: plain ZeroMQ and PS push+pull, interleaved."""
+    """Median seconds per message for each size, plain ZeroMQ round trips and PS push+pulls
+    (one message each way, as the sync engine sends its pieces), interleaved: one at a time
+    (latency), and streamed with WINDOW_BYTES in flight (throughput, at most 8 messages)."""
     echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     ps = PSClient([ps_addr], 0, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
     layout, _, _ = ps.join()
@@ -71,23 +95,22 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 5) -> list[dict]:
             key = layout.param_keys(index)[0].id
             payload = torch.ones(nbytes // 4)
             iters = max(2, min(200, (64 * 2**20) // nbytes // 8))
-            zmq_t, ps_t = [], []
-            for r in range(rounds + 1):
-                start = time.perf_counter()
-                for _ in range(iters):
-                    _echo_round_trip(echo, payload)
-                mid = time.perf_counter()
-                for _ in range(iters):  # one message each way, as the sync engine sends its buckets
-                    ps.wait(ps.push(step, None, {key: payload}, pull=True))
-                    step += 1
-                end = time.perf_counter()
-                if r:  # the first round warms up
-                    zmq_t.append((mid - start) / iters)
-                    ps_t.append((end - mid) / iters)
-            z, p = statistics.median(zmq_t), statistics.median(ps_t)
-            rows.append({"bytes": nbytes, "zmq_us": z * 1e6, "ps_us": p * 1e6,
-                         "zmq_gbs": 2 * nbytes / z / 1e9, "ps_gbs": 2 * nbytes / p / 1e9,
-                         "ratio": z / p})
+            row = {"bytes": nbytes}
+            for name, depth in (("", 1), ("stream_", max(1, min(8, WINDOW_BYTES // nbytes)))):
+                zmq_t, ps_t = [], []
+                for r in range(rounds + 1):
+                    start = time.perf_counter()
+                    _echo_stream(echo, payload, iters, depth)
+                    mid = time.perf_counter()
+                    step = _ps_stream(ps, key, payload, iters, depth, step)
+                    end = time.perf_counter()
+                    if r:  # the first round warms up
+                        zmq_t.append((mid - start) / iters)
+                        ps_t.append((end - mid) / iters)
+                z, p = statistics.median(zmq_t), statistics.median(ps_t)
+                row.update({f"{name}zmq_us": z * 1e6, f"{name}ps_us": p * 1e6, f"{name}zmq_gbs": 2 * nbytes / z / 1e9,
+                            f"{name}ps_gbs": 2 * nbytes / p / 1e9, f"{name}ratio": z / p, f"{name}depth": depth})
+            rows.append(row)
         echo.send([b"stop"])
         echo.recv(CONFIG.timeout_s, "echo stop")
     finally:
