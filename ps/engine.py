@@ -102,6 +102,7 @@ class PSEngine:
         self._bucket_names: list[str] = []
         self._bucket_dense: list[int] = []  # its keys whose next values a sync pull asks for
         self._bucket_bytes = 0
+        self._returned: set[int] = set()  # dense keys whose values come back with their push this step
         self._ready = 0  # parameters whose gradient arrived this step
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
@@ -161,9 +162,13 @@ class PSEngine:
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
         whole = len(self._bucket_dense) == len(self._bucket)  # no rows: the push asks for the values itself
-        if self.mode == "sync" and whole and not self._phased:
-            self._pushes.append((name, time.time(), self.client.push(None, None, self._bucket, pull=True,
-                                                                     next_version=True)))
+        if whole and not self._phased:
+            # sync: the keys' next values; async and ssp: their values once this push is applied
+            # (ssp: once the clock is within the bound), so that they come back while later
+            # pieces are pushed instead of in one pull after the last.
+            ask = {"next_version": True} if self.mode == "sync" else {"clock": self._step + 1}
+            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, pull=True, **ask)))
+            self._returned.update(self._bucket_dense)
         else:
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
             if self.mode == "sync" and self._bucket_dense and not self._phased:
@@ -253,9 +258,10 @@ class PSEngine:
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.
         try:
-            if self.mode != "sync" and self._dense_keys:  # ssp waits on the clock; async sends it only so the server can record the gap
-                self._pulls = [(f"step {self._step}", time.time(),
-                                self.client.pull(self._dense_keys, clock=self._step + 1))]
+            rest = [k for k in self._dense_keys if k not in self._returned]  # not answered with their push
+            if self.mode != "sync" and rest:  # ssp waits on the clock; async sends it only so the server can record the gap
+                self._pulls = [(f"step {self._step}", time.time(), self.client.pull(rest, clock=self._step + 1))]
+            self._returned = set()
             waited = self._phase() if self._phased else 0.0
             pushed = [self.client.wait(h) for _, _, h in self._pushes]
             pulled = [self.client.wait(h) for _, _, h in self._pulls]
