@@ -8,8 +8,10 @@ sync that message also asks for the bucket's next values (push+pull), which a sh
 as its reply, as soon as every worker has pushed them: the values of early buckets come back
 while later ones are still being pushed (ps.exchange=pipelined); or, with ps.exchange=phased,
 the worker pulls only once every shard has finished the step, so that no reply shares a
-link with a push (shards co-located with workers). `step()` waits for the pushes and the pulls (async and ssp pull then:
-whatever is current, or within the staleness bound) and copies the values into the model. The optimizer
+link with a push (shards co-located with workers). Under async and ssp each push asks for
+its keys' values once it is applied (ssp: within the staleness bound), so they too come back
+while later pieces leave. `step()` waits for the pushes and the pulls and copies the values
+into the model. The optimizer
 runs on the servers, so the `make_optimizer` given to attach is not used here.
 
 Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
