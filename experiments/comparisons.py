@@ -70,8 +70,7 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
                                                   for k in (1, 2, 4)),
         claim="Spare CPU hosts as server shards: with k shards of their own, a shard's link carries "
               "N*M/k each way, so the step falls as k grows until the workers' own links bound it "
-              "at k = N (push M, then pull M: up to 2M/B, against the ring's 2(N-1)/N*M/B; the "
-              "more of the pull overlaps the push, the closer the parameter server gets to M/B)."),
+              "at k = N: M/B, pushes and pulls at once, below the ring's 2(N-1)/N*M/B (BytePS)."),
     Comparison(
         "sparse", "dlrm", ("ps-sync", "ps-async", "allreduce", "ddp"), (1, 2), steps=40,
         variants=(Variant("ps-sync"), Variant("ps-async"),
