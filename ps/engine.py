@@ -11,8 +11,8 @@ the worker pulls only once every shard has finished the step, so that no reply s
 link with a push (shards co-located with workers). Under async and ssp each push asks for
 its keys' values once it is applied (ssp: within the staleness bound), so they too come back
 while later pieces leave. `step()` waits for the pushes and the pulls and copies the values
-into the model. The optimizer
-runs on the servers, so the `make_optimizer` given to attach is not used here.
+into the model. The optimizer runs on the servers, so the `make_optimizer` given to attach is
+not used here.
 
 Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
 evaluated, follow shard 0 as in every other engine.
