@@ -384,7 +384,11 @@ def test_the_window_holds_push_pulls_until_the_shard_answers():
         c0, c1 = cluster.client(0, window_mb=one), cluster.client(1, window_mb=one)
         c0.join(), c1.join()
         first = [c0.push(None, None, {k: g}, pull=True, next_version=True) for k in range(3)]
-        assert sum(s["pushes"] for s in c1.stats()) == 1  # two held on worker 0
+        # The first arrives (stats travel on another connection, so wait for it); two stay on
+        # worker 0, which reads no reply until it waits.
+        assert shard_stats(c1, "pushes", until=lambda n: n >= 1) == 1
+        time.sleep(0.2)
+        assert sum(s["pushes"] for s in c1.stats()) == 1
         second = [c1.push(None, None, {k: g}, pull=True, next_version=True) for k in range(3)]
         results = {}
         run_workers(lambda w: results.setdefault(w, [(c0, c1)[w].wait(h) for h in (first, second)[w]]), 2)
