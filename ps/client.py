@@ -510,6 +510,8 @@ class PSClient:
             h.error = PSError(f"{self.addresses[s]} (shard {s}) refused {h.kind} (req {msg.req}): {msg.get('error')}")
             for req in h.pending:  # the handle has failed: its other replies are not awaited
                 self._inflight.pop(req, None)
+            for shard, held in self._held.items():  # and what the window still holds of it is not sent
+                self._held[shard] = deque(m for m in held if m[0] not in h.pending)
             h.pending.clear()
         else:
             h.replies[s] = msg

@@ -418,3 +418,23 @@ def test_workers_whose_keys_leave_in_other_orders_never_wait_on_each_other():
             assert all(torch.equal(v, -g) for r in results[w] for v in r.values.values())
         for c in clients:
             c.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_push_pull_takes_what_the_window_holds_of_it_along():
+    """A push+pull that one shard refuses fails, and its part the window still held for
+    another shard is dropped, not sent later."""
+    layout = build_layout([ParamSpec(n, (64,), "float64") for n in "ab"], 2, 1 << 20)
+    assert [k.shard for k in layout.keys] == [0, 1]
+    init = [torch.zeros(64, dtype=torch.float64) for _ in "ab"]
+    g = torch.ones(64, dtype=torch.float64)
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=1.0), "sync", 2, PSConfig(**FAST)) as cluster:
+        c0 = cluster.client(0, window_mb=600 / (1 << 20))
+        c0.join()
+        c0.push(None, None, {1: g}, pull=True, next_version=True)  # unanswered: fills shard 1's window
+        bad = c0.push(5, None, {0: g, 1: g}, pull=True)  # shard 0 refuses step 5; shard 1's part is held
+        assert [len(c0._held[s]) for s in (0, 1)] == [0, 1]
+        with pytest.raises(PSError, match="step 5"):
+            c0.wait(bad)
+        assert not any(c0._held.values())
+        c0.close()
