@@ -232,7 +232,7 @@ def push_messages(run: Run) -> list[int]:
     from ps.config import PSConfig
     from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, dtype_name
 
-    section = {**{"chunk_mb": PSConfig.chunk_mb, "bucket_kb": PSConfig.bucket_kb}, **run.config.get("ps", {})}
+    section = {"chunk_mb": PSConfig.chunk_mb, "bucket_kb": PSConfig.bucket_kb, **run.config.get("ps", {})}
     cap = section["bucket_kb"] * 1024
     params = [t for name, t in _floating_state(run).items() if not name.endswith(("running_mean", "running_var"))]
     if not params:

@@ -75,11 +75,12 @@ def parse_rate(rate: str) -> float:
     return bits
 
 
-def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run an iproute2 command; a failure raises NetworkError with the command and stderr."""
+def run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run an iproute2 command (input: its standard input); a failure raises NetworkError with
+    the command and stderr."""
     cmd = tuple(map(str, cmd))
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S, input=input)
     except subprocess.TimeoutExpired:
         raise NetworkError(f"`{' '.join(cmd)}` did not end within {CMD_TIMEOUT_S} s") from None
     except FileNotFoundError:
@@ -293,7 +294,7 @@ class Network:
             lines.append(f"qdisc add dev {IFNAME} parent {cid} bfifo limit {HOST_QUEUE_BYTES}")
             lines.append(f"filter add dev {IFNAME} parent {root} protocol ip prio 2 u32 "
                          f"match ip dst {_addr(i)}/32 flowid {cid}")
-        run_batch(host.netns, lines)
+        run("tc", "-n", host.netns, "-batch", "-", input="\n".join(lines) + "\n")  # tc names a failing line
 
     def queue_bytes(self, burst: int) -> int:
         """tbf's limit: QUEUE_MS of the rate past the burst, at least QUEUE_MIN_BYTES."""
@@ -464,21 +465,6 @@ def _addr(index: int) -> str:
 def _burst(bits: float) -> int:
     """A burst of ~4 ms of traffic (at least a few MTUs): keeps tbf and htb exact at high rates."""
     return max(16_000, int(bits / 8 * 0.004))
-
-
-def run_batch(netns: str, lines: list[str]) -> None:
-    """tc commands (without the leading `tc`) in netns, in one `tc -batch`; NetworkError
-    with tc's own message (it names the failing line) if one fails."""
-    cmd = ("tc", "-n", netns, "-batch", "-")
-    try:
-        res = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True,
-                             timeout=CMD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise NetworkError(f"`{' '.join(cmd)}` did not end within {CMD_TIMEOUT_S} s") from None
-    except FileNotFoundError:
-        raise NetworkError("`tc` is not installed (iproute2)") from None
-    if res.returncode != 0:
-        raise NetworkError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
 
 
 def _interrupt(signum, frame):

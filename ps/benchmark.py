@@ -60,12 +60,17 @@ as the sync engine does with its pieces."""
 
 
 def _echo_stream(client: ClientTransport, payload: torch.Tensor, iters: int, depth: int) -> None:
+    """iters round trips of payload, depth of them in flight."""
     frames = [b"x", memoryview(payload.numpy()).cast("B")]
-    for i in range(iters + depth):
-        if i < iters:
-            client.send(frames)
-        if i >= depth - 1 and i - depth + 1 < iters:
+    inflight = 0
+    for _ in range(iters):
+        if inflight == depth:
             client.recv(CONFIG.timeout_s, "echo")
+            inflight -= 1
+        client.send(frames)
+        inflight += 1
+    for _ in range(inflight):
+        client.recv(CONFIG.timeout_s, "echo")
 
 
 def _ps_stream(ps: PSClient, key: int, payload: torch.Tensor, iters: int, depth: int, step: int) -> int:

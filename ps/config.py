@@ -94,12 +94,10 @@ class PSConfig:
     (sgd without momentum or weight decay, adagrad without weight decay), else dense."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_kb, bool) or not isinstance(self.bucket_kb, (int, float)) or \
-                not 0 <= self.bucket_kb < math.inf:
-            raise ValueError(f"bucket_kb must be a finite number >= 0, got {self.bucket_kb!r}")
-        if isinstance(self.window_mb, bool) or not isinstance(self.window_mb, (int, float)) or \
-                not 0 <= self.window_mb < math.inf:
-            raise ValueError(f"window_mb must be a finite number >= 0, got {self.window_mb!r}")
+        for name in ("bucket_kb", "window_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.sparse not in SPARSE_MODES:

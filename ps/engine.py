@@ -143,18 +143,19 @@ class PSEngine:
                 self._want[k.shard] = self.client.versions.get(k.shard, 0) + 1
         # Key by key: a message leaves once it holds ps.bucket_kb, even between the keys of one
         # parameter, so that a shard can answer its first pieces while later ones arrive.
-        name, cap = self._named[index][0], self.config.bucket_kb * 1024
-        self._ready += 1
-        for j, (k, g) in enumerate(grads.items()):
-            self._bucket[k] = g
+        name, cap, dense = self._named[index][0], self.config.bucket_kb * 1024, index not in self._tables
+        for k, g in grads.items():
             if not self._bucket_names or self._bucket_names[-1] != name:
                 self._bucket_names.append(name)
-            if index not in self._tables:
+            self._bucket[k] = g
+            if dense:
                 self._bucket_dense.append(k)
             self._bucket_bytes += g[0].nbytes + g[1].nbytes if isinstance(g, tuple) else g.nbytes
-            last = j == len(grads) - 1
-            if self._bucket_bytes >= cap or (last and self._ready == len(self._named)):
+            if self._bucket_bytes >= cap:
                 self._flush(step)
+        self._ready += 1
+        if self._ready == len(self._named):  # backward is done: what is left leaves
+            self._flush(step)
 
     def _flush(self, step: int | None) -> None:
         """Push the bucket (one message per shard); under sync the same message asks for its
