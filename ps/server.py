@@ -55,9 +55,11 @@ PARTIAL_STEPS = 64
 """Incomplete steps remembered per worker (async/ssp); older ones are forgotten."""
 Reply = tuple[bytes, list]
 SPARE_SNAPSHOTS = 4
-"""Former snapshots kept per key for reuse: on a slow link ZeroMQ still holds the replies of
-a few updates back, and with one spare every update of a 1 MiB key cloned its snapshot
-(a shard's push+pull of it took 590 us in a profile, 440 us with kept buffers)."""
+"""Former buffers kept per key for reuse (snapshots in the wire dtype, and a chunk's former
+memory while replies still point at it): on a slow link ZeroMQ still holds the replies of a
+few updates back, and a fresh allocation of a large buffer costs its page faults on every
+update (a shard's push+pull of 1 MiB took 590 us in a profile with one spare, 440 us with
+kept buffers)."""
 
 
 def _nbytes(frames: Sequence[Any]) -> int:
@@ -402,6 +404,8 @@ class ShardServer:
         """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
         skip every chunk without one). count: it is an update of the shard (the counter)."""
         start = time.time()
+        for k in keys:
+            self._own(k)
         self.optimizer.step(keys)
         for k in keys:
             self.chunks[k].grad = None
@@ -551,21 +555,44 @@ class ShardServer:
         return self._send(peer, encode({**header, **fields}, tensors, msg.ids))
 
     def _snapshot(self, k: int, exact: bool = False) -> torch.Tensor:
-        """A copy of chunk k as of its last update (in the wire dtype unless exact), shared by
-        every pull until the next one. Replies leave zero-copy and the optimizer updates chunks
-        in place, so replies must never point at a chunk itself; a snapshot is never written
-        while a reply may point at it (a replaced one's buffer is reused once none does)."""
-        wire = None if exact or not self.config.wire_dtype else TORCH_DTYPES[self.config.wire_dtype]
+        """The values of chunk k as of its last update, to leave in a reply: the chunk itself
+        (flat), or under compression (unless exact) a copy in the wire dtype shared by every
+        reply until the next update. Replies leave zero-copy; a chunk a reply still points
+        at is moved before it is written (_own), and a copy is never written while a reply
+        may point at it."""
+        if exact or not self.config.wire_dtype:
+            return self.chunks[k].detach().reshape(-1)
+        wire = TORCH_DTYPES[self.config.wire_dtype]
         copies = self._snap.setdefault(k, {})
         if wire not in copies:
             flat = self.chunks[k].detach().reshape(-1)
-            spares = self._spare.setdefault((k, wire), [])
-            free = next((i for i in reversed(range(len(spares))) if not _in_use(spares[i])), None)  # newest first
-            if free is not None:  # no reply still points at it: write it again
-                copies[wire] = spares.pop(free).copy_(flat)
-            else:
-                copies[wire] = flat.to(wire) if wire is not None else flat.clone()
+            spare = self._free_spare((k, wire))
+            copies[wire] = spare.copy_(flat) if spare is not None else flat.to(wire)
         return copies[wire]
+
+    def _own(self, k: int) -> None:
+        """Make chunk k's memory the shard's alone before it is written: if a reply still
+        points at it (ZeroMQ has not sent it yet), the chunk moves to a copy (in a spare
+        buffer) and the reply keeps the former memory. Under sync the next update of a key
+        comes only after every worker has its values, so this copies only when a reply is
+        late (async, ssp, a slow link)."""
+        chunk = self.chunks[k]
+        if not _in_use(chunk):
+            return
+        spare = self._free_spare((k, None))
+        moved = spare.copy_(chunk.detach()) if spare is not None else chunk.detach().clone()
+        former = chunk.detach()  # keeps the memory the reply points at; a spare once it is sent
+        chunk.data = moved  # the same tensor to the optimizer (its state is keyed by it)
+        del moved
+        spares = self._spare.setdefault((k, None), [])
+        if len(spares) < SPARE_SNAPSHOTS:
+            spares.append(former)
+
+    def _free_spare(self, pool: tuple) -> torch.Tensor | None:
+        """A buffer of pool no reply points at any more (the newest first), taken out of it."""
+        spares = self._spare.get(pool, [])
+        free = next((i for i in reversed(range(len(spares))) if not _in_use(spares[i])), None)
+        return spares.pop(free) if free is not None else None
 
     def _bump(self) -> None:
         self.version += 1
@@ -587,6 +614,7 @@ class ShardServer:
                              f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard?")
         with torch.no_grad():
             for k, t in state["values"].items():
+                self._own(k)
                 self.chunks[k].copy_(t.reshape(self.chunks[k].shape))
         self.optimizer.load_state_dict(state.get("optimizer") or {})
         self.version = int(state["version"])

@@ -91,22 +91,26 @@ def test_push_with_pull_is_answered_with_the_updated_values_in_one_reply():
     assert reply.get("staleness") == 0 and reply.get("version") == 1
 
 
-def test_a_snapshot_buffer_is_reused_only_once_no_reply_points_at_it():
+def test_a_reply_leaves_from_the_chunk_which_moves_before_an_update_while_a_reply_points_at_it():
     server, init = make("async", lr=1.0, async_scale="sum")
     g = torch.ones(15, dtype=torch.float64)
-    (held,) = push(server, 0, 0, grads_of(g), pull=1)  # its tensors are built on the snapshot
+    (held,) = push(server, 0, 0, grads_of(g), pull=1)
     first = [t.data_ptr() for t in held.tensors]
+    assert first == [server.chunks[k].data_ptr() for k in KEYS]  # no copy: the chunk's own memory
     (later,) = push(server, 0, 1, grads_of(g), pull=1)
-    # The held reply still points at the old snapshot: it was neither reused nor written.
+    # The held reply still points at the former memory: the update was written elsewhere.
     assert not {t.data_ptr() for t in later.tensors} & set(first)
     assert torch.equal(torch.cat(held.tensors), init - g)
     assert torch.equal(torch.cat(later.tensors), init - 2 * g)
-    second = [t.data_ptr() for t in later.tensors]
     del held, later
     (reply,) = push(server, 0, 2, grads_of(g), pull=1)
     assert torch.equal(torch.cat(reply.tensors), init - 3 * g)
-    if hasattr(torch._C, "_storage_Use_Count"):  # the replaced snapshot's buffers, free now, are reused
-        assert [t.data_ptr() for t in reply.tensors] == second
+    if hasattr(torch._C, "_storage_Use_Count"):  # no reply pointed at the chunk: updated in place
+        where = [server.chunks[k].data_ptr() for k in KEYS]
+        del reply
+        push(server, 0, 3, grads_of(g))
+        assert [server.chunks[k].data_ptr() for k in KEYS] == where
+        assert torch.equal(values(server), init - g - g - g - g)
 
 
 @pytest.mark.skipif(not hasattr(torch._C, "_storage_Use_Count"), reason="this torch keeps no storage use count")
