@@ -227,19 +227,23 @@ def _floating_tensors(run: Run) -> list:
 def push_messages(run: Run) -> list[int]:
     """Bytes of each push message a ps worker sends a step, in the order they leave: the
     model's parameters from last to first (the order backward produces their gradients), each
-    cut into its keys (ps.chunk_mb, as the run's layout cuts it), gathered until a message
-    holds ps.bucket_kb KiB, as the engine's buckets are, even between one parameter's keys."""
-    from ps.config import PSConfig
+    cut into its keys (ps.chunk_mb, by net.rate where it is 0, as the run's layout cuts it),
+    gathered until a message holds ps.bucket_kb KiB, as the engine's buckets are, even between
+    one parameter's keys."""
+    from experiments.network import parse_rate
+    from ps.config import PSConfig, key_mb
     from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, dtype_name
 
     section = {"chunk_mb": PSConfig.chunk_mb, "bucket_kb": PSConfig.bucket_kb, **run.config.get("ps", {})}
+    rate = (run.config.get("net") or {}).get("rate")
+    chunk_mb = key_mb(section["chunk_mb"], parse_rate(rate) if rate else None)
     cap = section["bucket_kb"] * 1024
     params = [t for name, t in _floating_state(run).items() if not name.endswith(("running_mean", "running_var"))]
     if not params:
         return []
     specs = [ParamSpec(str(i), tuple(t.shape), dtype_name(t.dtype)) for i, t in enumerate(params)]
     servers = int(run.config.get("servers", 1) or 1)
-    layout = build_layout(specs, servers, chunk_elems_from_mb(section["chunk_mb"], params[0].element_size()))
+    layout = build_layout(specs, servers, chunk_elems_from_mb(chunk_mb, params[0].element_size()))
     sizes, bucket = [], 0
     for p in reversed(range(len(params))):
         for key in layout.param_keys(p):

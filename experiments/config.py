@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from allreduce.config import AllReduceConfig
-from ps.config import PSConfig
+from ps.config import PSConfig, key_mb
 
 from . import data, files, models
 from .checkpoint import CheckpointConfig
 from .faults import FaultConfig
-from .network import NetConfig
+from .network import NetConfig, parse_rate
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
 from .sparsity import embedding_tables, sparse_update_problem
 
@@ -136,6 +136,10 @@ class RunConfig:
         if tables and problem:
             raise ValueError(f"{forced}: {problem}")
         return tables
+
+    def key_mb(self) -> float:
+        """The parameter server's key size in MiB: ps.chunk_mb, or where that is 0 by net.rate."""
+        return key_mb(self.ps.chunk_mb, parse_rate(self.net.rate) if self.net.rate else None)
 
     @property
     def torch_dtype(self) -> torch.dtype:

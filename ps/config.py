@@ -13,6 +13,27 @@ EXCHANGES = ("pipelined", "phased")
 SPARSE_MODES = ("auto", "rows", "dense")
 
 
+KEY_MS = 20.0
+"""chunk_mb=0 on a link of known rate: keys of about what the link carries in this long."""
+KEY_MB_RANGE = (0.125, 4.0)
+"""... rounded to a power of two within this range; 4 MiB, BytePS's partition, where the rate
+is unknown. On 200mbit (0.5 MiB keys) mlp-mid with 4 workers and 4 shards of their own took
+1.20 to 1.23 s a step, 1.29 s with 1 MiB keys; on loopback mlp-wide with 2 workers and one
+shard 0.26 to 0.27 s with 4 MiB keys, 0.295 s with 0.5 MiB; one push+pull against a plain
+ZeroMQ round trip of its bytes (`psar bench`) is 0.8 at 4 MiB, 0.4 to 0.5 at 0.5 MiB."""
+
+
+def key_mb(chunk_mb: float, rate_bits: float | None = None) -> float:
+    """The key size in MiB that chunk_mb means on links of rate_bits bit/s (None: unknown)."""
+    if chunk_mb:
+        return chunk_mb
+    low, high = KEY_MB_RANGE
+    if not rate_bits:
+        return high
+    mb = rate_bits / 8 * KEY_MS / 1000 / (1 << 20)
+    return min(high, max(low, 2.0 ** round(math.log2(mb))))
+
+
 @dataclass(frozen=True)
 class PSConfig:
     """Settings shared by the parameter-server shards and their clients."""
@@ -20,13 +41,13 @@ class PSConfig:
     staleness: int = 2
     """ps-ssp bound s: a worker may run at most s clocks ahead of the slowest live worker."""
 
-    chunk_mb: float = 0.5
-    """Tensors larger than this many MiB are split into chunks (keys) spread over the shards.
-    A key is the unit of pipelining: a shard answers it once every worker has pushed it,
-    while later keys still arrive, so both directions of its link are busy; the wait for a
-    shard's first key, and the replies after its last, each cost a key from every worker. On
-    200mbit links (mlp-mid, 4 workers, 4 shards of their own) 1 MiB keys gave a 1.29 s step,
-    0.5 MiB 1.20 to 1.23 s."""
+    chunk_mb: float = 0.0
+    """Tensors larger than this many MiB are split into chunks (keys) spread over the shards;
+    0: by the link (see key_mb). A key is the unit of pipelining: a shard answers it once
+    every worker has pushed it, while later keys still arrive, so both directions of its link
+    are busy; the wait for a shard's first key, and the replies after its last, each cost a
+    key from every worker, and every message costs the shard and the worker their fixed
+    per-message work (0.2 to 0.3 ms here)."""
 
     timeout_s: float = 60.0
     """Longest single wait on a peer (a reply, a deferred pull) before it is an error."""
@@ -94,7 +115,7 @@ class PSConfig:
     (sgd without momentum or weight decay, adagrad without weight decay), else dense."""
 
     def __post_init__(self) -> None:
-        for name in ("bucket_kb", "window_mb"):
+        for name in ("bucket_kb", "window_mb", "chunk_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -106,7 +127,7 @@ class PSConfig:
             raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
         if not (isinstance(self.reconnect_s, (int, float)) and 0 <= self.reconnect_s < math.inf):
             raise ValueError(f"reconnect_s must be a finite number >= 0, got {self.reconnect_s!r}")
-        for name in ("chunk_mb", "timeout_s", "heartbeat_s", "worker_timeout_s", "max_message_mb"):
+        for name in ("timeout_s", "heartbeat_s", "worker_timeout_s", "max_message_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ps.config import PSConfig
+from ps.config import PSConfig, key_mb
 from ps.layout import (MIN_CHUNK_ELEMS, Layout, ParamSpec, build_layout, chunk_elems_from_mb, join_values,
                        split_values)
 
@@ -149,7 +149,7 @@ def test_build_layout_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("staleness", -1, "staleness"), ("staleness", 1.5, "staleness"), ("chunk_mb", 0, "chunk_mb"),
+    ("staleness", -1, "staleness"), ("staleness", 1.5, "staleness"), ("chunk_mb", -1, "chunk_mb"),
     ("timeout_s", math.inf, "timeout_s"), ("heartbeat_s", -1, "heartbeat_s"), ("on_worker_loss", "ignore", "drop"),
     ("async_scale", "median", "mean"), ("max_message_mb", True, "max_message_mb"), ("worker_timeout_s", 0.5, "heartbeat_s"),
 ])
@@ -168,3 +168,12 @@ def test_config_defaults():
     assert PSConfig(on_worker_loss="abort").loss_policy("async") == "abort"
     with pytest.raises(AttributeError):
         cfg.staleness = 3  # frozen
+
+
+@pytest.mark.parametrize("chunk_mb,rate,expected", [
+    (0, 200e6, 0.5), (0, 100e6, 0.25), (0, 1e9, 2.0), (0, 10e9, 4.0), (0, 10e6, 0.125), (0, None, 4.0),
+    (0.3, 200e6, 0.3), (1024, None, 1024),
+])
+def test_key_size_follows_the_link_unless_given(chunk_mb, rate, expected):
+    """chunk_mb=0: what the link carries in 20 ms, as a power of two within 1/8 to 4 MiB."""
+    assert key_mb(chunk_mb, rate) == expected
