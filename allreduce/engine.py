@@ -77,14 +77,18 @@ class AllReduceEngine:
         with self._liveness.naming_lost_ranks():
             self._reducer.finish()
             nbytes = self._reducer.take_bytes()
-            nbytes += self._sparse.reduce()
+            gathered = self._sparse.reduce()
+            nbytes += gathered
             if self._buffers:
                 nbytes += broadcast_tensors(self._buffers) * (self.rank == 0)
         comm_s = time.perf_counter() - start
         self.optimizer.step()
         self._reducer.zero_grad()
         self._sparse.zero_grad()
-        return {"comm_s": comm_s, "bytes_sent": nbytes, "bytes_recv": nbytes}
+        stats = {"comm_s": comm_s, "bytes_sent": nbytes, "bytes_recv": nbytes}
+        if self._sparse.params:  # what the all-gather of the tables' rows sent, apart (analysis models it)
+            stats["gathered_bytes"] = gathered
+        return stats
 
     def report(self) -> dict:
         return {}

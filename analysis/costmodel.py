@@ -33,14 +33,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .linkmodel import run_link_time, run_psar_link_time
-from .results import Run, median
+from .linkmodel import Traffic, run_link_time, run_psar_link_time
+from .results import Run, family, median
 
 MIB = 2**20
-LIBRARY_LABELS = ("ddp", "allreduce", "allreduce/library")
-RING_LABELS = ("allreduce/ring",)
-PS_LABELS = ("ps-sync", "ps-async", "ps-ssp")
-KNOWN_LABELS = ("local",) + LIBRARY_LABELS + RING_LABELS + PS_LABELS
 DEFAULT_WORKERS = tuple(2**k for k in range(11))  # 1 .. 1024
 DEFAULT_SHARDS = ("1", "N/4", "N")
 
@@ -172,34 +168,38 @@ class CostModel:
         return fit
 
     def comm_time(self, label: str, workers: int, servers: int, nbytes: float,
-                  buckets: int = 1) -> float:
+                  buckets: int = 1, pull_bytes: float | None = None, gathered: float = 0.0) -> float:
         """Seconds of communication per step for engine `label` (a Run.label).
 
         Args:
-            label: local, ddp, allreduce/library, allreduce/ring, ps-sync, ps-async or ps-ssp.
+            label: one of results.LABELS.
             workers: N.
             servers: S, parameter-server shards (ignored by the other engines).
-            nbytes: M, gradient bytes per worker per step.
+            nbytes: M, gradient bytes per worker per step (all-reduced, or pushed).
             buckets: B, all-reduces per step (ignored by local and ps-*); default 1.
+            pull_bytes: ps: bytes each worker pulls per step (default M).
+            gathered: +allgather: bytes each host sends into the all-gather of rows, over
+                N-1 steps of the ring.
         """
         if workers < 1 or servers < 1 or buckets < 1 or nbytes < 0:
             raise ValueError(f"workers={workers}, servers={servers}, buckets={buckets} must be >= 1 "
                              f"and nbytes={nbytes} >= 0")
-        if label == "local":
+        kind = family(label)
+        if kind == "local":
             return 0.0
-        if label in LIBRARY_LABELS or label in RING_LABELS:
-            fit = self._fit("library" if label in LIBRARY_LABELS else "ring", label)
+        if kind == "ring":
+            fit = self._fit("ring" if label.startswith("allreduce/ring") else "library", label)
             steps = 2 * (workers - 1)
-            return steps * buckets * fit.alpha_s + steps / workers * nbytes * fit.beta_s_per_byte
-        if label in PS_LABELS:
-            fit = self._fit("ps", label)
-            # A worker pushes and pulls M in all (M/S on each shard, in parallel); a shard serves
-            # the push+pull rounds of all N workers one after another: 2NM/S bytes and 2N
-            # messages. The busier of the two sets the time.
-            worker = 2 * fit.alpha_s + 2 * nbytes * fit.beta_s_per_byte
-            shard = workers * (2 * fit.alpha_s + 2 * nbytes / servers * fit.beta_s_per_byte)
-            return max(worker, shard)
-        raise ValueError(f"unknown engine label {label!r}: expected one of {', '.join(KNOWN_LABELS)}")
+            gather = ((workers - 1) * fit.alpha_s + gathered * fit.beta_s_per_byte) if gathered else 0.0
+            return steps * buckets * fit.alpha_s + steps / workers * nbytes * fit.beta_s_per_byte + gather
+        fit = self._fit("ps", label)
+        # A worker pushes and pulls M in all (M/S on each shard, in parallel); a shard serves
+        # the push+pull rounds of all N workers one after another: 2NM/S bytes and 2N
+        # messages. The busier of the two sets the time.
+        both = nbytes + (nbytes if pull_bytes is None else pull_bytes)
+        worker = 2 * fit.alpha_s + both * fit.beta_s_per_byte
+        shard = workers * (2 * fit.alpha_s + both / servers * fit.beta_s_per_byte)
+        return max(worker, shard)
 
     def predict_step(self, label: str, workers: int, servers: int, nbytes: float,
                      compute_s: float, buckets: int = 1) -> float:
@@ -266,9 +266,32 @@ def gradient_bytes(run: Run) -> int:
 def wire_bytes(run: Run) -> int:
     """Bytes each worker sends into the all-reduce: M, or 2 per element with fp16/bf16 compression."""
     compression = run.config.get("allreduce", {}).get("compression", "none")
-    if run.label in LIBRARY_LABELS + RING_LABELS and compression != "none":
+    if family(run.label) == "ring" and compression != "none":
         return sum(2 * t.numel() for t in _floating_tensors(run))
     return gradient_bytes(run)
+
+
+def run_traffic(run: Run) -> Traffic:
+    """What a run's workers moved per step, as the models take it: the all-reduced gradient
+    (M, from model.pt; with gathered tables, what the buckets carried) and the rows an
+    all-gather carried besides (each rank's records); for
+    a parameter server the bytes pushed and pulled as the records count them (row-sparse
+    tables move only their rows; ps.compression halves them), or M where nothing was counted."""
+    kind = family(run.label)
+    if kind == "ps":
+        records = [r for r in _steady(run) if r.get("bytes_sent")]
+        if records:
+            return Traffic(median([r["bytes_sent"] for r in records]), median([r.get("bytes_recv", 0) for r in records]))
+        return Traffic(float(wire_bytes(run)))
+    records = [r for r in _steady(run) if "gathered_bytes" in r] if kind == "ring" else []
+    if records:  # the tables are gathered, not all-reduced: M is what the buckets carried
+        return Traffic(median([r["bytes_sent"] - r["gathered_bytes"] for r in records]),
+                       gathered=median([r["gathered_bytes"] for r in records]))
+    return Traffic(float(wire_bytes(run)))
+
+
+def _steady(run: Run) -> list[dict]:
+    return [r for r in run.records() if r["step"] >= 1] or run.records()
 
 
 def _after_first(run: Run, key: str) -> list[float]:
@@ -315,21 +338,23 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
         if label == "ddp":
             continue
         workers = int(run.config.get("workers", run.summary.get("workers", 1)))
-        servers = int(run.config.get("servers", 1)) if label in PS_LABELS else None
-        nbytes = wire_bytes(run)
-        buckets = run_buckets(run, nbytes) if label in LIBRARY_LABELS + RING_LABELS else None
+        servers = int(run.config.get("servers", 1)) if family(label) == "ps" else None
+        traffic = run_traffic(run)
+        nbytes = traffic.push
+        buckets = run_buckets(run, nbytes) if family(label) == "ring" else None
         compute_s = compute_time(run)
-        link = run_link_time(run, nbytes)
+        link = run_link_time(run, traffic)
         psar_s = None
         if link is not None:
             net = run.summary["network"]
             where = f", shards {run.placement}" if run.placement else ""
             predicted, basis = compute_s + link, f"ideal at {net['rate']}{where}"
-            psar_s = compute_s + run_psar_link_time(run, nbytes)
+            psar_s = compute_s + run_psar_link_time(run, traffic)
         elif model is None:
             raise ValueError(f"{run.path} ran on loopback: its prediction needs a bench fit (--bench)")
         else:
-            predicted = model.predict_step(label, workers, servers or 1, nbytes, compute_s, buckets or 1)
+            predicted = compute_s + model.comm_time(label, workers, servers or 1, nbytes, buckets or 1,
+                                                    traffic.pull, traffic.gathered)
             basis = "bench fit"
         measured = measured_step(run)
         rows.append({"label": label, "workers": workers, "servers": servers,
@@ -343,14 +368,15 @@ def format_validation(rows: list[dict], tolerance: float = 0.25) -> str:
     """A plain text table of validate()'s rows, ending with how many are within `tolerance`.
     On an emulated network `predicted` is the algorithm's ideal, and `psar model` the model
     of psar's own exchange beside it."""
-    head = (f"{'engine':<18} {'N':>4} {'S':>4} {'M(MB)':>9} {'B':>3} {'compute(s)':>11} "
+    width = max([18] + [len(r["label"]) for r in rows])
+    head = (f"{'engine':<{width}} {'N':>4} {'S':>4} {'M(MB)':>9} {'B':>3} {'compute(s)':>11} "
             f"{'predicted(s)':>13} {'measured(s)':>12} {'error':>8} {'psar model(s)':>14}  basis")
     lines = [head]
     for r in rows:
         servers = "-" if r["servers"] is None else str(r["servers"])
         buckets = "-" if r.get("buckets") is None else str(r["buckets"])
         psar = "-" if r.get("psar_model_s") is None else f"{r['psar_model_s']:.4f}"
-        lines.append(f"{r['label']:<18} {r['workers']:>4} {servers:>4} {r['M_MB']:>9.3f} {buckets:>3} "
+        lines.append(f"{r['label']:<{width}} {r['workers']:>4} {servers:>4} {r['M_MB']:>9.3f} {buckets:>3} "
                      f"{r['compute_s']:>11.4f} {r['predicted_s']:>13.4f} {r['measured_s']:>12.4f} "
                      f"{r['error']:>+8.1%} {psar:>14}  {r.get('basis', '')}")
     within = sum(1 for r in rows if abs(r["error"]) <= tolerance)

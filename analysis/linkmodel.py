@@ -5,8 +5,11 @@ is PAYLOAD (the rest is the headers of each frame). Bytes each host's link carri
 with M gradient bytes per worker, N workers and S shards (`phases`):
 
 - ring all-reduce (ours or the backend's, and ddp): every host sends and receives
-  2(N-1)/N * M (reduce-scatter, then all-gather, each sending while it receives).
-- parameter server: the pushes, and the pulls that return the parameters they produced.
+  2(N-1)/N * M (reduce-scatter, then all-gather, each sending while it receives); rows
+  all-gathered besides (allreduce.sparse=allgather): each host's block to the N-1 others,
+  G = (N-1) * block each way, read off the run.
+- parameter server: the pushes (M each), and the pulls that return the parameters they
+  produced (M, or for row-sparse tables the rows asked for: a run's own bytes).
   Shards on hosts of their own: a worker's link carries M each way, a shard's N*M/S.
   Co-located, shard s on worker s mod N's host: what a worker pushes to its own host's
   shards and pulls back never leaves the host; host h holding c_h of the S shards sends
@@ -29,11 +32,9 @@ needs; ps-sync's pipelined exchange with separate shards overlaps them message b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .results import Run
-
-RING = ("ddp", "allreduce", "allreduce/library", "allreduce/ring")
-PS = ("ps-sync", "ps-async", "ps-ssp")
+from .results import Run, family
 
 PAYLOAD = 1448 / 1514
 """TCP payload per byte on the link: a 1500-byte IPv4 packet holds 1448 bytes of data (20 of
@@ -42,28 +43,34 @@ shapes. A 200mbit link moves 191.3 Mbit/s of data; 192 were measured between two
 
 
 def phases(label: str, workers: int, servers: int, nbytes: float,
-           placement: str = "colocated") -> list[dict[str, tuple[float, float]]]:
-    """The step's phases, each {host: (bytes out, bytes in)}; hosts w0.. and, when separate, s0.."""
+           placement: str = "colocated", pull_bytes: float | None = None,
+           gathered: float = 0.0) -> list[dict[str, tuple[float, float]]]:
+    """The step's phases, each {host: (bytes out, bytes in)}; hosts w0.. and, when separate,
+    s0... nbytes: M, what each worker all-reduces or pushes; pull_bytes: what a ps worker
+    pulls (default M); gathered: bytes each host sends and receives in an all-gather."""
     n, m = workers, float(nbytes)
-    if workers < 1 or servers < 1 or nbytes < 0:
-        raise ValueError(f"workers={workers} and servers={servers} must be >= 1, nbytes={nbytes} >= 0")
+    q = m if pull_bytes is None else float(pull_bytes)
+    if workers < 1 or servers < 1 or nbytes < 0 or q < 0 or gathered < 0:
+        raise ValueError(f"workers={workers} and servers={servers} must be >= 1, nbytes={nbytes}, "
+                         f"pull_bytes={pull_bytes} and gathered={gathered} >= 0")
     if placement not in ("colocated", "separate"):
         raise ValueError(f"placement {placement!r}: expected colocated or separate")
-    if label == "local":
+    kind = family(label)
+    if kind == "local":
         return []
-    if label in RING:
-        each = 2 * (n - 1) / n * m
+    if kind == "ring":
+        each = 2 * (n - 1) / n * m + gathered
         return [{f"w{i}": (each, each) for i in range(n)}]
-    if label not in PS:
-        raise ValueError(f"unknown engine label {label!r}: expected local, {', '.join(RING + PS)}")
     s = servers
-    if placement == "separate":
-        push = {f"w{i}": (m, 0.0) for i in range(n)} | {f"s{j}": (0.0, n * m / s) for j in range(s)}
-    else:
+
+    def pushes(b: float) -> dict[str, tuple[float, float]]:
+        if placement == "separate":
+            return {f"w{i}": (b, 0.0) for i in range(n)} | {f"s{j}": (0.0, n * b / s) for j in range(s)}
         held = [sum(1 for j in range(s) if j % n == i) for i in range(n)]
-        push = {f"w{i}": (m * (1 - c / s), (n - 1) * m * c / s) for i, c in enumerate(held)}
-    pull = {host: (inn, out) for host, (out, inn) in push.items()}
-    return [push, pull]
+        return {f"w{i}": (b * (1 - c / s), (n - 1) * b * c / s) for i, c in enumerate(held)}
+
+    pull = {host: (inn, out) for host, (out, inn) in pushes(q).items()}
+    return [pushes(m), pull]
 
 
 def overlapped(push_s: float, pull_s: float, fractions: Sequence[float]) -> float:
@@ -80,10 +87,10 @@ def overlapped(push_s: float, pull_s: float, fractions: Sequence[float]) -> floa
 
 
 def link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: float,
-              placement: str = "colocated") -> float:
+              placement: str = "colocated", pull_bytes: float | None = None, gathered: float = 0.0) -> float:
     """The algorithm's ideal seconds of communication per step: every phase's bytes at once,
     full duplex, the busiest host's busier direction at the payload rate of rate_bits."""
-    steps = phases(label, workers, servers, nbytes, placement)
+    steps = phases(label, workers, servers, nbytes, placement, pull_bytes, gathered)
     hosts = {h for phase in steps for h in phase}
     worst = max((max(sum(p[h][0] for p in steps if h in p), sum(p[h][1] for p in steps if h in p))
                  for h in hosts), default=0.0)
@@ -91,13 +98,14 @@ def link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: 
 
 
 def psar_link_time(label: str, workers: int, servers: int, nbytes: float, rate_bits: float,
-                   placement: str = "colocated", messages: Sequence[float] | None = None) -> float:
+                   placement: str = "colocated", messages: Sequence[float] | None = None,
+                   pull_bytes: float | None = None, gathered: float = 0.0) -> float:
     """psar's exchange: each phase's busiest host and direction, the phases one after the
     other, at the payload rate of rate_bits. messages: ps-sync's pipelined exchange, the
     fractions of the gradient its push messages carry in the order they leave (overlapped
     when separate)."""
     times = [max(max(out, inn) for out, inn in phase.values()) * 8 / (rate_bits * PAYLOAD)
-             for phase in phases(label, workers, servers, nbytes, placement)]
+             for phase in phases(label, workers, servers, nbytes, placement, pull_bytes, gathered)]
     if messages and label == "ps-sync" and placement == "separate":
         return overlapped(times[0], times[1], messages)
     return sum(times)
@@ -109,19 +117,21 @@ def _network(run: Run) -> dict | None:
 
 
 def _shape(run: Run) -> tuple[str, int, int]:
-    servers = int(run.config.get("servers", 1)) if run.label in PS else 1
+    servers = int(run.config.get("servers", 1)) if family(run.label) == "ps" else 1
     return run.label, int(run.summary["workers"]), servers
 
 
-def run_link_time(run: Run, nbytes: float) -> float | None:
-    """link_time, the ideal, for a run on an emulated network (None for a loopback run)."""
+def run_link_time(run: Run, traffic: "Traffic") -> float | None:
+    """link_time, the ideal, for a run on an emulated network (None for a loopback run), of
+    its traffic (costmodel.run_traffic)."""
     net = _network(run)
     if net is None:
         return None
-    return link_time(*_shape(run), nbytes, float(net["rate_bits"]), net.get("placement", "colocated"))
+    return link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),
+                     traffic.pull, traffic.gathered)
 
 
-def run_psar_link_time(run: Run, nbytes: float) -> float | None:
+def run_psar_link_time(run: Run, traffic: "Traffic") -> float | None:
     """psar_link_time for a run on an emulated network (None for a loopback run), with its
     push messages when its ps-sync exchange was pipelined."""
     net = _network(run)
@@ -132,5 +142,17 @@ def run_psar_link_time(run: Run, nbytes: float) -> float | None:
         # Here, not at the top: costmodel imports this module, and reads model.pt with torch.
         from .costmodel import push_messages
         messages = push_messages(run)
-    return psar_link_time(*_shape(run), nbytes, float(net["rate_bits"]), net.get("placement", "colocated"),
-                          messages)
+    return psar_link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),
+                          messages, traffic.pull, traffic.gathered)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes a worker moves per step, as the models take them."""
+
+    push: float
+    """M: what each worker all-reduces (ring) or pushes (ps)."""
+    pull: float | None = None
+    """ps: what each worker pulls back (None: M)."""
+    gathered: float = 0.0
+    """Rows all-gathered: what each host sends (and receives) per step."""

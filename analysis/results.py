@@ -8,6 +8,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+RING_LABELS = ("ddp", "allreduce/library", "allreduce/ring")
+GATHER_LABELS = ("allreduce/library+allgather", "allreduce/ring+allgather")
+PS_LABELS = ("ps-sync", "ps-async", "ps-ssp")
+LABELS = ("local",) + RING_LABELS + GATHER_LABELS + PS_LABELS
+"""Every label Run.label gives: each table, model and figure knows all of them."""
+
+
+def family(label: str) -> str:
+    """How a label's runs communicate: "local" (not at all), "ring" (an all-reduce of the
+    dense gradient, and all-gathered rows for a +allgather label) or "ps"."""
+    if label == "local":
+        return "local"
+    if label in RING_LABELS or label in GATHER_LABELS or label == "allreduce":  # "allreduce": library
+        return "ring"
+    if label in PS_LABELS:
+        return "ps"
+    raise ValueError(f"unknown engine label {label!r}: expected one of {', '.join(LABELS)}")
+
+
 @dataclass(frozen=True)
 class Run:
     path: Path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from .results import Run, median, quantile, time_to_target
+from .results import RING_LABELS, Run, median, quantile, time_to_target
 
 COLUMNS = [
     ("engine", "engine"),
@@ -80,6 +80,18 @@ def _notes(runs: list[Run]) -> str:
     return "; ".join(dict.fromkeys(notes))
 
 
+SUPERLINEAR = 1.1
+"""A speed-up above this times the worker count is flagged: on a machine shared by the
+workers it says the 1-worker run was slowed (more threads than cores, a busy machine)."""
+
+
+def _speedup_note(speedup: float | None, workers: int) -> str:
+    if speedup is None or speedup <= SUPERLINEAR * workers:
+        return ""
+    return (f"speed-up {speedup:.1f} above the {workers} workers: the 1-worker run was slow "
+            f"(threads per worker, a busy machine), not this one fast")
+
+
 def _cell(run: Run) -> tuple:
     """The grid cell a run belongs to: repeats of one cell are summarised in one row. On an
     emulated network a ps-* run's servers say where the shards were: "2 separate"."""
@@ -113,8 +125,9 @@ def rows(runs: list[Run]) -> list[dict]:
         step_time = sum(r["step_s"] for r in records)
         staleness = [v for run in group for v in _staleness(run)]
         rate, base = median(rates[cell]), one_worker.get(label)
+        speedup = rate / base if base and rate else None
         reached = [hit for run in group if (hit := time_to_target(run))]
-        theory = _link_theory(group)
+        theory = _link_theory(group, _compute_elsewhere(runs, group[0]))
         target = group[0].config.get("target_loss") or 0.0
         out.append({
             "engine": label,
@@ -124,7 +137,7 @@ def rows(runs: list[Run]) -> list[dict]:
             "samples_per_sec": rate,
             "samples_per_sec_range": (f"{min(rates[cell]):.0f}-{max(rates[cell]):.0f}"
                                       if len(rates[cell]) > 1 else None),
-            "speedup": rate / base if base and rate else None,
+            "speedup": speedup,
             "final_loss": median([r.summary["final_loss"] for r in group if r.summary["final_loss"] is not None]),
             "steps_to_target": (median([s for s, _ in reached]) if reached else
                                 "not reached" if target else None),
@@ -136,27 +149,45 @@ def rows(runs: list[Run]) -> list[dict]:
             "staleness_median": median(staleness),
             "staleness_p99": quantile(staleness, 0.99),
             "collision_rate": _collision_rate(group),
-            "note": _notes(group) or None,
+            "note": "; ".join(n for n in (_notes(group), _speedup_note(speedup, workers)) if n) or None,
         })
     return out
 
 
-def _link_theory(group: list[Run]) -> dict:
+def _link_theory(group: list[Run], compute_s: float | None = None) -> dict:
     """On an emulated network: the measured step, the step the link model predicts from the
-    rate (compute + the busiest link's bytes at the rate) and their ratio; else nothing."""
-    from .costmodel import compute_time, measured_step, wire_bytes
+    rate (compute + the busiest link's bytes at the rate) and their ratio; else nothing.
+    compute_s: the compute to use instead of the runs' own (ddp's step_s - comm_s holds its
+    communication, which runs inside backward); None for a ddp group: no theory."""
+    from .costmodel import compute_time, measured_step, run_traffic
     from .linkmodel import run_link_time
 
+    ddp = group[0].label == "ddp"
+    if ddp and compute_s is None:
+        return {}
     pairs = []
     for run in group:
         if run.summary.get("network") and run.records():
-            link = run_link_time(run, wire_bytes(run))
+            link = run_link_time(run, run_traffic(run))
             if link is not None:
-                pairs.append((measured_step(run), compute_time(run) + link))
+                pairs.append((measured_step(run), (compute_s if ddp else compute_time(run)) + link))
     if not pairs:
         return {}
     step, theory = median([m for m, _ in pairs]), median([t for _, t in pairs])
     return {"step_s": step, "theory_step_s": theory, "measured_over_theory": step / theory}
+
+
+def _compute_elsewhere(runs: list[Run], run: Run) -> float | None:
+    """For a ddp run: the compute of the dense all-reduce runs of the same experiment and
+    worker count (same model, same batches, communication apart), None if there are none."""
+    if run.label != "ddp":
+        return None
+    from .costmodel import compute_time
+
+    same = [compute_time(r) for r in runs if r.label in RING_LABELS and r.label != "ddp"
+            and r.summary["workers"] == run.summary["workers"] and r.records()
+            and r.summary.get("experiment") == run.summary.get("experiment")]
+    return median(same) if same else None
 
 
 def _steady(run: Run) -> list[dict]:
