@@ -1,9 +1,11 @@
 """The bucketed all-reduce engine: hooks start each bucket's all-reduce during backward.
 
-`step()` waits for the buckets, all-gathers the rows of the row-sparse embedding tables
-(allreduce.sparse=allgather; they are left out of the buckets), broadcasts rank 0's buffers
-(BatchNorm running statistics: rank 0's are authoritative, as with DDP's broadcast_buffers),
-and runs the local optimizer.
+As under DDP, every gradient is final when `backward()` returns: it waits for the buckets
+and all-gathers the rows of the row-sparse embedding tables (allreduce.sparse=allgather;
+they are left out of the buckets), so that a script may clip, read or log the averaged
+gradients before `step()`. `step()` broadcasts rank 0's buffers (BatchNorm running
+statistics: rank 0's are authoritative, as with DDP's broadcast_buffers) and runs the local
+optimizer.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class AllReduceEngine:
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
         self._backward_states = BackwardStates(timeout_s)
+        self._waited, self._gathered = 0.0, 0  # this step's wait for its gradients, rows gathered
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         # Before any collective, so that a refusal (an optimizer without sparse updates) is
@@ -71,21 +74,25 @@ class AllReduceEngine:
         self._reducer.prepare()
         with self._liveness.naming_lost_ranks():
             self._backward_states.backward(loss)
+            start = time.perf_counter()  # the gradients' wait, counted as the step's communication
+            self._reducer.finish()
+            self._gathered += self._sparse.reduce()
+            self._waited += time.perf_counter() - start
 
     def step(self) -> dict[str, float]:
         start = time.perf_counter()
         with self._liveness.naming_lost_ranks():
-            self._reducer.finish()
             nbytes = self._reducer.take_bytes()
-            gathered = self._sparse.reduce()
+            gathered, self._gathered = self._gathered, 0
             nbytes += gathered
             if self._buffers:
                 nbytes += broadcast_tensors(self._buffers) * (self.rank == 0)
-        comm_s = time.perf_counter() - start
+        in_backward, self._waited = self._waited, 0.0
+        comm_s = time.perf_counter() - start + in_backward
         self.optimizer.step()
         self._reducer.zero_grad()
         self._sparse.zero_grad()
-        stats = {"comm_s": comm_s, "bytes_sent": nbytes, "bytes_recv": nbytes}
+        stats = {"comm_s": comm_s, "in_backward_s": in_backward, "bytes_sent": nbytes, "bytes_recv": nbytes}
         if self._sparse.params:  # what the all-gather of the tables' rows sent, apart (analysis models it)
             stats["gathered_bytes"] = gathered
         return stats

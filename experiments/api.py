@@ -23,6 +23,14 @@ model.pt), so `psar plot`, `psar table` and `psar model` read it unchanged.
 Under the parameter-server engines the optimizer runs on the shards: make_optimizer is
 called once, on worker 0, to learn which optimizer and settings to run there (SGD, Adam,
 AdamW or Adagrad, one parameter group).
+
+As under DDP, every gradient is final when `job.backward(loss)` returns on allreduce and
+ddp, so `job.clip_grad_norm_(max_norm)` (or torch's own clip on the model's parameters)
+clips the averaged gradient there. `job.optimizer` takes any torch.optim.lr_scheduler on
+every engine: under the parameter servers the learning rate it gives each step travels with
+the pushes and the shards update with it. What the shards cannot see is refused by name at
+`job.step()`: a gradient changed after backward pushed it (a clip), a schedule that changes
+more than the learning rate.
 """
 
 from __future__ import annotations
@@ -136,11 +144,33 @@ class Job:
         check_rendezvous_peers(self.config, self.rank)
         self._model = model
         module = self._engine.attach(model, make_optimizer)
+        if get_engine(self.config.engine).uses_servers:  # the shards step; the script schedules this one
+            self._engine.schedule = make_optimizer([p for p in model.parameters() if p.requires_grad])
         module.register_forward_pre_hook(self._count_samples)
         self._writer = MetricsWriter(self.run_dir, self.rank)
         self._state = "attached"
         self._start = self._mark = time.perf_counter()
         return module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer to hand a torch.optim.lr_scheduler: the engine's own on allreduce and
+        ddp; under the parameter servers one make_optimizer built here, never stepped, whose
+        learning rate each step's pushes carry to the shards."""
+        if self._state == "created":
+            raise RuntimeError("job.optimizer before attach(model, make_optimizer): there is none yet")
+        return getattr(self._engine, "schedule", None) or self._engine.optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm, between backward and step, as
+        torch.nn.utils.clip_grad_norm_ does under DDP; returns the norm before clipping."""
+        self._need("attached", "clip_grad_norm_")
+        if get_engine(self.config.engine).uses_servers:
+            raise NotImplementedError(
+                f"job.clip_grad_norm_ under {self.config.engine}: the averaged gradient exists only on the "
+                f"shards, which do not clip yet; run this script with --engine allreduce or ddp")
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def _count_samples(self, _module, args) -> None:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)

@@ -108,11 +108,13 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
 def step_record(step: int, started: float, began: float, computed: float, done: float, loss: float,
                 samples: int, stats: dict) -> dict:
     """One line of metrics/rank<r>.jsonl. Times are perf_counter readings: the loop's start,
-    this step's start, the end of its compute (forward and backward) and its end; stats is
-    what the engine's step() returned (comm_s, bytes_sent, bytes_recv and its own figures)."""
+    this step's start, the end of its backward and its end; stats is what the engine's step()
+    returned (comm_s, bytes_sent, bytes_recv and its own figures; in_backward_s: the part of
+    comm_s its backward spent waiting for the gradients, which is not compute)."""
     stats = dict(stats)
+    in_backward = stats.pop("in_backward_s", 0.0)
     return {"step": step, "time": done - started, "wall": time.time(), "loss": loss, "samples": samples,
-            "compute_s": computed - began, "comm_s": stats.pop("comm_s", 0.0), "step_s": done - began,
+            "compute_s": computed - began - in_backward, "comm_s": stats.pop("comm_s", 0.0), "step_s": done - began,
             "bytes_sent": stats.pop("bytes_sent", 0), "bytes_recv": stats.pop("bytes_recv", 0),
             "peak_rss_mb": peak_rss_mb(), **stats}
 

@@ -189,7 +189,7 @@ class PSClient:
         return layout, min(self.versions.values()), values
 
     def push(self, step: int, version: int | None, grads: dict[int, Any], pull: bool = False,
-             next_version: bool = False, clock: int | None = None) -> Handle:
+             next_version: bool = False, clock: int | None = None, lr: float | None = None) -> Handle:
         """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key}
         computed for `step` on parameters of `version` (None: the version last received from
         each shard). Row ids count from the key's first row, strictly increasing (int64); rows
@@ -199,7 +199,9 @@ class PSClient:
         pull: ask in the same message for the pushed keys' values, as pull(keys,
         next_version=next_version, clock=clock) would right behind the push: one message
         each way instead of two. wait then gives that pull's PullResult, whose `staleness`
-        is the push's. Whole keys only (no rows)."""
+        is the push's. Whole keys only (no rows).
+
+        lr: the learning rate the shards update these keys with (None: their optimizer's own)."""
         layout = self._need_layout()
         if pull and any(isinstance(g, tuple) for g in grads.values()):
             raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
@@ -229,6 +231,8 @@ class PSClient:
             at = step if step is not None else self.versions.get(s, 0)  # sync: the shard's own step
             sparse = any(i is not None for i in row_ids)
             header = {"op": "push", "step": at, "version": v, "keys": keys}
+            if lr is not None:
+                header["lr"] = float(lr)
             if pull:
                 header["pull"] = 1
                 header.update({n: c for n, c in (("min_version", self.versions.get(s, 0) + 1 if next_version else None),

@@ -64,6 +64,9 @@ class PSEngine:
         self.shards = [rank]
         self._phased = self.mode == "sync" and config.exchange == "phased"  # pull once every shard is done
         self._server_stats: list[dict] = []
+        self.schedule: torch.optim.Optimizer | None = None  # a script's job.optimizer: its lr leaves with the pushes
+        self._hyper: dict | None = None  # its other settings, which the shards own
+        self._pushed_grads: dict[int, tuple[torch.Tensor, int]] = {}  # parameter -> (its grad, version) at push
         self.updates_lost = 0
         self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
 
@@ -131,6 +134,7 @@ class PSEngine:
 
     def _push(self, index: int, param: torch.nn.Parameter) -> None:
         step = None if self.mode == "sync" else self._step  # sync: each shard's own version
+        self._pushed_grads[index] = (param.grad, param.grad._version)
         keys = self.layout.param_keys(index)
         if index in self._tables:
             grads = self._row_grads(index, param.grad)
@@ -170,13 +174,44 @@ class PSEngine:
             # (ssp: once the clock is within the bound), so that they come back while later
             # pieces are pushed instead of in one pull after the last.
             ask = {"next_version": True} if self.mode == "sync" else {"clock": self._step + 1}
-            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, pull=True, **ask)))
+            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, pull=True,
+                                                                     lr=self._lr(), **ask)))
             self._returned.update(self._bucket_dense)
         else:
-            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket)))
+            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, lr=self._lr())))
             if self.mode == "sync" and self._bucket_dense and not self._phased:
                 self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
         self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
+
+    def _lr(self) -> float | None:
+        """The learning rate of the script's schedule for this step (None without one)."""
+        return None if self.schedule is None else float(self.schedule.param_groups[0]["lr"])
+
+    def _check_script(self) -> None:
+        """What a script did between backward and step that the shards would never see:
+        refused by name, never silently lost."""
+        changed = [self._named[i][0] for i, (grad, version) in self._pushed_grads.items()
+                   if self._named[i][1].grad is not grad or grad._version != version]
+        self._pushed_grads = {}
+        if changed:
+            shown = ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
+            raise RuntimeError(
+                f"the gradient of {shown} changed after backward pushed it to the shards (by "
+                f"torch.nn.utils.clip_grad_norm_, or another edit between job.backward() and job.step()): "
+                f"under ps-{self.mode} each gradient leaves during backward, so the change would be lost. "
+                f"job.clip_grad_norm_(max_norm) clips the averaged gradient on allreduce and ddp; the "
+                f"parameter-server engines do not clip yet")
+        if self.schedule is None:
+            return
+        groups = self.schedule.param_groups
+        hyper = {k: v for k, v in groups[0].items() if k not in ("params", "lr", "initial_lr")}
+        if self._hyper is None:
+            self._hyper = hyper
+        moved = sorted(k for k in hyper if hyper[k] != self._hyper.get(k))
+        if len(groups) != 1 or moved:
+            what = f"{len(groups)} parameter groups" if len(groups) != 1 else f"its {', '.join(moved)}"
+            raise RuntimeError(f"job.optimizer changed {what}: under ps-{self.mode} the optimizer runs on the "
+                               f"shards, which take only the learning rate from a schedule (one group)")
 
     def _row_grads(self, index: int, grad: torch.Tensor) -> dict:
         """{key: (row ids within the key, summed rows)} of a table's sparse gradient; every key
@@ -256,6 +291,7 @@ class PSEngine:
 
     def step(self) -> dict:
         start = time.perf_counter()
+        self._check_script()
         self._flush(None if self.mode == "sync" else self._step)  # parameters that got no gradient
         self._ready = 0
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps

@@ -15,6 +15,9 @@ the reply is the reply to a pull of those keys under the push's own 'min_version
 'clock' conditions (with the push's 'staleness' beside them), and takes the place of the
 push's plain 'ok'. One message each way per step instead of two; whole keys only.
 
+A push may carry 'lr': the learning rate the worker's schedule gives its step (a script's
+torch.optim.lr_scheduler on job.optimizer); the shard updates those keys with it.
+
 A 'wait' carries no keys: the shard answers it ('ok' with its version, no values) once it has
 finished the sync step to 'min_version', every key updated. A worker that pulls only after
 every shard answered its wait never has a pull's reply compete with a push for a link.
@@ -41,7 +44,7 @@ _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "init": ({"body"} | _TENSORS, set()),
     "join": (set(), {"settings"}),
-    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock"}),
+    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock", "lr"}),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows"}),
     "wait": ({"min_version"}, set()),
     "heartbeat": (set(), set()),
@@ -240,6 +243,8 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
     if "settings" in h:
         _check_settings(h["settings"], limits)
+    if "lr" in h and (type(h["lr"]) not in (int, float) or not math.isfinite(h["lr"]) or h["lr"] < 0):
+        _fail(f"header field 'lr' is {h['lr']!r}; expected a finite number >= 0")
 
     keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
     seen = set()

@@ -169,6 +169,7 @@ class ShardServer:
         self._rows: dict[int, list] = {}  # sync, pushed by rows: key -> [(ids, rows), ...] of the step
         self._pushed: dict[int, set[int]] = {}  # sync: key -> workers that pushed it this step
         self._updated: set[int] = set()  # sync: keys already updated in this step
+        self._step_lr: float | None = None  # sync: the learning rate this step's pushes carry
         self._deferred: list[_Deferred] = []
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
                              rows_pushed=0, rows_pulled=0, row_collisions=0)
@@ -339,6 +340,10 @@ class ShardServer:
         twice = [k for k in msg.keys if k in done]
         if twice:
             raise _Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
+        lr = msg.get("lr")
+        if self.mode == "sync" and lr is not None and self._step_lr not in (None, lr):
+            raise _Reject(f"worker {w} pushed step {step} with lr={lr:g}, another worker with "
+                          f"lr={self._step_lr:g}: every worker must run the same learning-rate schedule")
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
             msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
@@ -348,6 +353,7 @@ class ShardServer:
         self.counters["pushes"] += 1
         self.counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
         if self.mode == "sync":
+            self._step_lr = lr if lr is not None else self._step_lr
             for k, g, i in zip(msg.keys, msg.tensors, ids):
                 if i is not None:
                     self._rows.setdefault(k, []).append((i, g))
@@ -366,7 +372,7 @@ class ShardServer:
                 if i is not None:
                     self._note_collisions(k, w, i)
                 self.chunks[k].grad = self._grad(k, g, i)  # optimizers only read it
-            self._apply(msg.keys, f"apply push of worker {w} (step {step})")
+            self._apply(msg.keys, f"apply push of worker {w} (step {step})", lr=lr)
             if self._note_keys(w, step, msg.keys):
                 self._bump()
         if msg.get("pull"):  # the pushed keys' values, under the push's own conditions
@@ -400,13 +406,14 @@ class ShardServer:
     def _live(self) -> set[int]:
         return set(self._workers) - set(self.lost) - self.left
 
-    def _apply(self, keys, label: str, count: bool = True) -> None:
+    def _apply(self, keys, label: str, count: bool = True, lr: float | None = None) -> None:
         """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
-        skip every chunk without one). count: it is an update of the shard (the counter)."""
+        skip every chunk without one), at learning rate lr (None: the optimizer's). count: it
+        is an update of the shard (the counter)."""
         start = time.time()
         for k in keys:
             self._own(k)
-        self.optimizer.step(keys)
+        self.optimizer.step(keys, lr)
         for k in keys:
             self.chunks[k].grad = None
             for wire, old in self._snap.pop(k, {}).items():
@@ -447,10 +454,12 @@ class ShardServer:
                 self.chunks[k].grad = self._sum.pop(k).reshape(self.chunks[k].shape).div_(count)
         if ready:
             named = f"key {ready[0]}" if len(ready) == 1 else f"keys {ready[0]}..{ready[-1]} ({len(ready)})"
-            self._apply(ready, f"update {named} (step {self.version}, {len(live)} workers)", count=False)
+            self._apply(ready, f"update {named} (step {self.version}, {len(live)} workers)", count=False,
+                        lr=self._step_lr)
             self._updated.update(ready)
         if len(self._updated) == len(self.keys):
             self.counters["updates"] += 1
+            self._step_lr = None
             self._updated.clear()
             self._pushed.clear()
             self._rows.clear()

@@ -35,8 +35,15 @@ class ShardOptimizer:
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
 
-    def step(self, keys) -> None:
-        """One optimizer step over the chunks of `keys` (their .grad set)."""
+    @property
+    def lr(self) -> float:
+        return self._group["lr"]
+
+    def step(self, keys, lr: float | None = None) -> None:
+        """One optimizer step over the chunks of `keys` (their .grad set), with learning rate
+        lr (None: the group's own; a given one stays the group's, as a scheduler leaves it)."""
+        if lr is not None:
+            self._group["lr"] = lr
         self._group["params"] = [self.chunks[k] for k in keys]
         try:
             if self._step is None:

@@ -408,3 +408,23 @@ def test_a_shard_without_a_model_gives_up_naming_worker_0():
 
     with pytest.raises(TimeoutError, match="worker 0 sent no init"):
         await_init(QueueTransport([]), 0, 1, lambda *a: None, timeout_s=0.3)
+
+
+def test_a_push_carries_the_learning_rate_its_update_uses():
+    """A script's schedule: sync updates with the step's lr (the same from every worker, or
+    the push is refused); async with each push's own; a bad lr touches nothing."""
+    server, init = make("sync", lr=0.5)
+    g0, g1 = torch.arange(15.0, dtype=torch.float64), torch.ones(15, dtype=torch.float64)
+    assert push(server, 0, 0, grads_of(g0), lr=0.1)[0].op == "ok"
+    err = push(server, 1, 0, grads_of(g1), lr=0.2)[0]
+    assert err.op == "error" and "lr=0.2, another worker with lr=0.1" in err.get("error")
+    assert push(server, 1, 0, grads_of(g1), lr=0.1)[0].op == "ok"
+    assert torch.allclose(values(server), init - 0.1 * (g0 + g1) / 2, rtol=0, atol=1e-15)
+
+    server, init = make("async", lr=1.0, async_scale="sum")
+    push(server, 0, 0, grads_of(g1), lr=0.25)
+    assert torch.allclose(values(server), init - 0.25 * g1, rtol=0, atol=1e-15)
+    for bad in (-1.0, float("nan"), "0.1", True):
+        err = push(server, 0, 1, grads_of(g1), lr=bad)[0]
+        assert err.op == "error" and "'lr'" in err.get("error"), bad
+    assert torch.allclose(values(server), init - 0.25 * g1, rtol=0, atol=1e-15)

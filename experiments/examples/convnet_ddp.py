@@ -33,6 +33,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient's norm to this (0: no)")
+    parser.add_argument("--lr-step", type=int, default=0, help="halve the learning rate every this many steps")
     return parser.parse_args()
 
 
@@ -45,6 +47,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(convnet().to(dtype))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, args.lr_step or 1 << 30, gamma=0.5)
     data = digits(dtype)
     sampler = DistributedSampler(data, world, rank, seed=0)
     step = 0
@@ -54,7 +57,10 @@ def main() -> None:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
+            scheduler.step()
             step += 1
             if step == args.steps:
                 break

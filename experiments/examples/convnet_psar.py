@@ -19,6 +19,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = job.attach(convnet().to(dtype),                            # psar
                        lambda params: torch.optim.SGD(params, lr=args.lr))
+    scheduler = torch.optim.lr_scheduler.StepLR(job.optimizer,         # psar
+                                                args.lr_step or 1 << 30, gamma=0.5)
     data = digits(dtype)
     sampler = DistributedSampler(data, world, rank, seed=0)
     step = 0
@@ -27,7 +29,10 @@ def main() -> None:
         for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
             loss = F.cross_entropy(model(x), y)
             job.backward(loss)                                         # psar
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             job.step()                                                 # psar
+            scheduler.step()
             step += 1
             if step == args.steps:
                 break

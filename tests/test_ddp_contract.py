@@ -1,0 +1,69 @@
+"""A DDP script's gradient clipping and learning-rate schedule behave on psar's engines as
+under torchrun DDP, or stop the run with the reason: experiments/examples/convnet_ddp.py under
+torchrun and convnet_psar.py (the README's diff) under `psar launch`, float64.
+
+Before: allreduce read the gradients while they were still being all-reduced (four runs,
+four results), ps-sync dropped the clip and the scheduler without a word."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import max_param_diff, started
+
+from experiments.api import script_config
+from experiments.launcher import LaunchError, launch_batch
+from experiments.sites import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "experiments" / "examples"
+CLIPPED = ["--float64", "--steps", "8", "--clip", "0.05", "--lr-step", "3"]
+SCHEDULED = ["--float64", "--steps", "8", "--lr-step", "3"]
+
+
+def torchrun_ddp(args, tmp_path: Path) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "ddp.pt"
+    proc = started(subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "experiments.examples.convnet_ddp", *args], cwd=ROOT, env=dict(os.environ, CONVNET_OUT=str(out)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    output, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, output
+    return torch.load(out, weights_only=True)
+
+
+def launched(engine: str, args, run_dir: Path, **extra) -> dict:
+    script = EXAMPLES / "convnet_psar.py"
+    cfg = script_config(str(script), args, engine=engine, workers=2, **extra)
+    launch_batch([(cfg, run_dir)], deadline_s=150, quiet=True, script=[str(script), *args])
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
+    reference = torchrun_ddp(CLIPPED, tmp_path)
+    unclipped = torchrun_ddp(SCHEDULED, tmp_path / "plain")
+    assert max_param_diff(reference, unclipped) > 1e-4  # the clip acts: the runs differ
+    for engine in ("allreduce", "ddp"):
+        assert max_param_diff(reference, launched(engine, CLIPPED, tmp_path / engine)) < 1e-10, engine
+    # The parameter server has the schedule (its learning rate travels with the pushes) ...
+    assert max_param_diff(unclipped, launched("ps-sync", SCHEDULED, tmp_path / "ps", servers=2)) < 1e-10
+    # ... and refuses the clip it cannot apply, naming what clips.
+    with pytest.raises(LaunchError) as err:
+        launched("ps-sync", CLIPPED, tmp_path / "ps-clip", servers=2)
+    assert "changed after backward pushed it" in str(err.value) and "job.clip_grad_norm_" in str(err.value)
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_ten_runs_of_the_allreduce_clip_script_give_one_result(tmp_path):
+    states = [launched("allreduce", CLIPPED, tmp_path / f"run{i}") for i in range(10)]
+    assert all(max_param_diff(states[0], s) == 0 for s in states[1:])
