@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import time
 from pathlib import Path
@@ -84,6 +85,18 @@ def net_option(fn):
                         help="Emulated cluster: each worker (and, with --set net.placement=separate, "
                         "each server shard) on a host of its own, every link shaped to RATE each way "
                         "(tc units: 200mbit, 1gbit). Needs root. --set net.latency_ms=X adds delay.")(fn)
+
+
+def overwrite_option(fn):
+    return click.option("--overwrite", is_flag=True, default=False,
+                         help="Replace a finished run already in --out (refused without it).")(fn)
+
+
+def _refuse_finished(run_dir: Path, overwrite: bool) -> None:
+    """A finished run's results (its summary.json) are never replaced unasked."""
+    if not overwrite and (Path(run_dir) / "summary.json").exists():
+        raise click.ClickException(f"{run_dir} holds a finished run (it has a summary.json): give another "
+                                   f"--out, or --overwrite to replace it")
 
 
 def _with_net(overrides, net) -> tuple[str, ...]:
@@ -170,9 +183,10 @@ def list_cmd() -> None:
 @click.option("--trace", is_flag=True, default=None, help="Write a Chrome trace (trace.json).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override an engine setting, e.g. --set allreduce.algorithm=ring.")
+@overwrite_option
 @net_option
 @_friendly
-def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net) -> None:
+def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net, overwrite) -> None:
     """Run your own training SCRIPT (with ARGS) on N workers with one engine, as torchrun
     would, plus the parameter-server shards; the script uses experiments.api (see the README,
     "Your own model"). Options come before SCRIPT; what follows it is the script's.
@@ -190,6 +204,7 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
                         servers=servers, device=device, trace=trace)
     _warn_unused([cfg], overrides, servers is not None)
     run_dir = out or Path("runs") / f"{script.stem}-{cfg.engine}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _refuse_finished(run_dir, overwrite)
     summary = launch_batch([(cfg, run_dir)], script=[str(script), *script_args])[0]
     click.echo(describe_summary(summary))
     click.echo(f"run directory: {run_dir}")
@@ -204,10 +219,11 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
               default=None, help="Continue the run in this directory from its last checkpoint "
               "(its config; --steps and --set may change it). A finished run is continued "
               "only as a copy in --out.")
+@overwrite_option
 @net_option
 @run_options
 @_friendly
-def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed, device, curve, trace,
+def run(experiment, workers, servers, out, resume_dir, overwrite, net, engine, steps, seed, device, curve, trace,
         tensorboard, overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory.
 
@@ -230,6 +246,7 @@ def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed,
                                    "--steps, --trace, --set or --out with it")
         cfg = resolve(config_mod.load(resume_dir / "config.json"), overrides, steps=steps, trace=trace)
         if out is not None:  # results already there stay as they are; a copy goes on
+            _refuse_finished(out, overwrite)
             run_dir = resumable_copy(cfg, resume_dir, out)
         elif (resume_dir / "summary.json").exists():
             raise click.ClickException(
@@ -244,6 +261,7 @@ def run(experiment, workers, servers, out, resume_dir, net, engine, steps, seed,
                            steps=steps, seed=seed, device=device, trace=trace)
         _warn_unused([cfg], overrides, servers is not None)
         run_dir = out or default_run_dir(cfg)
+        _refuse_finished(run_dir, overwrite)
     summary = launch(cfg, run_dir, resume=resume_dir is not None)
     click.echo(describe_summary(summary))
     click.echo(f"run directory: {run_dir}")
@@ -474,6 +492,10 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
         variants = variants_of(engines, server_counts or list(grid.servers if grid else (1,)))
     net = net or (grid.net if grid else None)
     overrides = _with_net((grid.overrides if grid else ()) + tuple(overrides), net)
+    if not any(o.split("=", 1)[0].strip() == "threads" for o in overrides):
+        # Every cell's workers get the threads the largest cell's have: a 1-worker run on all
+        # the cores collapses when they are busy (a speed-up of 26 on 2 cores was measured)
+        overrides = (f"threads={max(1, (os.cpu_count() or 1) // max(worker_counts))}",) + overrides
     steps = steps if steps is not None else (grid.steps if grid else None)
     if grid:
         click.echo(f"{grid.name}: {grid.claim}")
@@ -522,6 +544,23 @@ def plot(run_dirs, out) -> None:
         where = out / experiment if len(groups) > 1 else out
         for path in (*write(rows(runs), where), *plot_all(runs, where)):
             click.echo(str(path))
+
+
+@main.command("table")
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_friendly
+def table_cmd(run_dirs) -> None:
+    """Print the comparison table of finished RUN_DIRS (run directories, or folders of them
+    such as a `psar compare --out` folder), one per experiment; nothing is rerun or written."""
+    from analysis.results import by_experiment, load_runs
+    from analysis.table import markdown, rows
+
+    groups = by_experiment(load_runs(run_dirs))
+    for experiment, runs in groups.items():
+        if len(groups) > 1:
+            click.echo(f"{experiment}:")
+        click.echo(markdown(rows(runs)))
 
 
 @main.command("tensorboard")

@@ -73,6 +73,16 @@ def test_run_writes_the_run_directory(tmp_path):
     assert f"run directory: {out}" in result.output
     summary = _check_run_dir(out, "cnn", "ddp", 2, 4)
     assert summary["bytes_per_worker_per_step"] > 0
+    table = invoke("table", out)
+    assert table.exit_code == 0 and "| ddp | 2 |" in table.output, table.output
+    # A finished run is never replaced unasked; --overwrite replaces it.
+    before = (out / "summary.json").read_text()
+    again = invoke("run", "cnn", "--engine", "ddp", "--workers", 2, "--steps", 2, "--out", out)
+    assert again.exit_code == 1 and "holds a finished run" in again.output and "--overwrite" in again.output
+    assert (out / "summary.json").read_text() == before
+    replaced = invoke("run", "cnn", "--engine", "ddp", "--workers", 2, "--steps", 2, "--out", out, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
 @pytest.mark.multiprocess
@@ -205,6 +215,12 @@ def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
     assert not any(o.startswith("steps=") for o in seen["overrides"])
     invoke("compare", "straggler", "--out", tmp_path)
     assert seen["steps"] == 60
+    # Every cell's workers get the threads of the largest cell's: a 1-worker run does not
+    # take every core (its speed-up would read above the worker count on a busy machine).
+    invoke("compare", "straggler", "--workers", "1,4", "--out", tmp_path)
+    assert f"threads={max(1, (os.cpu_count() or 1) // 4)}" in seen["overrides"]
+    invoke("compare", "straggler", "--workers", "1,4", "--set", "threads=3", "--out", tmp_path)
+    assert [o for o in seen["overrides"] if o.startswith("threads=")] == ["threads=3"]
 
 
 def test_compare_takes_a_script_with_its_arguments(monkeypatch, tmp_path):
