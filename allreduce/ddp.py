@@ -42,6 +42,10 @@ class DDPEngine:
         self.optimizer = make_optimizer(params)
         return _NamingLostRanks(self._ddp, self._liveness)
 
+    def no_sync(self):
+        """DDP's own no_sync (around the forward too: DDP reads it there)."""
+        return self._ddp.no_sync()
+
     def backward(self, loss: torch.Tensor) -> None:
         with self._liveness.naming_lost_ranks():  # DDP's all-reduces finish inside backward
             self._backward_states.backward(loss)

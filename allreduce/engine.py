@@ -10,6 +10,7 @@ optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -70,10 +71,22 @@ class AllReduceEngine:
         self.optimizer = make_optimizer([p for _, p in params if p.requires_grad])
         return model
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes in here only accumulate the gradients (DDP's no_sync); the next
+        backward outside it reduces the sum."""
+        self._reducer.syncing = False
+        try:
+            yield
+        finally:
+            self._reducer.syncing = True
+
     def backward(self, loss: torch.Tensor) -> None:
         self._reducer.prepare()
         with self._liveness.naming_lost_ranks():
             self._backward_states.backward(loss)
+            if not self._reducer.syncing:
+                return
             start = time.perf_counter()  # the gradients' wait, counted as the step's communication
             self._reducer.finish()
             self._gathered += self._sparse.reduce()

@@ -70,6 +70,7 @@ class Reducer:
         self._views = {p: p.grad for p in self._slot}
         self._next = 0
         self.bytes_sent = 0
+        self.syncing = True  # False inside no_sync: gradients only accumulate in the buckets
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
 
     def prepare(self) -> None:
@@ -81,6 +82,8 @@ class Reducer:
                 p.grad = view
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self.syncing:
+            return
         b, j = self._slot[param]
         self.buckets[b].ready.add(j)
         self._start_ready()

@@ -161,6 +161,12 @@ class Job:
             raise RuntimeError("job.optimizer before attach(model, make_optimizer): there is none yet")
         return getattr(self._engine, "schedule", None) or self._engine.optimizer
 
+    def no_sync(self):
+        """A context in which forward and backward only accumulate gradients, as DDP's
+        no_sync: the next job.backward outside it communicates their sum (every engine)."""
+        self._need("attached", "no_sync")
+        return self._engine.no_sync()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradient by its global norm, between backward and step, as
         torch.nn.utils.clip_grad_norm_ does under DDP; returns the norm before clipping."""

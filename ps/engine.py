@@ -28,6 +28,7 @@ them all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -67,6 +68,7 @@ class PSEngine:
         self.schedule: torch.optim.Optimizer | None = None  # a script's job.optimizer: its lr leaves with the pushes
         self._hyper: dict | None = None  # its other settings, which the shards own
         self._pushed_grads: dict[int, tuple[torch.Tensor, int]] = {}  # parameter -> (its grad, version) at push
+        self._accumulating = False  # inside no_sync
         self.updates_lost = 0
         self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
 
@@ -132,7 +134,19 @@ class PSEngine:
                                f"Embedding or EmbeddingBag in this worker's model")
         return owner
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes in here only accumulate the gradients; the next backward outside
+        it pushes their sum (a sync shard then averages the workers' sums, as DDP does)."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def _push(self, index: int, param: torch.nn.Parameter) -> None:
+        if self._accumulating:
+            return
         step = None if self.mode == "sync" else self._step  # sync: each shard's own version
         self._pushed_grads[index] = (param.grad, param.grad._version)
         keys = self.layout.param_keys(index)

@@ -1,12 +1,14 @@
-"""A DDP script's gradient clipping and learning-rate schedule behave on psar's engines as
-under torchrun DDP, or stop the run with the reason: experiments/examples/convnet_ddp.py under
-torchrun and convnet_psar.py (the README's diff) under `psar launch`, float64.
+"""A DDP script's gradient clipping, learning-rate schedule and accumulation over two
+micro-batches (no_sync) behave on psar's engines as under torchrun DDP, or stop the run with
+the reason: experiments/examples/convnet_ddp.py under torchrun and convnet_psar.py (the
+README's diff) under `psar launch`, float64.
 
 Before: allreduce read the gradients while they were still being all-reduced (four runs,
 four results), ps-sync dropped the clip and the scheduler without a word."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,8 +24,8 @@ from experiments.sites import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "experiments" / "examples"
-CLIPPED = ["--float64", "--steps", "8", "--clip", "0.05", "--lr-step", "3"]
-SCHEDULED = ["--float64", "--steps", "8", "--lr-step", "3"]
+CLIPPED = ["--float64", "--steps", "8", "--clip", "0.05", "--lr-step", "3", "--micro", "2"]
+SCHEDULED = ["--float64", "--steps", "8", "--lr-step", "3", "--micro", "2"]
 
 
 def torchrun_ddp(args, tmp_path: Path) -> dict:
@@ -53,6 +55,9 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     assert max_param_diff(reference, unclipped) > 1e-4  # the clip acts: the runs differ
     for engine in ("allreduce", "ddp"):
         assert max_param_diff(reference, launched(engine, CLIPPED, tmp_path / engine)) < 1e-10, engine
+    # Sums add up either way: what no_sync saves is the first micro-batch's all-reduce.
+    records = [json.loads(line) for line in (tmp_path / "allreduce" / "metrics" / "rank0.jsonl").open()]
+    assert {r["bytes_sent"] for r in records} == {sum(t.numel() * 8 for t in reference.values())}
     # The parameter server has the schedule (its learning rate travels with the pushes) ...
     assert max_param_diff(unclipped, launched("ps-sync", SCHEDULED, tmp_path / "ps", servers=2)) < 1e-10
     # ... and refuses the clip it cannot apply, naming what clips.

@@ -3,6 +3,7 @@
 same script on psar's engines; the README shows the lines that differ."""
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -35,6 +36,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--float64", action="store_true")
     parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient's norm to this (0: no)")
     parser.add_argument("--lr-step", type=int, default=0, help="halve the learning rate every this many steps")
+    parser.add_argument("--micro", type=int, default=1, help="micro-batches a step accumulates")
     return parser.parse_args()
 
 
@@ -54,9 +56,12 @@ def main() -> None:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
-            loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
-            loss.backward()
+            parts = list(zip(x.chunk(args.micro), y.chunk(args.micro)))
+            for i, (xs, ys) in enumerate(parts):  # all but the last only accumulate
+                with model.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+                    loss = F.cross_entropy(model(xs), ys) / len(parts)
+                    loss.backward()
             if args.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()

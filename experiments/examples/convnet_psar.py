@@ -2,6 +2,8 @@
 `psar launch --engine ps-sync --workers 2 experiments/examples/convnet_psar.py`. The same
 script as convnet_ddp.py but for the lines marked "psar"."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
@@ -27,8 +29,11 @@ def main() -> None:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
-            loss = F.cross_entropy(model(x), y)
-            job.backward(loss)                                         # psar
+            parts = list(zip(x.chunk(args.micro), y.chunk(args.micro)))
+            for i, (xs, ys) in enumerate(parts):  # all but the last only accumulate
+                with job.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():  # psar
+                    loss = F.cross_entropy(model(xs), ys) / len(parts)
+                    job.backward(loss)                                 # psar
             if args.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             job.step()                                                 # psar
