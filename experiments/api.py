@@ -29,8 +29,9 @@ ddp, so `job.clip_grad_norm_(max_norm)` (or torch's own clip on the model's para
 clips the averaged gradient there. `job.optimizer` takes any torch.optim.lr_scheduler on
 every engine: under the parameter servers the learning rate it gives each step travels with
 the pushes and the shards update with it. What the shards cannot see is refused by name at
-`job.step()`: a gradient changed after backward pushed it (a clip), a schedule that changes
-more than the learning rate.
+`job.step()`: a gradient changed after backward pushed it (torch's own clip: use
+`job.clip_grad_norm_`, for which the ps-sync shards agree on the norm), a schedule that
+changes more than the learning rate.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Job:
         module = self._engine.attach(model, make_optimizer)
         if get_engine(self.config.engine).uses_servers:  # the shards step; the script schedules this one
             self._engine.schedule = make_optimizer([p for p in model.parameters() if p.requires_grad])
+            self._engine.allow_clip()
         module.register_forward_pre_hook(self._count_samples)
         self._writer = MetricsWriter(self.run_dir, self.rank)
         self._state = "attached"
@@ -169,12 +171,13 @@ class Job:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradient by its global norm, between backward and step, as
-        torch.nn.utils.clip_grad_norm_ does under DDP; returns the norm before clipping."""
+        torch.nn.utils.clip_grad_norm_ does under DDP; returns the norm before clipping. Under
+        ps-sync the shards hold each step's update, give the sums of squares of their parts
+        and update with the coefficient every worker sends (call it from the first step on);
+        ps-async and ps-ssp have no averaged gradient and refuse it."""
         self._need("attached", "clip_grad_norm_")
         if get_engine(self.config.engine).uses_servers:
-            raise NotImplementedError(
-                f"job.clip_grad_norm_ under {self.config.engine}: the averaged gradient exists only on the "
-                f"shards, which do not clip yet; run this script with --engine allreduce or ddp")
+            return self._engine.clip_grad_norm_(max_norm, norm_type)
         params = [p for p in self._model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 

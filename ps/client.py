@@ -189,7 +189,8 @@ class PSClient:
         return layout, min(self.versions.values()), values
 
     def push(self, step: int, version: int | None, grads: dict[int, Any], pull: bool = False,
-             next_version: bool = False, clock: int | None = None, lr: float | None = None) -> Handle:
+             next_version: bool = False, clock: int | None = None, lr: float | None = None,
+             hold: bool = False) -> Handle:
         """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key}
         computed for `step` on parameters of `version` (None: the version last received from
         each shard). Row ids count from the key's first row, strictly increasing (int64); rows
@@ -201,7 +202,9 @@ class PSClient:
         each way instead of two. wait then gives that pull's PullResult, whose `staleness`
         is the push's. Whole keys only (no rows).
 
-        lr: the learning rate the shards update these keys with (None: their optimizer's own)."""
+        lr: the learning rate the shards update these keys with (None: their optimizer's own).
+        hold: (sync) the shards keep the step's averaged gradient until a pull brings the clip
+        scale (see norm)."""
         layout = self._need_layout()
         if pull and any(isinstance(g, tuple) for g in grads.values()):
             raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
@@ -233,6 +236,8 @@ class PSClient:
             header = {"op": "push", "step": at, "version": v, "keys": keys}
             if lr is not None:
                 header["lr"] = float(lr)
+            if hold:
+                header["hold"] = 1
             if pull:
                 header["pull"] = 1
                 header.update({n: c for n, c in (("min_version", self.versions.get(s, 0) + 1 if next_version else None),
@@ -253,14 +258,15 @@ class PSClient:
 
     def pull(self, keys: Sequence[int] | None = None, min_version: int | dict[int, int] | None = None,
              clock: int | None = None, wait_left: bool = False, next_version: bool = False,
-             rows: dict[int, torch.Tensor] | None = None) -> Handle:
+             rows: dict[int, torch.Tensor] | None = None, scale: float | None = None) -> Handle:
         """Ask for the current values of keys (default all). The server answers once its
         version >= min_version (sync; a dict gives one per shard), under ssp once clock is within the staleness bound
         of the slowest worker, and with wait_left once every other worker has left.
         next_version: each shard answers once past the version this client last saw from it
         (sync steps, counted per shard). rows: {key: row ids} asks for only those rows of
         those row-sparse keys (ids as in push); they are pulled besides keys. Non-blocking;
-        wait gives a PullResult."""
+        wait gives a PullResult. scale: the clip coefficient of a held sync step (see norm),
+        with which each shard first makes that step's update."""
         layout = self._need_layout()
         rows = {k: self._row_ids(k, i) for k, i in (rows or {}).items()}
         if keys is not None and set(keys) & set(rows):
@@ -272,7 +278,8 @@ class PSClient:
             by_shard[layout.keys[k].shard].append(k)
         per_shard_min = min_version if isinstance(min_version, dict) else None
         cond = {n: v for n, v in (("min_version", None if per_shard_min else min_version), ("clock", clock),
-                                  ("wait_left", 1 if wait_left else None)) if v is not None}
+                                  ("wait_left", 1 if wait_left else None),
+                                  ("scale", None if scale is None else float(scale))) if v is not None}
         def condition(s: int) -> dict:
             if next_version:
                 return {**cond, "min_version": self.versions.get(s, 0) + 1}
@@ -293,6 +300,14 @@ class PSClient:
         return self._start("wait", {s: ({"op": "wait", "min_version": self.versions.get(s, 0) + 1}, None)
                                     for s in range(len(self.addresses))}, conditional=True)
 
+    def norm(self) -> Handle:
+        """Ask every shard for the sum of squares of its averaged gradient of the held sync
+        step this client last pushed (answered once every worker's pushes are in). Non-blocking;
+        wait gives {shard: sum of squares}."""
+        self._need_layout()
+        return self._start("norm", {s: ({"op": "norm", "step": self.versions.get(s, 0)}, None)
+                                    for s in range(len(self.addresses))}, conditional=True)
+
     def wait(self, handle: Handle, timeout_s: float | None = None) -> Any:
         """Block until every shard of handle has answered; its result (see push / pull).
         Raises PSError on an error reply, PeerTimeout naming the silent shard's address (the
@@ -301,6 +316,8 @@ class PSClient:
         stale = [m.get("staleness") for m in handle.replies.values() if m.get("staleness") is not None]
         if handle.kind == "push":
             return max(stale, default=0)
+        if handle.kind == "norm":
+            return {s: m.get("sq") for s, m in handle.replies.items()}
         if handle.kind == "wait":
             waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
             return {s: m.get("version") for s, m in handle.replies.items()}, waited / 1e6

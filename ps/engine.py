@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -69,6 +70,9 @@ class PSEngine:
         self._hyper: dict | None = None  # its other settings, which the shards own
         self._pushed_grads: dict[int, tuple[torch.Tensor, int]] = {}  # parameter -> (its grad, version) at push
         self._accumulating = False  # inside no_sync
+        self.clip_mode: bool | None = False  # sync: pushes hold their update for a clip; None: not known yet
+        self._deferred: list[int] = []  # parameters whose push waits for clip_mode to be known
+        self._scale: float | None = None  # the clip coefficient of this step
         self.updates_lost = 0
         self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
 
@@ -147,8 +151,14 @@ class PSEngine:
     def _push(self, index: int, param: torch.nn.Parameter) -> None:
         if self._accumulating:
             return
-        step = None if self.mode == "sync" else self._step  # sync: each shard's own version
         self._pushed_grads[index] = (param.grad, param.grad._version)
+        if self.clip_mode is None:  # a script's first step: whether it clips decides how it leaves
+            self._deferred.append(index)
+            return
+        self._enqueue(index, param)
+
+    def _enqueue(self, index: int, param: torch.nn.Parameter) -> None:
+        step = None if self.mode == "sync" else self._step  # sync: each shard's own version
         keys = self.layout.param_keys(index)
         if index in self._tables:
             grads = self._row_grads(index, param.grad)
@@ -183,7 +193,10 @@ class PSEngine:
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
         whole = len(self._bucket_dense) == len(self._bucket)  # no rows: the push asks for the values itself
-        if whole and not self._phased:
+        if self.clip_mode:  # the shards hold the update until the pull brings the clip's scale
+            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, lr=self._lr(),
+                                                                     hold=True)))
+        elif whole and not self._phased:
             # sync: the keys' next values; async and ssp: their values once this push is applied
             # (ssp: once the clock is within the bound), so that they come back while later
             # pieces are pushed instead of in one pull after the last.
@@ -196,6 +209,41 @@ class PSEngine:
             if self.mode == "sync" and self._bucket_dense and not self._phased:
                 self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
         self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
+
+    def allow_clip(self) -> None:
+        """A script's run: clip_grad_norm_ may come. Its first step's pushes wait until the
+        script either clips or steps (then every step is as without this)."""
+        if self.mode == "sync" and not self._tables:
+            self.clip_mode = None
+
+    def _release_deferred(self, clip: bool) -> None:
+        self.clip_mode = clip
+        deferred, self._deferred = self._deferred, []
+        for index in deferred:
+            self._enqueue(index, self._named[index][1])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the step's averaged gradient by its global norm, as torch's clip_grad_norm_
+        under DDP: the shards hold the update, each gives the sum of squares of its part, and
+        every worker sends the same coefficient with its pull. Returns the norm."""
+        if self.mode != "sync":
+            raise NotImplementedError(f"job.clip_grad_norm_ under ps-{self.mode}: each push is applied on "
+                                      f"arrival, so there is no averaged gradient to clip; use ps-sync")
+        if self._tables:
+            raise NotImplementedError("job.clip_grad_norm_ with row-sparse tables on the shards: their rows "
+                                      "are not held for a clip; set ps.sparse=dense")
+        if norm_type != 2.0:
+            raise NotImplementedError(f"job.clip_grad_norm_ with norm_type={norm_type}: the shards clip by the 2-norm")
+        if self.clip_mode is False:
+            raise RuntimeError("job.clip_grad_norm_ after steps without it: under ps-sync a script clips "
+                               "from its first step on (the shards hold each step's update for it)")
+        if self.clip_mode is None:
+            self._release_deferred(True)
+        self._flush(None)
+        sums = self.client.wait(self.client.norm())
+        total = math.sqrt(sum(sums[s] for s in sorted(sums)))
+        self._scale = min(1.0, max_norm / (total + 1e-6))
+        return torch.tensor(total, dtype=torch.float64)
 
     def _lr(self) -> float | None:
         """The learning rate of the script's schedule for this step (None without one)."""
@@ -213,8 +261,8 @@ class PSEngine:
                 f"the gradient of {shown} changed after backward pushed it to the shards (by "
                 f"torch.nn.utils.clip_grad_norm_, or another edit between job.backward() and job.step()): "
                 f"under ps-{self.mode} each gradient leaves during backward, so the change would be lost. "
-                f"job.clip_grad_norm_(max_norm) clips the averaged gradient on allreduce and ddp; the "
-                f"parameter-server engines do not clip yet")
+                f"Clip with job.clip_grad_norm_(max_norm): it clips the averaged gradient by its global "
+                f"norm on every synchronous engine (under ps-sync the shards agree on the norm)")
         if self.schedule is None:
             return
         groups = self.schedule.param_groups
@@ -306,7 +354,15 @@ class PSEngine:
     def step(self) -> dict:
         start = time.perf_counter()
         self._check_script()
+        if self.clip_mode is None:  # the script's first step did not clip: it never will
+            self._release_deferred(False)
         self._flush(None if self.mode == "sync" else self._step)  # parameters that got no gradient
+        if self.clip_mode:  # the step's values, updated with its clip (1: the script skipped it)
+            if self._scale is None:
+                self.client.wait(self.client.norm())  # the step complete on every shard first
+            scale, self._scale = self._scale if self._scale is not None else 1.0, None
+            self._pulls.append((f"step {self._step}", time.time(),
+                                self.client.pull(self._dense_keys, next_version=True, scale=scale)))
         self._ready = 0
         # The pull goes out at once, behind the pushes on each shard's connection (ZeroMQ keeps
         # their order), so it costs no extra round trip.

@@ -18,6 +18,12 @@ push's plain 'ok'. One message each way per step instead of two; whole keys only
 A push may carry 'lr': the learning rate the worker's schedule gives its step (a script's
 torch.optim.lr_scheduler on job.optimizer); the shard updates those keys with it.
 
+Clipping by the global norm (sync): a step's pushes carry 'hold' (1), and the shard keeps
+the averaged gradient instead of updating; a 'norm' for that 'step' is answered once every
+key is in, with 'sq', the sum of squares of this shard's averaged gradient; every worker
+adds the shards' sums, and its pull of the step's values carries 'scale', the clip
+coefficient, with which the first such pull makes the update (later ones must agree).
+
 A 'wait' carries no keys: the shard answers it ('ok' with its version, no values) once it has
 finished the sync step to 'min_version', every key updated. A worker that pulls only after
 every shard answered its wait never has a pull's reply compete with a push for a link.
@@ -35,7 +41,7 @@ import torch
 from ps.layout import ITEMSIZE, TORCH_DTYPES, Layout, dtype_name
 
 PROTOCOL_VERSION = 1
-REQUESTS = ("init", "join", "push", "pull", "wait", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
+REQUESTS = ("init", "join", "push", "pull", "wait", "norm", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
 REPLIES = ("ok", "error")
 OPS = REQUESTS + REPLIES
 
@@ -44,20 +50,22 @@ _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "init": ({"body"} | _TENSORS, set()),
     "join": (set(), {"settings"}),
-    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock", "lr"}),
-    "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows"}),
+    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock", "lr", "hold"}),
+    "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows", "scale"}),
     "wait": ({"min_version"}, set()),
+    "norm": ({"step"}, set()),
     "heartbeat": (set(), set()),
     "stats": (set(), set()),
     "checkpoint": (set(), set()),
     "shutdown": (set(), set()),
     "leave": (set(), set()),
-    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows"} | _TENSORS),
+    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows", "sq"} | _TENSORS),
     "error": ({"error"}, set()),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
 _INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left", "pull",
-               "waited_us")
+               "waited_us", "hold")
+_FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
 
 
@@ -243,8 +251,11 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
     if "settings" in h:
         _check_settings(h["settings"], limits)
-    if "lr" in h and (type(h["lr"]) not in (int, float) or not math.isfinite(h["lr"]) or h["lr"] < 0):
-        _fail(f"header field 'lr' is {h['lr']!r}; expected a finite number >= 0")
+    for name in _FLOAT_FIELDS:
+        if name in h and (type(h[name]) not in (int, float) or not math.isfinite(h[name]) or h[name] < 0):
+            _fail(f"header field {name!r} is {h[name]!r}; expected a finite number >= 0")
+    if h.get("hold") not in (None, 0, 1):
+        _fail(f"header field 'hold' is {h['hold']}; expected 0 or 1")
 
     keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
     seen = set()

@@ -170,6 +170,10 @@ class ShardServer:
         self._pushed: dict[int, set[int]] = {}  # sync: key -> workers that pushed it this step
         self._updated: set[int] = set()  # sync: keys already updated in this step
         self._step_lr: float | None = None  # sync: the learning rate this step's pushes carry
+        self._step_hold: bool | None = None  # sync: whether this step's pushes hold the update for a clip
+        self._held: dict[int, torch.Tensor] = {}  # sync, held step: key -> its averaged gradient
+        self._sq: dict[int, float] = {}  # held step -> sum of squares of its averaged gradient here
+        self._scale: dict[int, float] = {}  # held step -> the clip coefficient it was updated with
         self._deferred: list[_Deferred] = []
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
                              rows_pushed=0, rows_pulled=0, row_collisions=0)
@@ -301,9 +305,21 @@ class ShardServer:
 
     def _on_pull(self, peer: bytes, msg: Message, **fields: Any) -> list[Reply]:
         """Answer now if the pull's condition holds, else once it does (fields: more of the
-        reply's header, a push+pull's staleness)."""
+        reply's header, a push+pull's staleness). A pull with a clip scale first makes the
+        held step's update."""
+        if msg.get("scale") is not None:
+            if self.mode != "sync":
+                raise _Reject("a clip 'scale' is for sync steps that hold their update")
+            self._apply_held(msg)
         self.counters["pulls"] += 1
         return self._answer_or_defer(peer, msg, fields)
+
+    def _on_norm(self, peer: bytes, msg: Message) -> list[Reply]:
+        """The sum of squares of held step `step`'s averaged gradient on this shard, once every
+        key of it is in."""
+        if self.mode != "sync":
+            raise _Reject("'norm' is for sync steps that hold their update")
+        return self._answer_or_defer(peer, msg, {})
 
     def _on_wait(self, peer: bytes, msg: Message) -> list[Reply]:
         """Answer, without values, once this shard's version reaches min_version (the whole
@@ -321,6 +337,8 @@ class ShardServer:
         """The reply to a pull (its values) or a wait (the version) whose condition holds."""
         if msg.op == "wait":
             return self._ok(peer, msg, version=self.version, **fields)
+        if msg.op == "norm":
+            return self._ok(peer, msg, version=self.version, sq=self._sq[msg.get("step")], **fields)
         self._note_gap(msg)
         return self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)
 
@@ -340,6 +358,13 @@ class ShardServer:
         twice = [k for k in msg.keys if k in done]
         if twice:
             raise _Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
+        hold = bool(msg.get("hold"))
+        if hold and (self.mode != "sync" or msg.get("pull") or any(i is not None for i in msg.ids)):
+            raise _Reject("a push holds its update ('hold') only under sync, of whole keys, without 'pull': "
+                          "the values come with the pull that carries the step's clip 'scale'")
+        if self.mode == "sync" and self._step_hold is not None and hold != self._step_hold:
+            raise _Reject(f"worker {w} pushed step {step} {'with' if hold else 'without'} 'hold', another "
+                          f"worker {'without' if hold else 'with'}: every worker must clip, or none")
         lr = msg.get("lr")
         if self.mode == "sync" and lr is not None and self._step_lr not in (None, lr):
             raise _Reject(f"worker {w} pushed step {step} with lr={lr:g}, another worker with "
@@ -354,6 +379,7 @@ class ShardServer:
         self.counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
         if self.mode == "sync":
             self._step_lr = lr if lr is not None else self._step_lr
+            self._step_hold = hold
             for k, g, i in zip(msg.keys, msg.tensors, ids):
                 if i is not None:
                     self._rows.setdefault(k, []).append((i, g))
@@ -438,32 +464,70 @@ class ShardServer:
         return True
 
     def _maybe_step(self) -> None:
-        """sync: update each key every live worker has pushed; once all are, the step is done."""
+        """sync: update each key every live worker has pushed; once all are, the step is done.
+        A held step (a clip) keeps the averaged gradients until a pull brings the scale."""
         live = self._live()
         if not live:
             return
-        ready = [k for k in self._pushed if k not in self._updated and live <= self._pushed[k]]
+        ready = [k for k in self._pushed if k not in self._updated and k not in self._held
+                 and live <= self._pushed[k]]
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed
                 parts = self._rows.pop(k)
                 grad = self._grad(k, torch.cat([g for _, g in parts]), torch.cat([i for i, _ in parts]),
                                   coalesced=len(parts) == 1)
-                self.chunks[k].grad = grad / count
+                grad = grad / count
             else:
-                self.chunks[k].grad = self._sum.pop(k).reshape(self.chunks[k].shape).div_(count)
+                grad = self._sum.pop(k).reshape(self.chunks[k].shape).div_(count)
+            if self._step_hold:
+                self._held[k] = grad
+            else:
+                self.chunks[k].grad = grad
+        if self._step_hold:
+            if ready and len(self._held) == len(self.keys):  # the step's gradient is complete here
+                self._sq[self.version] = float(sum(self._held[k].double().pow(2).sum() for k in self.keys))
+            return
         if ready:
             named = f"key {ready[0]}" if len(ready) == 1 else f"keys {ready[0]}..{ready[-1]} ({len(ready)})"
             self._apply(ready, f"update {named} (step {self.version}, {len(live)} workers)", count=False,
                         lr=self._step_lr)
             self._updated.update(ready)
         if len(self._updated) == len(self.keys):
-            self.counters["updates"] += 1
-            self._step_lr = None
-            self._updated.clear()
-            self._pushed.clear()
-            self._rows.clear()
-            self._bump()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self.counters["updates"] += 1
+        self._step_lr = self._step_hold = None
+        self._updated.clear()
+        self._pushed.clear()
+        self._rows.clear()
+        self._bump()
+
+    def _apply_held(self, msg: Message) -> None:
+        """A pull with the held step's clip scale: the first makes the update (every key's
+        averaged gradient times the scale); later ones must bring the same scale."""
+        step, scale = msg.get("min_version", self.version + 1) - 1, msg.get("scale")
+        if step in self._scale:
+            if self._scale[step] != scale:
+                raise _Reject(f"worker {msg.worker} pulled step {step} with scale {scale!r}, the step was "
+                              f"updated with {self._scale[step]!r}: every worker must compute the same clip")
+            return
+        if step != self.version or step not in self._sq:
+            raise _Reject(f"worker {msg.worker} sent a clip scale for step {step}, but this shard (at step "
+                          f"{self.version}) holds {'no' if not self._held else 'an incomplete'} step to scale")
+        for k, g in self._held.items():
+            self.chunks[k].grad = g.mul_(scale) if scale != 1.0 else g
+        keys = list(self._held)
+        self._apply(keys, f"update, clipped by {scale:.6g} (step {step})", count=False, lr=self._step_lr)
+        self._scale[step] = scale
+        for old in [s for s in self._scale if s < step - 4]:
+            del self._scale[old]
+        for old in [s for s in self._sq if s < step - 4]:
+            del self._sq[old]
+        self._held.clear()
+        self._updated.update(keys)
+        self._end_step()
 
     def _version_of(self, keys) -> int:
         """The version the values of `keys` are at: sync keys updated in the current step are
@@ -476,6 +540,8 @@ class ShardServer:
         min_version, clock = msg.get("min_version"), msg.get("clock")
         if msg.op == "wait":
             return self.version >= min_version
+        if msg.op == "norm":
+            return msg.get("step") in self._sq
         if msg.get("wait_left") and any(w != msg.worker for w in self._live()):
             return False
         if min_version is not None and self._version_of(msg.keys or self.keys) < min_version:
@@ -487,6 +553,9 @@ class ShardServer:
 
     def _wait_reason(self, msg: Message) -> str:
         parts = []
+        if msg.op == "norm":
+            parts.append(f"every key of held step {msg.get('step')} (shard at step {self.version}, "
+                         f"{len(self._held)} of {len(self.keys)} keys in)")
         if msg.get("min_version") is not None:
             parts.append(f"version >= {msg.get('min_version')} (shard at version {self.version})")
         if self.mode == "ssp" and msg.get("clock") is not None:

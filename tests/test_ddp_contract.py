@@ -60,10 +60,13 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     assert {r["bytes_sent"] for r in records} == {sum(t.numel() * 8 for t in reference.values())}
     # The parameter server has the schedule (its learning rate travels with the pushes) ...
     assert max_param_diff(unclipped, launched("ps-sync", SCHEDULED, tmp_path / "ps", servers=2)) < 1e-10
-    # ... and refuses the clip it cannot apply, naming what clips.
+    # ... refuses torch's clip, which would act on a gradient already sent, naming what clips ...
     with pytest.raises(LaunchError) as err:
         launched("ps-sync", CLIPPED, tmp_path / "ps-clip", servers=2)
     assert "changed after backward pushed it" in str(err.value) and "job.clip_grad_norm_" in str(err.value)
+    # ... and with job.clip_grad_norm_ the shards agree on the norm and clip as DDP does.
+    clipped = launched("ps-sync", CLIPPED + ["--job-clip"], tmp_path / "ps-job-clip", servers=2)
+    assert max_param_diff(reference, clipped) < 1e-10
 
 
 @pytest.mark.long

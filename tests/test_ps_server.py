@@ -428,3 +428,32 @@ def test_a_push_carries_the_learning_rate_its_update_uses():
         err = push(server, 0, 1, grads_of(g1), lr=bad)[0]
         assert err.op == "error" and "'lr'" in err.get("error"), bad
     assert torch.allclose(values(server), init - 0.25 * g1, rtol=0, atol=1e-15)
+
+
+def test_a_held_step_is_updated_with_the_clip_every_worker_brings():
+    """hold: the shard keeps the step's averaged gradient, gives its sum of squares (norm),
+    and updates with the scale of the first pull; another scale, or a push without hold in a
+    held step, is refused and changes nothing."""
+    server, init = make("sync", lr=0.5)
+    g0, g1 = torch.arange(15.0, dtype=torch.float64), torch.ones(15, dtype=torch.float64)
+    assert push(server, 0, 0, grads_of(g0), hold=1)[0].op == "ok"
+    assert call(server, 0, "norm", step=0) == []  # deferred: worker 1 has not pushed
+    err = push(server, 1, 0, grads_of(g1))[0]
+    assert err.op == "error" and "every worker must clip, or none" in err.get("error")
+    replies = push(server, 1, 0, grads_of(g1), hold=1)
+    mean = (g0 + g1) / 2
+    (ok, norm) = replies
+    assert ok.op == "ok" and norm.get("sq") == pytest.approx(float((mean ** 2).sum()), rel=1e-15)
+    assert torch.equal(values(server), init) and server.version == 0  # held: nothing applied yet
+    scale = 0.25
+    (pulled,) = call(server, 0, "pull", keys=KEYS, min_version=1, scale=scale)
+    assert server.version == 1 and torch.equal(torch.cat(pulled.tensors), init - 0.5 * (mean * scale))
+    err = call(server, 1, "pull", keys=KEYS, min_version=1, scale=0.5)[0]
+    assert err.op == "error" and "updated with 0.25" in err.get("error")
+    assert call(server, 1, "pull", keys=KEYS, min_version=1, scale=scale)[0].op == "ok"
+    for bad in (-1.0, float("inf"), "x"):
+        err = call(server, 0, "pull", keys=KEYS, min_version=2, scale=bad)[0]
+        assert err.op == "error" and "'scale'" in err.get("error")
+    err = call(server, 0, "pull", keys=KEYS, min_version=2, scale=1.0)[0]  # step 1 holds nothing yet
+    assert err.op == "error" and "holds no step to scale" in err.get("error")
+    assert torch.equal(values(server), init - 0.5 * (mean * scale))

@@ -37,6 +37,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient's norm to this (0: no)")
     parser.add_argument("--lr-step", type=int, default=0, help="halve the learning rate every this many steps")
     parser.add_argument("--micro", type=int, default=1, help="micro-batches a step accumulates")
+    parser.add_argument("--job-clip", action="store_true", help="convnet_psar.py: clip with job.clip_grad_norm_")
     return parser.parse_args()
 
 
@@ -76,6 +77,7 @@ def main() -> None:
         if out:
             torch.save(model.module.state_dict(), out)
         print(f"rank 0: {step} steps, last loss {loss.item():.4f}")
+    dist.barrier()  # both ranks tear Gloo down together (one leaving mid-save aborted the other)
     dist.destroy_process_group()
 
 

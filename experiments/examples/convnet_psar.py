@@ -34,7 +34,9 @@ def main() -> None:
                 with job.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():  # psar
                     loss = F.cross_entropy(model(xs), ys) / len(parts)
                     job.backward(loss)                                 # psar
-            if args.clip:
+            if args.clip and args.job_clip:
+                job.clip_grad_norm_(args.clip)                         # psar: every engine
+            elif args.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             job.step()                                                 # psar
             scheduler.step()
