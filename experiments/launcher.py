@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,7 +88,8 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         procs += [(f"rank {r}", sites.worker(r).wrap(worker),
                    _gloo_interface(dict(base, RANK=str(r), LOCAL_RANK=str(r)), sites.worker(r).ifname))
                   for r in range(nprocs)]
-        run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume)
+        run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume,
+                      echo_rank0=script is not None and not quiet)
         network = sites.record()
     summaries = []
     for (cfg, _), run_dir in zip(jobs, run_dirs):
@@ -153,41 +155,73 @@ def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | N
 STACK_DUMP_S = 0.5
 """How long a process still running when its job has failed gets to write its threads' stacks
 to its log (SIGUSR1, faulthandler) before it is killed."""
+FAILURE_GRACE_S = 2.0
+"""After one process failed, how long the others get to end by themselves (and write why)
+before they are stopped: a failing script is reported within a few seconds on every engine
+(10 s made a ps-sync script's failure at step 3 take 16 s)."""
 
 
 def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: Path,
                   deadline_s: float | None = None, show_progress: bool = False,
-                  append: bool = False) -> None:
+                  append: bool = False, echo_rank0: bool = False) -> None:
     """Start (name, argv, env) processes and wait until all exit 0.
 
     Each one's output goes to log_dir/<name>.log (rank 0's stderr stays on the terminal when
     it is one, for the progress bar); append: after what is there (a resumed run's logs keep
-    the first part's). A failing process fails the job, naming it.
+    the first part's); echo_rank0: rank 0's stdout also reaches this terminal (a user's
+    script prints there). A failing process fails the job, naming it; the logs of those then
+    stopped say why, above their threads' stacks.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     tty = show_progress and sys.stderr.isatty()
     started: list[tuple[str, subprocess.Popen, Path]] = []
+    echoes: list[threading.Thread] = []
+    why = "the launcher was interrupted"
     try:
         for name, argv, env in procs:
             log_path = log_dir / f"{name.replace(' ', '')}.log"
-            with open(log_path, "a" if append else "w") as log:
-                proc = subprocess.Popen(argv, env=env, stdout=log,
+            echo = echo_rank0 and name == "rank 0"
+            if not append:
+                open(log_path, "w").close()
+            with open(log_path, "a") as log:  # appending: the launcher's own lines are never overwritten
+                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if echo else log,
                                         stderr=None if (name == "rank 0" and tty) else log)
+            if echo:
+                echoes.append(threading.Thread(target=_tee, args=(proc.stdout, log_path), daemon=True))
+                echoes[-1].start()
             started.append((name, proc, log_path))
-        _watch(started, deadline_s)
+        try:
+            _watch(started, deadline_s)
+        except LaunchError as err:
+            why = str(err)
+            raise
     finally:
-        running = [proc for _, proc, _ in started if proc.poll() is None]
-        for proc in running:  # a process held somewhere writes where, to its log, before it is killed
+        running = [(name, proc, log) for name, proc, log in started if proc.poll() is None]
+        for name, proc, log in running:  # a process held somewhere writes where, to its log, before it is killed
+            with open(log, "a") as f:
+                f.write(f"\npsar: {name} stopped by the launcher because {why}; its threads' stacks follow\n")
             proc.send_signal(signal.SIGUSR1)
         if running:
             time.sleep(STACK_DUMP_S)
-        for proc in running:
+        for _, proc, _ in running:
             proc.kill()
             proc.wait()
+        for thread in echoes:
+            thread.join(5)
 
 
-def _watch(procs, deadline_s: float | None, grace_s: float = 10.0) -> None:
+def _tee(stream, log_path: Path) -> None:
+    """Copy a process's stdout, line by line, to its log and to this terminal."""
+    with stream, open(log_path, "a") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line.decode(errors="replace"))
+            log.flush()
+            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def _watch(procs, deadline_s: float | None, grace_s: float = FAILURE_GRACE_S) -> None:
     start = time.monotonic()
     failed_at = None
     failure = None

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,45 @@ def test_a_failing_script_is_named_with_its_rank_and_error(tmp_path):
     rank = line.split()[1]
     assert "\n" not in line and line.startswith(f"rank {rank} exited with code 1:")
     assert f"ValueError: no data for rank {rank}" in line
+
+
+FAILS_AT_STEP_3 = """
+import time
+import torch
+from experiments import api as psar
+job = psar.init()
+model = job.attach(torch.nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+for step in range(10):
+    print(f"rank {job.rank} at step {step}", flush=True)
+    if step == 3 and job.rank == 1:
+        open(STAMP, "w").write(repr(time.time()))
+        raise ValueError("bad batch at step 3")
+    job.backward(model(torch.ones(2, 4)).sum())
+    job.step()
+job.close()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_script_failing_under_ps_sync_is_reported_in_seconds_with_what_it_printed(tmp_path, capsys):
+    """Rank 0's prints reach the terminal; the failure is reported within the launcher's
+    grace after it happens (the other worker and the shard wait on it); the shard's log says
+    why it was stopped, above its stacks."""
+    from experiments.launcher import FAILURE_GRACE_S, STACK_DUMP_S
+
+    stamp = tmp_path / "failed_at"
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_AT_STEP_3.replace("STAMP", repr(str(stamp))))
+    cfg = script_config(str(script), engine="ps-sync", workers=2, servers=1)
+    with pytest.raises(LaunchError) as err:
+        launch_batch([(cfg, tmp_path / "run")], deadline_s=150, script=[str(script)])
+    reported = time.time() - float(stamp.read_text())
+    assert "rank 1 exited with code 1" in str(err.value) and "bad batch at step 3" in str(err.value)
+    assert reported < FAILURE_GRACE_S + STACK_DUMP_S + 3.0, reported
+    assert "rank 0 at step 0" in capsys.readouterr().out
+    log = (tmp_path / "run" / "logs" / "server0.log").read_text()
+    assert "psar: server 0 stopped by the launcher because rank 1 exited with code 1" in log
 
 
 MISUSE = """
