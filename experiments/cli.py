@@ -512,6 +512,14 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
     click.echo("")
     click.echo(markdown(table))
     click.echo(f"table: {md_path} and {csv_path}")
+    from analysis.verdict import verdicts
+
+    said = verdicts(runs)
+    for line in said:
+        click.echo(line)
+    if said and not net:
+        click.echo("next: on a machine's loopback the cores decide, not the network; as root, "
+                   "`psar compare link-scaling` runs allreduce and ps-sync on emulated 200mbit links")
     if plots and runs:
         from analysis.plots import plot_all
 

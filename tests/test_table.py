@@ -71,3 +71,18 @@ def test_where_the_shards_were_and_how_they_answered_tell_cells_apart():
     assert _cell(pipelined) == ("ps-sync", 4, "4 colocated") and _cell(phased) == ("ps-sync", 4, "4 colocated, phased")
     assert ps({"ps": {"exchange": "phased"}}, None).placement is None  # loopback: no hosts to place on
     assert _run("allreduce", 2, 1.0).placement is None
+
+
+def test_the_verdict_names_the_fastest_engine_and_whether_repeats_tell_them_apart():
+    from analysis.verdict import verdicts
+
+    clear = [_run("allreduce", 2, r) for r in (100.0, 110.0, 105.0)] + \
+            [_run("ps-sync", 2, r) for r in (60.0, 62.0, 61.0)] + [_run("local", 2, 999.0)]
+    (line,) = verdicts(clear)
+    assert line.startswith("verdict, 2 workers on loopback: allreduce/library fastest at 105 samples/s "
+                           "(range 100-110 over 3 runs); ps-sync (1 shard) 0.58x")
+    assert "overlap" not in line and "local" not in line  # one process: the reference, not a contender
+    close = [_run("allreduce", 2, r) for r in (100.0, 110.0)] + [_run("ddp", 2, r) for r in (95.0, 104.0)]
+    assert "ddp 0.95x (ranges overlap: not told apart)" in verdicts(close)[0]
+    assert "one run each" in verdicts([_run("allreduce", 2, 100.0), _run("ddp", 2, 90.0)])[0]
+    assert verdicts([_run("allreduce", 1, 100.0), _run("ddp", 1, 90.0)]) == []  # 1 worker: nothing to decide

@@ -1,0 +1,47 @@
+"""One line per worker count saying which engine trained fastest, by how much, whether the
+spread of repeated runs lets that be told apart, and on what network: the answer a
+comparison gives, where the table gives the figures."""
+
+from __future__ import annotations
+
+from .results import Run, median
+
+
+def _name(label: str, servers) -> str:
+    return f"{label} ({servers} shard{'s' if str(servers) != '1' else ''})" if label.startswith("ps-") else label
+
+
+def verdicts(runs: list[Run]) -> list[str]:
+    """For each worker count above 1: the fastest cell by median samples/s, every other cell
+    as a ratio of it, and whether their ranges over repeats overlap (then the difference is
+    within the run-to-run noise of this machine). local is left out: one process, the
+    numerical reference. Cells without samples/s are left out."""
+    from .table import _cell
+
+    cells: dict[tuple, list[float]] = {}
+    for run in runs:
+        rate = run.summary.get("samples_per_sec")
+        if run.label != "local" and rate:
+            cells.setdefault(_cell(run), []).append(rate)
+    nets = {(run.summary.get("network") or {}).get("rate") or "loopback" for run in runs}
+    where = "/".join(sorted(nets))
+    lines = []
+    for workers in sorted({cell[1] for cell in cells if cell[1] > 1}):
+        mine = {cell: rates for cell, rates in cells.items() if cell[1] == workers}
+        if len(mine) < 2:
+            continue
+        best = max(mine, key=lambda c: median(mine[c]))
+        top = median(mine[best])
+        repeats = min(len(r) for r in mine.values())
+        others = []
+        for cell in sorted(mine, key=lambda c: -median(mine[c])):
+            if cell == best:
+                continue
+            close = max(mine[cell]) >= min(mine[best])
+            others.append(f"{_name(cell[0], cell[2])} {median(mine[cell]) / top:.2f}x"
+                          + (" (ranges overlap: not told apart)" if close and repeats > 1 else ""))
+        spread = (f" (range {min(mine[best]):.0f}-{max(mine[best]):.0f} over {repeats} runs)" if repeats > 1
+                  else " (one run each: repeat with --repeats 3 to see the spread)")
+        lines.append(f"verdict, {workers} workers on {where}: {_name(best[0], best[2])} fastest at "
+                     f"{top:.0f} samples/s{spread}; " + ", ".join(others))
+    return lines
