@@ -19,8 +19,8 @@ EVERY = 10
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", ["ps-sync"])  # ps-async recovers the same way (tried by hand)
-def test_killed_shard_comes_back_from_its_checkpoint(tmp_path, engine):
+def test_killed_shard_comes_back_from_its_checkpoint(tmp_path, engine="ps-sync"):
+    # (ps-async recovers the same way; tried by hand)
     extra = ["--set", "ps.timeout_s=20", "--set", "ps.heartbeat_s=0.2", "--set", "ps.worker_timeout_s=20",
              "--set", "ps.reconnect_s=60", "--set", f"checkpoint.every={EVERY}"]
     addresses, servers, workers = start_cluster(tmp_path, engine=engine, steps=300, shards=2, extra=extra)
@@ -38,7 +38,7 @@ def test_killed_shard_comes_back_from_its_checkpoint(tmp_path, engine):
     finish(servers[0], 60)
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["steps"] == 300
-    assert 0 <= summary["updates_lost"] <= EVERY * (1 if engine == "ps-sync" else 2)
+    assert summary["updates_lost"] <= EVERY  # at most the steps since the shard's last checkpoint
     assert any("rejoined" in out for _, out in outputs), outputs[0][1][-2000:]
     print(f"{engine}: {summary['updates_lost']} updates lost; run ended "
           f"{time.monotonic() - killed_at:.1f} s after the kill")

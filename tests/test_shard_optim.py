@@ -1,0 +1,67 @@
+"""The shard's one optimizer over all its chunks, stepped over any subset: the same
+arithmetic as one optimizer per key, in float64; the learning rate a push brings; its
+checkpoint as per-key state dicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps.shard_optim import ShardOptimizer
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+def chunks(seed: int) -> dict[int, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: torch.randn(5 + k, dtype=torch.float64) for k in range(4)}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_steps_over_subsets_equal_one_optimizer_per_key(name):
+    make = OPTIMIZERS[name]
+    shard_chunks, own = chunks(0), chunks(0)
+    shard = ShardOptimizer(make, shard_chunks)
+    per_key = {k: make([t]) for k, t in own.items()}
+    torch.manual_seed(1)
+    for step, keys in enumerate([[0, 1, 2, 3], [1, 3], [0], [2, 3], [0, 1, 2, 3]]):
+        grads = {k: torch.randn_like(own[k]) for k in keys}
+        for k in keys:
+            shard_chunks[k].grad, own[k].grad = grads[k].clone(), grads[k].clone()
+            per_key[k].step()
+        shard.step(keys)
+        for k in keys:
+            shard_chunks[k].grad = own[k].grad = None
+    for k in own:  # keys left out of a step were not touched (Adam's bias correction per key too)
+        assert torch.allclose(shard_chunks[k], own[k], rtol=0, atol=1e-13), (name, k)
+
+
+def test_a_given_learning_rate_is_used_and_stays_the_groups():
+    values = chunks(0)
+    start = {k: t.clone() for k, t in values.items()}
+    shard = ShardOptimizer(lambda ps: torch.optim.SGD(ps, lr=1.0), values)
+    values[2].grad = torch.ones_like(values[2])
+    shard.step([2], lr=0.25)
+    assert torch.equal(values[2], start[2] - 0.25) and shard.lr == 0.25
+    shard.step([2])  # as a scheduler leaves it: the last one given
+    assert torch.equal(values[2], start[2] - 0.5)
+
+
+def test_checkpoint_is_one_state_dict_per_key_and_loads_back():
+    make = OPTIMIZERS["adam"]
+    values = chunks(0)
+    shard = ShardOptimizer(make, values)
+    for k in values:
+        values[k].grad = torch.ones_like(values[k])
+    shard.step([0, 2])
+    saved = shard.state_dict()
+    assert set(saved) == set(values) and saved[1]["state"] == {} and saved[0]["state"][0]["step"] == 1
+    again = ShardOptimizer(make, chunks(0))
+    again.load_state_dict(saved)
+    assert again.state_dict()[0]["state"][0]["exp_avg"].equal(saved[0]["state"][0]["exp_avg"])
+    with pytest.raises(ValueError, match="optimizer state of keys"):
+        again.load_state_dict({0: saved[0]})
