@@ -398,6 +398,8 @@ class PSEngine:
         self._load({k: v for result in results for k, v in result.values.items()})
         for _, p in self._named:
             p.grad = None
+        if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
+            self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._step += 1
         # Pushes left during backward: count traffic from the end of the last step to now.
         sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received

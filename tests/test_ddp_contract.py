@@ -60,6 +60,7 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     assert {r["bytes_sent"] for r in records} == {sum(t.numel() * 8 for t in reference.values())}
     # The parameter server has the schedule (its learning rate travels with the pushes) ...
     assert max_param_diff(unclipped, launched("ps-sync", SCHEDULED, tmp_path / "ps", servers=2)) < 1e-10
+    assert "lr_scheduler.step()" not in (tmp_path / "ps" / "logs" / "rank0.log").read_text()  # no false order warning
     # ... refuses torch's clip, which would act on a gradient already sent, naming what clips ...
     with pytest.raises(LaunchError) as err:
         launched("ps-sync", CLIPPED, tmp_path / "ps-clip", servers=2)
