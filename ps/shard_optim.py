@@ -16,9 +16,28 @@ Checkpoints keep one state dict per key, as a one-chunk optimizer would write it
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
+
+SETUP_METHODS = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
+
+
+def skip_compile_guards() -> None:
+    """torch.optim.Optimizer's setup methods are wrapped so that torch.compile leaves them
+    alone, and the wrapper imports torch._dynamo on its first call: 0.8 s here, as long as
+    importing torch, paid by every shard before it can answer. A shard never compiles, and
+    its steps skip the wrappers anyway (see step): resolve each wrapper to its own function.
+    A no-op once torch._dynamo is loaded, or where torch wraps them otherwise."""
+    if "torch._dynamo" in sys.modules:
+        return
+    for name in SETUP_METHODS:
+        method = getattr(torch.optim.Optimizer, name, None)
+        inner = getattr(method, "__wrapped__", None)
+        code = getattr(method, "__code__", None)
+        if inner is not None and code is not None and code.co_filename.endswith(("torch/_compile.py", "torch\\_compile.py")):
+            setattr(inner, "__dynamo_disable", inner)
 
 
 class ShardOptimizer:
@@ -26,6 +45,7 @@ class ShardOptimizer:
                  chunks: dict[int, torch.Tensor]) -> None:
         self.keys = list(chunks)
         self.chunks = chunks
+        skip_compile_guards()
         self.optimizer = make_optimizer(list(chunks.values()))
         if len(self.optimizer.param_groups) != 1:
             raise ValueError(f"a shard's optimizer must have one parameter group, "

@@ -65,3 +65,19 @@ def test_checkpoint_is_one_state_dict_per_key_and_loads_back():
     assert again.state_dict()[0]["state"][0]["exp_avg"].equal(saved[0]["state"][0]["exp_avg"])
     with pytest.raises(ValueError, match="optimizer state of keys"):
         again.load_state_dict({0: saved[0]})
+
+
+def test_a_shard_builds_and_steps_its_optimizer_without_loading_the_compiler():
+    """torch._dynamo costs a process as long as importing torch; a shard never compiles."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from ps.shard_optim import ShardOptimizer\n"
+            "s = ShardOptimizer(lambda ps: torch.optim.Adam(ps, lr=0.1), {0: torch.zeros(4)})\n"
+            "s.chunks[0].grad = torch.ones(4); s.step([0]); s.load_state_dict(s.state_dict())\n"
+            "print('torch._dynamo' in sys.modules, float(s.chunks[0][0]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded, value = out.stdout.split()
+    assert loaded == "False" and abs(float(value) + 0.1) < 1e-6
