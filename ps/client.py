@@ -35,7 +35,12 @@ ones anyway (see PSClient._unblock)."""
 
 
 class PSError(RuntimeError):
-    """A server answered with an error, or sent something that does not fit the protocol."""
+    """A server answered with an error, or sent something that does not fit the protocol.
+    code: the error reply's code (ps.protocol.ERROR_CODES), None where it has none."""
+
+    def __init__(self, text: str, code: str | None = None) -> None:
+        super().__init__(text)
+        self.code = code
 
 
 @dataclass
@@ -528,7 +533,8 @@ class PSClient:
         h.pending.pop(msg.req, None)
         h.done_at = time.time()
         if msg.op == "error":
-            h.error = PSError(f"{self.addresses[s]} (shard {s}) refused {h.kind} (req {msg.req}): {msg.get('error')}")
+            h.error = PSError(f"{self.addresses[s]} (shard {s}) refused {h.kind} (req {msg.req}): {msg.get('error')}",
+                              msg.get("code"))
             for req in h.pending:  # the handle has failed: its other replies are not awaited
                 self._inflight.pop(req, None)
             for shard, held in self._held.items():  # and what the window still holds of it is not sent
@@ -565,7 +571,7 @@ class PSClient:
                             # It restarted and forgot us; an answer to a heartbeat sent
                             # before our last join says nothing about that join.
                             with self._joins_lock:
-                                if "has not joined" in msg.get("error") and msg.req >= self.joins:
+                                if msg.get("code") == "not_joined" and msg.req >= self.joins:
                                     self.forgotten.add(s)
                     try:
                         t.send(header)

@@ -39,7 +39,6 @@ import torch
 from .client import PeerTimeout, PSClient, PSError, PullResult
 from .config import PSConfig
 from .layout import ROW_MODULES, ParamSpec
-from .server import NOT_INITIALIZED
 
 MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
 log = logging.getLogger("psar.ps.engine")
@@ -126,7 +125,7 @@ class PSEngine:
             try:
                 return self.client.join(self.settings)
             except PSError as err:
-                if self.initializer is None or NOT_INITIALIZED not in str(err) or time.monotonic() > deadline:
+                if self.initializer is None or err.code != "not_initialized" or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 

@@ -60,13 +60,18 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "shutdown": (set(), set()),
     "leave": (set(), set()),
     "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows", "sq"} | _TENSORS),
-    "error": ({"error"}, set()),
+    "error": ({"error"}, {"code"}),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
 _INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left", "pull",
                "waited_us", "hold")
 _FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
+
+
+ERROR_CODES = ("not_joined", "not_initialized")
+"""What an error reply's optional 'code' may say, where a client acts on the kind of error
+(rejoin a shard that restarted; wait for worker 0's init): matched by code, never by text."""
 
 
 class ProtocolError(ValueError):
@@ -154,8 +159,11 @@ def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
-def error_reply(worker: int, req: int, message: str) -> list[bytes]:
-    return encode({"op": "error", "worker": worker, "req": req, "error": message})
+def error_reply(worker: int, req: int, message: str, code: str | None = None) -> list[bytes]:
+    if code is not None and code not in ERROR_CODES:
+        raise ValueError(f"error code {code!r}: expected one of {ERROR_CODES}")
+    return encode({"op": "error", "worker": worker, "req": req, "error": message,
+                   **({"code": code} if code is not None else {})})
 
 
 def peek_ids(frames: Sequence[Any]) -> tuple[int, int]:
@@ -247,6 +255,8 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         _fail(f"header field 'worker' is {h['worker']}; not a known worker (known: {_ids(known_workers)})")
     if "error" in h and not isinstance(h["error"], str):
         _fail(f"header field 'error' is {type(h['error']).__name__}; expected a str")
+    if "code" in h and h["code"] not in ERROR_CODES:
+        _fail(f"header field 'code' is {h['code']!r}; expected one of {list(ERROR_CODES)}")
     if "body" in h and not isinstance(h["body"], dict):
         _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
     if "settings" in h:

@@ -80,7 +80,12 @@ def _in_use(t: torch.Tensor) -> bool:
 
 
 class _Reject(Exception):
-    """A well-formed request that cannot be served now; becomes an error reply."""
+    """A well-formed request that cannot be served now; becomes an error reply (with `code`
+    where a client acts on the kind)."""
+
+    def __init__(self, text: str, code: str | None = None) -> None:
+        super().__init__(text)
+        self.code = code
 
 
 @dataclass
@@ -210,13 +215,13 @@ class ShardServer:
             if w in self.lost:
                 raise _Reject(f"worker {w} was declared lost: {self.lost[w]}")
             if msg.op != "join" and w not in self.seen:
-                raise _Reject(f"worker {w} has not joined; send join first")
+                raise _Reject(f"worker {w} has not joined; send join first", code="not_joined")
             self.seen[w] = self.clock()
             replies = getattr(self, f"_on_{msg.op}")(peer, msg)
         except _Reject as e:
             self.counters["rejected"] += 1
             log.info("shard %d: rejected %s from worker %d: %s", self.shard, msg.op, msg.worker, e)
-            return [self._error(peer, msg.worker, msg.req, f"shard {self.shard}: {e}")]
+            return [self._error(peer, msg.worker, msg.req, f"shard {self.shard}: {e}", e.code)]
         except Exception as e:  # a bug or an optimizer failure must not take the shard down silently
             self.counters["rejected"] += 1
             log.exception("shard %d: internal error on %s from worker %d", self.shard, msg.op, msg.worker)
@@ -602,8 +607,8 @@ class ShardServer:
     def _ok(self, peer: bytes, msg: Message, **fields: Any) -> Reply:
         return self._send(peer, encode({"op": "ok", "worker": msg.worker, "req": msg.req, **fields}))
 
-    def _error(self, peer: bytes, worker: int, req: int, text: str) -> Reply:
-        return self._send(peer, error_reply(worker, req, text))
+    def _error(self, peer: bytes, worker: int, req: int, text: str, code: str | None = None) -> Reply:
+        return self._send(peer, error_reply(worker, req, text, code))
 
     def _note_gap(self, msg: Message) -> None:
         """How far ahead of the slowest live worker a pull lets its worker run (any mode)."""
@@ -765,7 +770,11 @@ class ShardServer:
 
 
 NOT_INITIALIZED = "has no model yet"
-"""Error text of a shard awaiting init; a client's join retries on it."""
+"""Error text of a shard awaiting init (code "not_initialized": a client's join retries on it)."""
+
+
+class _NotInitialized(ProtocolError):
+    """A request other than init to a shard that has no model yet."""
 
 
 def await_init(transport: Any, shard: int, num_shards: int,
@@ -793,7 +802,8 @@ def await_init(transport: Any, shard: int, num_shards: int,
         try:
             server = _init_from(frames, shard, num_shards, make, limits)
         except (ProtocolError, ValueError, TypeError) as e:
-            transport.send(peer, error_reply(*peek_ids(frames), f"shard {shard}: {e}"))
+            code = "not_initialized" if isinstance(e, _NotInitialized) else None
+            transport.send(peer, error_reply(*peek_ids(frames), f"shard {shard}: {e}", code))
             continue
         msg = decode(frames, server.layout, limits=limits, shard=shard)
         transport.send(peer, encode({"op": "ok", "worker": msg.worker, "req": msg.req}))
@@ -805,8 +815,8 @@ def await_init(transport: Any, shard: int, num_shards: int,
 def _init_from(frames: Sequence[Any], shard: int, num_shards: int, make, limits: Limits) -> ShardServer:
     msg = decode(frames, None, limits=limits)
     if msg.op != "init":
-        raise ProtocolError(f"this shard {NOT_INITIALIZED}: worker 0 sends it first (init); "
-                            f"{msg.op} must wait")
+        raise _NotInitialized(f"this shard {NOT_INITIALIZED}: worker 0 sends it first (init); "
+                              f"{msg.op} must wait")
     if msg.worker != 0:
         raise ProtocolError(f"init comes from worker 0, not worker {msg.worker}")
     body = msg.get("body")

@@ -214,3 +214,17 @@ def test_fuzzed_messages_only_ever_raise_protocol_error():
         if decode(replies[0][1]).op == "error":
             assert _snapshot(server) == before
     assert accepted < 1500 and server.stats()["malformed"] > 0
+
+
+def test_error_replies_carry_a_code_a_client_can_act_on():
+    """Kinds of error a client acts on travel as a code (never matched by their text)."""
+    from ps.protocol import ERROR_CODES, error_reply
+
+    msg = decode(error_reply(1, 7, "worker 1 has not joined; send join first", "not_joined"))
+    assert msg.op == "error" and msg.get("code") == "not_joined" and "not_joined" in ERROR_CODES
+    assert decode(error_reply(1, 7, "anything")).get("code") is None
+    with pytest.raises(ValueError, match="error code 'oops'"):
+        error_reply(1, 7, "x", "oops")
+    forged = encode({"op": "error", "worker": 1, "req": 7, "error": "x", "code": "reboot"})
+    with pytest.raises(ProtocolError, match="'code' is 'reboot'"):
+        decode(forged)

@@ -457,3 +457,10 @@ def test_a_held_step_is_updated_with_the_clip_every_worker_brings():
     err = call(server, 0, "pull", keys=KEYS, min_version=2, scale=1.0)[0]  # step 1 holds nothing yet
     assert err.op == "error" and "holds no step to scale" in err.get("error")
     assert torch.equal(values(server), init - 0.5 * (mean * scale))
+
+
+def test_a_request_from_a_worker_that_has_not_joined_is_refused_with_its_code():
+    server = ShardServer(0, LAYOUT, split_values(LAYOUT, [torch.zeros(s.shape, dtype=torch.float64) for s in SPECS], 0),
+                         lambda p: torch.optim.SGD(p, lr=0.5), "sync", 2, PSConfig(), clock=FakeClock())
+    (err,) = call(server, 1, "pull", keys=KEYS)
+    assert err.op == "error" and err.get("code") == "not_joined" and "has not joined" in err.get("error")
