@@ -32,9 +32,12 @@ needs; ps-sync's pipelined exchange with separate shards overlaps them message b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .results import Run, family
+
+if TYPE_CHECKING:
+    from .traffic import Traffic
 
 PAYLOAD = 1448 / 1514
 """TCP payload per byte on the link: a 1500-byte IPv4 packet holds 1448 bytes of data (20 of
@@ -139,20 +142,7 @@ def run_psar_link_time(run: Run, traffic: "Traffic") -> float | None:
         return None
     messages = None
     if run.label == "ps-sync" and run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined":
-        # Here, not at the top: costmodel imports this module, and reads model.pt with torch.
-        from .costmodel import push_messages
+        from .traffic import push_messages  # here: it reads model.pt with torch
         messages = push_messages(run)
     return psar_link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),
                           messages, traffic.pull, traffic.gathered)
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes a worker moves per step, as the models take them."""
-
-    push: float
-    """M: what each worker all-reduces (ring) or pushes (ps)."""
-    pull: float | None = None
-    """ps: what each worker pulls back (None: M)."""
-    gathered: float = 0.0
-    """Rows all-gathered: what each host sends (and receives) per step."""

@@ -159,7 +159,8 @@ def _link_theory(group: list[Run], compute_s: float | None = None) -> dict:
     rate (compute + the busiest link's bytes at the rate) and their ratio; else nothing.
     compute_s: the compute to use instead of the runs' own (ddp's step_s - comm_s holds its
     communication, which runs inside backward); None for a ddp group: no theory."""
-    from .costmodel import compute_time, measured_step, run_traffic
+    from .costmodel import compute_time, measured_step
+    from .traffic import run_traffic
     from .linkmodel import run_link_time
 
     ddp = group[0].label == "ddp"

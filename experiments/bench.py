@@ -44,12 +44,12 @@ def engine_throughput(experiment: str, variants: dict[str, tuple[str, tuple[str,
 
 
 def rpc_throughput(experiment: str, workers: int, steps: int, rounds: int, out: Path) -> list[float]:
-    """samples/s of the torch.distributed.rpc parameter server (ps/rpc_baseline.py): one
+    """samples/s of the torch.distributed.rpc parameter server (experiments/rpc_baseline.py): one
     server process and `workers` workers, `rounds` times."""
     rates = []
     for r in range(rounds):
         path = out / f"rpc-ps-round{r}.json"
-        run_ranks([sys.executable, "-m", "ps.rpc_baseline", experiment, str(steps), str(path)],
+        run_ranks([sys.executable, "-m", "experiments.rpc_baseline", experiment, str(steps), str(path)],
                   workers + 1, out / f"logs-rpc-ps-round{r}")
         rates.append(json.loads(path.read_text())["samples_per_sec"])
     return rates

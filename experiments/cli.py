@@ -604,7 +604,7 @@ def model_cmd(run_dirs, bench_path, validate, out) -> None:
     """Alpha-beta cost model of one step, ring all-reduce against a parameter server, fitted to
     `psar bench` and to RUN_DIRS (their gradient bytes and compute time); predicts up to 1024
     workers."""
-    from analysis import costmodel
+    from analysis import costmodel, traffic
     from analysis.results import load_runs
 
     runs = load_runs(run_dirs)
@@ -624,7 +624,7 @@ def model_cmd(run_dirs, bench_path, validate, out) -> None:
         return
     # The least contended run gives the compute time of one worker.
     base = min(runs, key=lambda r: (r.summary["workers"], costmodel.compute_time(r)))
-    nbytes, compute_s = costmodel.gradient_bytes(base), costmodel.compute_time(base)
+    nbytes, compute_s = traffic.gradient_bytes(base), costmodel.compute_time(base)
     rows = costmodel.scaling(model, nbytes, compute_s, base.config["batch_size"])
     click.echo(f"\n{base.summary['experiment']}: M = {nbytes / 1e6:.2f} MB, T_c = {compute_s * 1e3:.2f} ms "
                f"(from {base.path}), batch {base.config['batch_size']}/worker")

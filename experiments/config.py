@@ -146,9 +146,23 @@ class RunConfig:
         return DTYPES[self.dtype]
 
 
-def _section_types() -> dict[str, type]:
-    from .script import ScriptConfig
+@dataclass(frozen=True)
+class ScriptConfig:
+    """The model and data sections of a script run: the script and its arguments."""
 
+    path: str = ""
+    """The script, as given to `psar launch`."""
+    args: tuple[str, ...] = ()
+    """Its command-line arguments."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple(self.args))  # JSON gives a list
+
+    def build(self, *_: Any) -> Any:
+        raise ValueError(f"a script run's model and data are built by the script ({self.path}), not by psar")
+
+
+def _section_types() -> dict[str, type]:
     classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
                ScriptConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]

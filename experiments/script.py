@@ -9,7 +9,7 @@ since nothing executable crosses the wire.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,24 +17,8 @@ import torch
 
 from ps.layout import split_values
 
-from .config import OptimConfig, RunConfig, resolve
+from .config import OptimConfig, RunConfig, ScriptConfig, resolve
 from .sparsity import model_layout
-
-
-@dataclass(frozen=True)
-class ScriptConfig:
-    """The model and data sections of a script run: the script and its arguments."""
-
-    path: str = ""
-    """The script, as given to `psar launch`."""
-    args: tuple[str, ...] = ()
-    """Its command-line arguments."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "args", tuple(self.args))  # JSON gives a list
-
-    def build(self, *_: Any) -> Any:
-        raise ValueError(f"a script run's model and data are built by the script ({self.path}), not by psar")
 
 
 def script_config(script: str, args: Sequence[str] = (), overrides: Sequence[str] = (), **fields) -> RunConfig:

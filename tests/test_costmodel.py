@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from analysis.costmodel import (CostModel, Fit, bucket_count, compute_time, fit_allreduce, fit_ps,
-                                fit_summary, format_validation, gradient_bytes, measured_step,
-                                plot_scaling, push_messages, scaling, shard_count, validate, wire_bytes)
+                                fit_summary, format_validation, measured_step,
+                                plot_scaling, scaling, shard_count, validate)
+from analysis.traffic import gradient_bytes, push_messages, wire_bytes
 from analysis.results import load_run
 
 MIB = 2**20

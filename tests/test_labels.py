@@ -13,9 +13,10 @@ import torch
 
 from allreduce.config import ALGORITHMS, SPARSE_MODES
 from analysis import plots, style
-from analysis.costmodel import CostModel, Fit, run_traffic, validate
+from analysis.costmodel import CostModel, Fit, validate
 from analysis.linkmodel import link_time, run_link_time
 from analysis.results import LABELS, family, load_run
+from analysis.traffic import run_traffic
 from analysis.table import rows
 from experiments.engines import ENGINES
 

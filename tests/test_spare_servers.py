@@ -18,7 +18,7 @@ import statistics
 
 import pytest
 
-from analysis.costmodel import gradient_bytes
+from analysis.traffic import gradient_bytes
 from analysis.linkmodel import PAYLOAD
 from analysis.results import load_run
 from experiments import network

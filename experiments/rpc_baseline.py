@@ -2,7 +2,7 @@
 pattern of torch.distributed.rpc with @rpc.functions.async_execution), training one of
 psar's experiments, so that `psar bench` can set ps-sync against it in one run.
 
-    python -m ps.rpc_baseline EXPERIMENT STEPS OUT.json    # as ranks 0..N of a launcher
+    python -m experiments.rpc_baseline EXPERIMENT STEPS OUT.json    # as ranks 0..N of a launcher
 
 Rank 0 is the server: it holds the model and the optimizer; each of the N workers computes
 a gradient on its shard, sends it with update_and_fetch, and gets the new parameters once
