@@ -211,8 +211,7 @@ class CostModel:
 # ---------------------------------------------------------------- quantities read from runs
 
 def _after_first(run: Run, key: str) -> list[float]:
-    records = [r for r in run.records() if r["step"] >= 1] or run.records()
-    values = [r[key] for r in records]
+    values = [r[key] for r in run.steady_records()]
     if not values:
         raise ValueError(f"{run.path} has no metrics records")
     return values
@@ -222,9 +221,7 @@ def compute_time(run: Run) -> float:
     """T_c: the median over ranks and steps (step 0 skipped) of step_s - comm_s: forward,
     backward and whatever else a worker does by itself (the local optimizer of the all-reduce
     engines, copying pulled parameters in)."""
-    local = [r["step_s"] - r["comm_s"] for r in run.records() if r["step"] >= 1] or \
-        [r["step_s"] - r["comm_s"] for r in run.records()]
-    return median(local)
+    return median([r["step_s"] - r["comm_s"] for r in run.steady_records()])
 
 
 def measured_step(run: Run) -> float:

@@ -75,11 +75,6 @@ def _line(run: Run, runs: list[Run]) -> dict:
                 linewidth=3.0 - 2.0 * i / max(1, len(runs) - 1))
 
 
-def _steady(records: list[dict]) -> list[dict]:
-    """The records after the warm-up step 0 (connection set-up, allocation), if any remain."""
-    return [r for r in records if r["step"] >= 1] or records
-
-
 def _mean_loss(run: Run) -> dict[int, float]:
     """Training loss by step, averaged over ranks."""
     by_step = defaultdict(list)
@@ -108,7 +103,7 @@ def step_split(run: Run) -> dict[str, float]:
     step, capped by the record's comm_s; asynchronous engines and local do not wait.
     Communication is comm_s minus waiting. Raises ValueError for a run without records.
     """
-    records = _steady(run.records())
+    records = run.steady_records()
     if not records:
         raise ValueError(f"run {run.path} has no step records (metrics/rank*.jsonl)")
     slowest: dict[int, float] = {}

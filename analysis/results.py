@@ -60,6 +60,11 @@ class Run:
     def records(self) -> list[dict]:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]
 
+    def steady_records(self) -> list[dict]:
+        """The records after the warm-up step 0 (connection set-up, allocation), if any remain."""
+        records = self.records()
+        return [r for r in records if r["step"] >= 1] or records
+
 
 TARGET_WINDOW = 5
 """Steps averaged when deciding that a run reached its target loss (one lucky batch is not)."""

@@ -92,7 +92,7 @@ def _speedup_note(speedup: float | None, workers: int) -> str:
             f"(threads per worker, a busy machine), not this one fast")
 
 
-def _cell(run: Run) -> tuple:
+def cell_of(run: Run) -> tuple:
     """The grid cell a run belongs to: repeats of one cell are summarised in one row. On an
     emulated network a ps-* run's servers say where the shards were: "2 separate"."""
     if not run.engine.startswith("ps-"):
@@ -113,15 +113,15 @@ def rows(runs: list[Run]) -> list[dict]:
     (--repeats) shows the median samples/s and final loss and the samples/s range; the
     other columns pool the records of its runs."""
     cells: dict[tuple, list[Run]] = {}
-    for run in sorted(runs, key=lambda r: (*_cell(r)[:2], str(_cell(r)[2]))):
-        cells.setdefault(_cell(run), []).append(run)
+    for run in sorted(runs, key=lambda r: (*cell_of(r)[:2], str(cell_of(r)[2]))):
+        cells.setdefault(cell_of(run), []).append(run)
     rates = {cell: [r.summary["samples_per_sec"] for r in group if r.summary.get("samples_per_sec")]
              for cell, group in cells.items()}
     one_worker = {cell[0]: median(rates[cell]) for cell in cells if cell[1] == 1 and rates[cell]}
     out = []
     for cell, group in cells.items():
         label, workers, servers = cell
-        records = [r for run in group for r in (_steady(run))]
+        records = [r for run in group for r in run.steady_records()]
         step_time = sum(r["step_s"] for r in records)
         staleness = [v for run in group for v in _staleness(run)]
         rate, base = median(rates[cell]), one_worker.get(label)
@@ -190,9 +190,6 @@ def _compute_elsewhere(runs: list[Run], run: Run) -> float | None:
             and r.summary.get("experiment") == run.summary.get("experiment")]
     return median(same) if same else None
 
-
-def _steady(run: Run) -> list[dict]:
-    return [r for r in run.records() if r["step"] >= 1] or run.records()
 
 
 def _fmt(value) -> str:

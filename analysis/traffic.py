@@ -90,16 +90,12 @@ def run_traffic(run: Run) -> Traffic:
     tables move only their rows; ps.compression halves them), or M where nothing was counted."""
     kind = family(run.label)
     if kind == "ps":
-        records = [r for r in _steady(run) if r.get("bytes_sent")]
+        records = [r for r in run.steady_records() if r.get("bytes_sent")]
         if records:
             return Traffic(median([r["bytes_sent"] for r in records]), median([r.get("bytes_recv", 0) for r in records]))
         return Traffic(float(wire_bytes(run)))
-    records = [r for r in _steady(run) if "gathered_bytes" in r] if kind == "ring" else []
+    records = [r for r in run.steady_records() if "gathered_bytes" in r] if kind == "ring" else []
     if records:  # the tables are gathered, not all-reduced: M is what the buckets carried
         return Traffic(median([r["bytes_sent"] - r["gathered_bytes"] for r in records]),
                        gathered=median([r["gathered_bytes"] for r in records]))
     return Traffic(float(wire_bytes(run)))
-
-
-def _steady(run: Run) -> list[dict]:
-    return [r for r in run.records() if r["step"] >= 1] or run.records()

@@ -5,6 +5,7 @@ comparison gives, where the table gives the figures."""
 from __future__ import annotations
 
 from .results import Run, median
+from .table import cell_of
 
 
 def _name(label: str, servers) -> str:
@@ -16,13 +17,11 @@ def verdicts(runs: list[Run]) -> list[str]:
     as a ratio of it, and whether their ranges over repeats overlap (then the difference is
     within the run-to-run noise of this machine). local is left out: one process, the
     numerical reference. Cells without samples/s are left out."""
-    from .table import _cell
-
     cells: dict[tuple, list[float]] = {}
     for run in runs:
         rate = run.summary.get("samples_per_sec")
         if run.label != "local" and rate:
-            cells.setdefault(_cell(run), []).append(rate)
+            cells.setdefault(cell_of(run), []).append(rate)
     nets = {(run.summary.get("network") or {}).get("rate") or "loopback" for run in runs}
     where = "/".join(sorted(nets))
     lines = []

@@ -492,7 +492,9 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
         variants = variants_of(engines, server_counts or list(grid.servers if grid else (1,)))
     net = net or (grid.net if grid else None)
     overrides = _with_net((grid.overrides if grid else ()) + tuple(overrides), net)
-    if not any(o.split("=", 1)[0].strip() == "threads" for o in overrides):
+    from .relevance import setting_key
+
+    if not any(setting_key(o) == "threads" for o in overrides):
         # Every cell's workers get the threads the largest cell's have: a 1-worker run on all
         # the cores collapses when they are busy (a speed-up of 26 on 2 cores was measured)
         overrides = (f"threads={max(1, (os.cpu_count() or 1) // max(worker_counts))}",) + overrides

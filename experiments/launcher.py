@@ -214,10 +214,11 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
 def _tee(stream, log_path: Path) -> None:
     """Copy a process's stdout, line by line, to its log and to this terminal."""
     with stream, open(log_path, "a") as log:
-        for line in iter(stream.readline, b""):
-            log.write(line.decode(errors="replace"))
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            log.write(line)
             log.flush()
-            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.write(line)
             sys.stdout.flush()
 
 

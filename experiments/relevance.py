@@ -26,7 +26,8 @@ READ_BY: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def _key(assignment: str) -> str:
+def setting_key(assignment: str) -> str:
+    """The KEY of a `--set KEY=VALUE` assignment."""
     return assignment.split("=", 1)[0].strip()
 
 
@@ -40,7 +41,7 @@ def readers(key: str) -> tuple[str, ...] | None:
 
 def unused(cfg: RunConfig, overrides=(), servers_given: bool = False) -> list[str]:
     """One line per setting given (a --set KEY=VALUE, or --servers) that cfg's engine ignores."""
-    keys = [_key(o) for o in overrides] + (["servers"] if servers_given else [])
+    keys = [setting_key(o) for o in overrides] + (["servers"] if servers_given else [])
     out = []
     for key in dict.fromkeys(keys):
         engines = readers(key)

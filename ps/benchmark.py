@@ -54,7 +54,7 @@ def serve(echo_addr: str, ps_addr: str) -> None:
     thread.join(5)
 
 
-WINDOW_BYTES = 3 << 20
+WINDOW_BYTES = int(PSConfig.window_mb * (1 << 20))
 """The streamed columns keep this many bytes of messages in flight (ps.window_mb's default),
 as the sync engine does with its pieces."""
 

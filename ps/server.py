@@ -526,10 +526,9 @@ class ShardServer:
         keys = list(self._held)
         self._apply(keys, f"update, clipped by {scale:.6g} (step {step})", count=False, lr=self._step_lr)
         self._scale[step] = scale
-        for old in [s for s in self._scale if s < step - 4]:
-            del self._scale[old]
-        for old in [s for s in self._sq if s < step - 4]:
-            del self._sq[old]
+        for kept in (self._scale, self._sq):  # a few steps back, for workers that read them late
+            for old in [s for s in kept if s < step - 4]:
+                del kept[old]
         self._held.clear()
         self._updated.update(keys)
         self._end_step()

@@ -59,7 +59,7 @@ def test_time_to_target_needs_the_loss_held_over_five_steps():
 
 
 def test_where_the_shards_were_and_how_they_answered_tell_cells_apart():
-    from analysis.table import _cell
+    from analysis.table import cell_of
 
     def ps(config: dict, network: dict | None) -> Run:
         summary = dict(engine="ps-sync", workers=4, servers=4, network=network)
@@ -68,7 +68,7 @@ def test_where_the_shards_were_and_how_they_answered_tell_cells_apart():
     net = {"rate": "200mbit", "placement": "colocated"}
     pipelined, phased = ps({}, net), ps({"ps": {"exchange": "phased"}}, net)
     assert (pipelined.placement, phased.placement) == ("colocated", "colocated, phased")
-    assert _cell(pipelined) == ("ps-sync", 4, "4 colocated") and _cell(phased) == ("ps-sync", 4, "4 colocated, phased")
+    assert cell_of(pipelined) == ("ps-sync", 4, "4 colocated") and cell_of(phased) == ("ps-sync", 4, "4 colocated, phased")
     assert ps({"ps": {"exchange": "phased"}}, None).placement is None  # loopback: no hosts to place on
     assert _run("allreduce", 2, 1.0).placement is None
 
