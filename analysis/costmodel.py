@@ -34,6 +34,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .linkmodel import run_link_time, run_psar_link_time
+from experiments.engines import label_info
+
 from .results import Run, family, median
 from .traffic import run_traffic
 
@@ -173,7 +175,7 @@ class CostModel:
         """Seconds of communication per step for engine `label` (a Run.label).
 
         Args:
-            label: one of results.LABELS.
+            label: a run label of a registered engine (experiments.engines).
             workers: N.
             servers: S, parameter-server shards (ignored by the other engines).
             nbytes: M, gradient bytes per worker per step (all-reduced, or pushed).
@@ -189,11 +191,11 @@ class CostModel:
         if kind == "local":
             return 0.0
         if kind == "ring":
-            fit = self._fit("ring" if label.startswith("allreduce/ring") else "library", label)
+            fit = self._fit(label_info(label)[1].fit or "library", label)
             steps = 2 * (workers - 1)
             gather = ((workers - 1) * fit.alpha_s + gathered * fit.beta_s_per_byte) if gathered else 0.0
             return steps * buckets * fit.alpha_s + steps / workers * nbytes * fit.beta_s_per_byte + gather
-        fit = self._fit("ps", label)
+        fit = self._fit(label_info(label)[1].fit or "ps", label)
         # A worker pushes and pulls M in all (M/S on each shard, in parallel); a shard serves
         # the push+pull rounds of all N workers one after another: 2NM/S bytes and 2N
         # messages. The busier of the two sets the time.
@@ -242,13 +244,13 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
 
     A run on an emulated network (--net) is predicted from its link's rate alone
     (analysis/linkmodel.py), the others from the fitted model (None: only networked runs).
-    ddp runs are left out: DDP communicates inside backward, so its compute and communication
-    are not measured apart and T_c cannot be read off them.
+    ddp runs are left out (EngineSpec.comm_in_backward): DDP communicates inside backward, so
+    its compute and communication are not measured apart and T_c cannot be read off them.
     """
     rows = []
     for run in runs:
         label = run.label
-        if label == "ddp":
+        if run.spec.comm_in_backward:
             continue
         workers = int(run.config.get("workers", run.summary.get("workers", 1)))
         servers = int(run.config.get("servers", 1)) if family(label) == "ps" else None

@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from experiments.engines import label_info
+
 from .results import Run, family
 
 if TYPE_CHECKING:
@@ -109,7 +111,8 @@ def psar_link_time(label: str, workers: int, servers: int, nbytes: float, rate_b
     when separate)."""
     times = [max(max(out, inn) for out, inn in phase.values()) * 8 / (rate_bits * PAYLOAD)
              for phase in phases(label, workers, servers, nbytes, placement, pull_bytes, gathered)]
-    if messages and label == "ps-sync" and placement == "separate":
+    spec = label_info(label)[0]
+    if messages and spec.family == "ps" and spec.synchronous and placement == "separate":
         return overlapped(times[0], times[1], messages)
     return sum(times)
 
@@ -141,7 +144,8 @@ def run_psar_link_time(run: Run, traffic: "Traffic") -> float | None:
     if net is None:
         return None
     messages = None
-    if run.label == "ps-sync" and run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined":
+    if run.spec.family == "ps" and run.spec.synchronous and \
+            run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined":
         from .traffic import push_messages  # here: it reads model.pt with torch
         messages = push_messages(run)
     return psar_link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),

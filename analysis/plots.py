@@ -14,7 +14,6 @@ from .results import Run
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator, NullLocator, ScalarFormatter
 
-SYNCHRONOUS = frozenset({"ddp", "allreduce", "ps-sync"})
 """Engines whose ranks meet every step, so a fast rank waits for the slowest one."""
 
 LINESTYLES = ("-", "--", ":", "-.")
@@ -109,7 +108,7 @@ def step_split(run: Run) -> dict[str, float]:
     slowest: dict[int, float] = {}
     for r in records:
         slowest[r["step"]] = max(slowest.get(r["step"], 0.0), r["compute_s"])
-    synchronous = run.engine in SYNCHRONOUS
+    synchronous = run.spec.synchronous and run.spec.processes_per_worker  # local: one process, no peers
 
     def waiting(r: dict) -> float:
         if "wait_s" in r:  # a shard's hold on a pull sent from a backward hook may begin before
@@ -218,21 +217,21 @@ def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
         ax.bar_label(bars, labels=[f"{t:.3g}" if t < 1000 else f"{t:.0f}" for t in bottom],
                      fontsize="x-small", padding=2)
         ax.set_ylim(0, 1.12 * max(bottom, default=1.0) or 1.0)  # room for the totals
-        ddp = any(run.engine == "ddp" for run in runs)
-        ax.set_xticks(x, [style.label_of(run, workers=True) + ("*" if run.engine == "ddp" else "")
+        inside = sorted({run.engine for run in runs if run.spec.comm_in_backward})
+        ax.set_xticks(x, [style.label_of(run, workers=True) + ("*" if run.spec.comm_in_backward else "")
                           for run in runs], rotation=30, ha="right")
         for tick, run in zip(ax.get_xticklabels(), runs):
             tick.set_color(style.colour(run.label))
-        if ddp:
-            ax.figure.text(0.01, 0.01, "* ddp communicates inside backward: its time counts as compute",
-                           fontsize="x-small", color="#4d4d4d")
+        if inside:
+            ax.figure.text(0.01, 0.01, f"* {', '.join(inside)} communicate{'s' if len(inside) == 1 else ''} "
+                           "inside backward: its time counts as compute", fontsize="x-small", color="#4d4d4d")
     return path
 
 
 def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
     """Fraction of pushes by staleness, grouped bars, one series per asynchronous run."""
     series = [(run, Counter(values)) for run in sorted(runs, key=_order)
-              if run.engine not in SYNCHRONOUS and (values := _staleness(run))]
+              if not run.spec.synchronous and (values := _staleness(run))]
     if not series:
         return None
     shown = [run for run, _ in series]

@@ -7,24 +7,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-
-RING_LABELS = ("ddp", "allreduce/library", "allreduce/ring")
-GATHER_LABELS = ("allreduce/library+allgather", "allreduce/ring+allgather")
-PS_LABELS = ("ps-sync", "ps-async", "ps-ssp")
-LABELS = ("local",) + RING_LABELS + GATHER_LABELS + PS_LABELS
-"""Every label Run.label gives: each table, model and figure knows all of them."""
+from experiments.engines import get_engine, label_info
 
 
 def family(label: str) -> str:
-    """How a label's runs communicate: "local" (not at all), "ring" (an all-reduce of the
-    dense gradient, and all-gathered rows for a +allgather label) or "ps"."""
-    if label == "local":
-        return "local"
-    if label in RING_LABELS or label in GATHER_LABELS or label == "allreduce":  # "allreduce": library
-        return "ring"
-    if label in PS_LABELS:
-        return "ps"
-    raise ValueError(f"unknown engine label {label!r}: expected one of {', '.join(LABELS)}")
+    """How a label's runs communicate (EngineSpec.family): "local" (not at all), "ring" (an
+    all-reduce of the gradient, and all-gathered rows for a +allgather label) or "ps"."""
+    return label_info(label)[0].family
 
 
 @dataclass(frozen=True)
@@ -39,20 +28,26 @@ class Run:
         return self.summary["engine"]
 
     @property
+    def spec(self):
+        """The engine's registry entry (experiments.engines.EngineSpec)."""
+        return get_engine(self.engine)
+
+    @property
     def label(self) -> str:
-        """Engine plus the setting that distinguishes variants of one engine."""
-        settings = self.config.get("allreduce", {})
-        if self.engine != "allreduce":
+        """Engine plus the setting that distinguishes variants of one engine; the engine's name
+        when this process does not know the engine (its module not in $PSAR_ENGINES)."""
+        try:
+            spec = self.spec
+        except ValueError:
             return self.engine
-        label = f"allreduce/{settings.get('algorithm', 'library')}"
-        return label + "+allgather" if settings.get("sparse") == "allgather" else label
+        return spec.label(self.config)
 
     @property
     def placement(self) -> str | None:
         """Where a ps-* run's shards were on an emulated network ("colocated", "separate"),
         with ", phased" under ps.exchange=phased; None for other engines and on loopback."""
         net = self.summary.get("network")
-        if not self.engine.startswith("ps-") or not net:
+        if not self.spec.uses_servers or not net:
             return None
         phased = self.config.get("ps", {}).get("exchange") == "phased"
         return net.get("placement", "colocated") + (", phased" if phased else "")

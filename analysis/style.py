@@ -6,28 +6,17 @@ import zlib
 
 import matplotlib
 
+from experiments.engines import label_info
+
 from .results import Run
 
 matplotlib.use("Agg")  # files only, never a display
 
 DPI = 120
 
-COLOURS: dict[str, str] = {  # tab10; related engines get related hues
-    "local": "#7f7f7f",              # grey: the numerical reference
-    "ddp": "#8c564b",                # brown
-    "allreduce/library": "#1f77b4",  # blue
-    "allreduce/ring": "#17becf",     # cyan
-    "allreduce/library+allgather": "#9467bd",  # purple: all-reduce with gathered rows
-    "allreduce/ring+allgather": "#c5b0d5",     # light purple
-    "ps-sync": "#2ca02c",            # green
-    "ps-async": "#d62728",           # red
-    "ps-ssp": "#ff7f0e",             # orange
-}
-"""The colour of each known run label, the same in every figure."""
-
 FALLBACK: tuple[str, ...] = ("#e377c2", "#bcbd22", "#aec7e8", "#98df8a", "#ff9896",
                              "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
-"""Colours (tab10/tab20 entries unused above) for labels not in COLOURS."""
+"""Colours (tab10/tab20 entries psar's engines leave unused) for labels no engine registered."""
 
 COMPONENTS: dict[str, dict] = {  # step-time parts: neutral, so they never read as an engine
     "compute": dict(color="#c7c7c7", edgecolor="#4d4d4d"),
@@ -37,11 +26,13 @@ COMPONENTS: dict[str, dict] = {  # step-time parts: neutral, so they never read 
 
 
 def colour(label: str) -> str:
-    """The colour of a run label; an unknown label gets a fallback chosen by a checksum of its
-    text (not hash(), which changes with PYTHONHASHSEED), so it is the same in every process."""
-    if label in COLOURS:
-        return COLOURS[label]
-    return FALLBACK[zlib.crc32(label.encode()) % len(FALLBACK)]
+    """The colour of a run label, as its engine registered it (related engines get related
+    hues); an unknown label gets a fallback chosen by a checksum of its text (not hash(),
+    which changes with PYTHONHASHSEED), so it is the same in every process."""
+    try:
+        return label_info(label)[1].colour
+    except ValueError:
+        return FALLBACK[zlib.crc32(label.encode()) % len(FALLBACK)]
 
 
 def colours(runs: list[Run]) -> dict[str, str]:
@@ -58,6 +49,6 @@ def label_of(run: Run, workers: bool = False) -> str:
     servers = run.summary.get("servers", 1)
     if run.placement:  # on an emulated network: where they were
         text += f" ({servers} shard{'s' if servers > 1 else ''}, {run.placement})"
-    elif run.engine.startswith("ps-") and servers > 1:
+    elif run.spec.uses_servers and servers > 1:
         text += f" ({servers} shards)"
     return text

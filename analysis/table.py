@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from .results import RING_LABELS, Run, median, quantile, time_to_target
+from experiments.engines import label_info
+
+from .results import Run, median, quantile, time_to_target
 
 COLUMNS = [
     ("engine", "engine"),
@@ -95,7 +97,7 @@ def _speedup_note(speedup: float | None, workers: int) -> str:
 def cell_of(run: Run) -> tuple:
     """The grid cell a run belongs to: repeats of one cell are summarised in one row. On an
     emulated network a ps-* run's servers say where the shards were: "2 separate"."""
-    if not run.engine.startswith("ps-"):
+    if not run.spec.uses_servers:
         return run.label, run.summary["workers"], ""
     servers = run.summary.get("servers", 1)
     return run.label, run.summary["workers"], f"{servers} {run.placement}" if run.placement else servers
@@ -158,20 +160,21 @@ def _link_theory(group: list[Run], compute_s: float | None = None) -> dict:
     """On an emulated network: the measured step, the step the link model predicts from the
     rate (compute + the busiest link's bytes at the rate) and their ratio; else nothing.
     compute_s: the compute to use instead of the runs' own (ddp's step_s - comm_s holds its
-    communication, which runs inside backward); None for a ddp group: no theory."""
+    communication, which runs inside backward: EngineSpec.comm_in_backward); None for such a
+    group: no theory."""
     from .costmodel import compute_time, measured_step
     from .traffic import run_traffic
     from .linkmodel import run_link_time
 
-    ddp = group[0].label == "ddp"
-    if ddp and compute_s is None:
+    inside = group[0].spec.comm_in_backward
+    if inside and compute_s is None:
         return {}
     pairs = []
     for run in group:
         if run.summary.get("network") and run.records():
             link = run_link_time(run, run_traffic(run))
             if link is not None:
-                pairs.append((measured_step(run), (compute_s if ddp else compute_time(run)) + link))
+                pairs.append((measured_step(run), (compute_s if inside else compute_time(run)) + link))
     if not pairs:
         return {}
     step, theory = median([m for m, _ in pairs]), median([t for _, t in pairs])
@@ -179,14 +182,15 @@ def _link_theory(group: list[Run], compute_s: float | None = None) -> dict:
 
 
 def _compute_elsewhere(runs: list[Run], run: Run) -> float | None:
-    """For a ddp run: the compute of the dense all-reduce runs of the same experiment and
-    worker count (same model, same batches, communication apart), None if there are none."""
-    if run.label != "ddp":
+    """For a run whose communication is inside backward (ddp): the compute of the dense
+    all-reduce runs of the same experiment and worker count (same model, same batches,
+    communication apart), None if there are none."""
+    if not run.spec.comm_in_backward:
         return None
     from .costmodel import compute_time
 
-    same = [compute_time(r) for r in runs if r.label in RING_LABELS and r.label != "ddp"
-            and r.summary["workers"] == run.summary["workers"] and r.records()
+    same = [compute_time(r) for r in runs if r.spec.family == "ring" and not r.spec.comm_in_backward
+            and not label_info(r.label)[1].gathers_rows and r.summary["workers"] == run.summary["workers"] and r.records()
             and r.summary.get("experiment") == run.summary.get("experiment")]
     return median(same) if same else None
 

@@ -9,7 +9,8 @@ from .table import cell_of
 
 
 def _name(label: str, servers) -> str:
-    return f"{label} ({servers} shard{'s' if str(servers) != '1' else ''})" if label.startswith("ps-") else label
+    """The cell's label, with its shards when its engine has any (table.cell_of gives "" else)."""
+    return f"{label} ({servers} shard{'s' if str(servers) != '1' else ''})" if servers != "" else label
 
 
 def verdicts(runs: list[Run]) -> list[str]:
@@ -20,7 +21,7 @@ def verdicts(runs: list[Run]) -> list[str]:
     cells: dict[tuple, list[float]] = {}
     for run in runs:
         rate = run.summary.get("samples_per_sec")
-        if run.label != "local" and rate:
+        if run.spec.family != "local" and rate:
             cells.setdefault(cell_of(run), []).append(rate)
     nets = {(run.summary.get("network") or {}).get("rate") or "loopback" for run in runs}
     where = "/".join(sorted(nets))

@@ -14,21 +14,17 @@ import json
 from typing import Any
 
 from .config import RunConfig
+from .engines import engines, get_engine, matches
 from .overrides import to_dict
 
-LOCAL = ("threads", "trace", "tensorboard", "timeout_s", "eval_batch_size", "device", "checkpoint.",
-         "ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
-         "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb", "net.")
-"""Settings each process may choose for itself (keys, or prefixes ending in a dot)."""
+LOCAL = ("threads", "trace", "tensorboard", "timeout_s", "eval_batch_size", "device", "checkpoint.", "net.")
+"""Settings of every engine that each process may choose for itself (keys, or prefixes ending
+in a dot); an engine's own are its EngineSpec.own."""
 
 WORKERS_ONLY = ("steps", "batch_size", "data.")
 """Settings only the workers use: a shard compares them between workers, not with its own."""
 
 STORE_KEY = "psar/settings"
-
-
-def _matches(key: str, names: tuple[str, ...]) -> bool:
-    return any(key.startswith(n) if n.endswith(".") else key == n for n in names)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -46,14 +42,18 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def settings(cfg: RunConfig, for_server: bool = False) -> dict[str, Any]:
-    """{dotted key: scalar} of what must agree across the run (a shard's: what it uses)."""
+    """{dotted key: scalar} of what must agree across the run (a shard's: what it uses): every
+    setting but the local ones and those of other engines that cfg's engine does not read."""
     from .script import ScriptConfig
 
     flat = _flatten(to_dict(cfg))
+    spec = get_engine(cfg.engine)
+    others = [name for other in engines().values() for name in other.reads]
     # A script's shard knows neither the script's path nor its arguments: the workers compare those.
     workers_only = WORKERS_ONLY + (("experiment", "model.") if isinstance(cfg.model, ScriptConfig) else ())
     return {k: v for k, v in flat.items()
-            if not _matches(k, LOCAL) and not (for_server and _matches(k, workers_only))}
+            if not matches(k, LOCAL + spec.own) and (spec.reads_setting(k) or not matches(k, others))
+            and not (for_server and matches(k, workers_only))}
 
 
 def differences(mine: dict[str, Any], theirs: dict[str, Any], me: str, them: str) -> list[str]:

@@ -84,11 +84,11 @@ def init(engine: str | None = None, out: str | Path | None = None, overrides: Se
                              "give them to psar launch, not to init()")
         run_dir = Path(run_dir)
         cfg = config_mod.load(run_dir / "config.json", timeout_s=30.0)
-        servers = files.read_json(run_dir / SERVERS_FILE, what="server list") if cfg.engine.startswith("ps-") else ()
+        servers = files.read_json(run_dir / SERVERS_FILE, what="server list") if get_engine(cfg.engine).uses_servers else ()
     else:
         script = sys.argv[0] or "script"
         servers = list(servers) if servers is not None else [a for a in os.environ.get(SERVERS_ENV, "").split(",") if a]
-        cfg = script_config(script, sys.argv[1:], overrides, engine=engine or os.environ.get(ENGINE_ENV) or "allreduce", workers=env.world,
+        cfg = script_config(script, sys.argv[1:], overrides, engine=engine or os.environ.get(ENGINE_ENV) or RunConfig.engine, workers=env.world,
                             servers=max(1, len(servers)), device=device)
         run_dir = Path(out or Path("runs") / Path(script).stem)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ class Job:
         set_threads(cfg, env)
         self.device = pick_device(cfg, env)
         self._tracer = Tracer(self.run_dir, f"rank {env.rank}", cfg.trace)
-        self._engine = spec.build(cfg, env, self.device, self._tracer.record if cfg.trace else None)
+        self._engine = spec.make(cfg, env, self.device, self._tracer.record if cfg.trace else None)
         self._state = "created"
         self._model: torch.nn.Module | None = None
         self._losses: list[torch.Tensor] = []

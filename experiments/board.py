@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .engines import get_engine
+
 NEEDS = ("--tensorboard needs the tensorboard package, which is not installed: "
          "pip install 'psar[tensorboard]' (or pip install tensorboard)")
 
@@ -37,7 +39,7 @@ def available() -> str | None:
 def run_name(config: dict) -> str:
     """'quickstart ps-sync x2 s1 200mbit' from a run's config (as config.json holds it)."""
     parts = [config["experiment"], config["engine"], f"x{config['workers']}"]
-    if str(config["engine"]).startswith("ps-"):
+    if get_engine(str(config["engine"])).uses_servers:
         parts.append(f"s{config.get('servers', 1)}")
     net = (config.get("net") or {}).get("rate")
     if net:

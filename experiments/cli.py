@@ -12,13 +12,40 @@ import click
 
 from . import presets
 from .config import RunConfig
-from .engines import ENGINES
+from .engines import EngineSpec
+from .engines import engines as registered
+
+ENGINES = registered()
+"""The registry itself (a live view: an engine registered later shows up)."""
 from .overrides import OverrideError
 from .comparisons import COMPARISONS
 from .presets import build_config
 
-PS_MODES = ("ps-sync", "ps-async", "ps-ssp")
-DEFAULT_ENGINES = ("local", "ddp", "allreduce", "ps-sync", "ps-async", "ps-ssp")
+
+
+class EngineChoice(click.Choice):
+    """--engine: the registered engines that `keep` admits, read when the option is parsed,
+    so that an engine registered after this module was imported is offered too."""
+
+    def __init__(self, keep=lambda spec: True) -> None:
+        self._keep = keep
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(name for name, spec in ENGINES.items() if self._keep(spec))
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice sets it once; the registry decides
+        pass
+
+
+def _serves(spec: EngineSpec) -> bool:
+    return spec.uses_servers
+
+
+def _one_per_worker(spec: EngineSpec) -> bool:
+    return spec.processes_per_worker
 
 
 def _friendly(fn):
@@ -36,10 +63,10 @@ def _friendly(fn):
     return wrapper
 
 
-def run_options_for(engines=tuple(ENGINES), default_engine=None):
+def run_options_for(engines: EngineChoice | None = EngineChoice(), default_engine=None):
     """Options shared by every command that resolves a run's config; --engine offers
-    `engines` (none: the command has no --engine)."""
-    engine = [click.option("--engine", type=click.Choice(list(engines)), default=default_engine,
+    `engines` (None: the command has no --engine)."""
+    engine = [click.option("--engine", type=engines, default=default_engine,
                            help="Gradient synchronisation engine "
                            f"[default: {default_engine or RunConfig.engine}].")] if engines else []
     return functools.partial(_run_options, engine + [
@@ -176,7 +203,7 @@ def list_cmd() -> None:
 @process_counts
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/SCRIPT-ENGINE-wN-TIME).")
-@click.option("--engine", type=click.Choice([n for n, e in ENGINES.items() if e.processes_per_worker]),
+@click.option("--engine", type=EngineChoice(_one_per_worker),
               default=None, help=f"Gradient synchronisation engine [default: {RunConfig.engine}].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where the workers compute: cpu (Gloo) or cuda (NCCL) [default: cpu].")
@@ -299,7 +326,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
     env = DistEnv.from_environ(rank, world, addresses)
     cfg = build_config(experiment, overrides, engine=engine, workers=env.world,
                        servers=len(addresses) or None, steps=steps, seed=seed, device=device, trace=trace)
-    if cfg.engine in PS_MODES and not addresses:
+    if ENGINES[cfg.engine].uses_servers and not addresses:
         raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
     _warn_unused([cfg], overrides, bool(addresses))
     if ENGINES[cfg.engine].rendezvous and not env.master:
@@ -373,7 +400,7 @@ def _addresses(value: str, bind: bool = False) -> tuple[str, ...]:
               help="Run directory: this shard's counters (metrics/server<i>.json), trace and "
               "checkpoints (checkpoint/server<i>.pt).")
 @click.option("--resume", is_flag=True, help="Start from this shard's checkpoint in --out.")
-@run_options_for(PS_MODES, "ps-sync")
+@run_options_for(EngineChoice(_serves), "ps-sync")
 @_friendly
 def server(bind, experiment, script, workers, shard, out, resume, engine, steps, seed, device, curve, trace,
            tensorboard, overrides) -> None:
@@ -445,7 +472,7 @@ def _experiment_or_script(ctx, param, value: str) -> str:
               help="Run the grid this many times; the table gives each cell's median samples/s "
               "and range, the throughput figure draws the range.")
 @net_option
-@run_options_for(engines=())
+@run_options_for(engines=None)
 @_friendly
 def compare(name, script_args, engines, worker_counts, server_counts, out, plots, repeats, net, steps, seed, device,
             curve, trace, tensorboard, overrides) -> None:
@@ -476,14 +503,16 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
         raise click.UsageError("--args is for a script (NAME a SCRIPT.py), not for an experiment")
     if script and steps is not None:
         raise click.UsageError("a script decides its own steps: give them in --args")
-    if script and engines and "local" in engines:
-        raise click.BadParameter("local runs every worker in one process; a script runs one worker "
-                                 "per process", param_hint="--engines")
-    engines = engines or [e for e in (grid.engines if grid else DEFAULT_ENGINES) if not (script and e == "local")]
-    unknown = [e for e in engines if e not in ENGINES]
+    unknown = [e for e in engines or () if e not in ENGINES]
     if unknown:
         raise click.BadParameter(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}",
                                  param_hint="--engines")
+    single = [e for e in engines or () if script and not ENGINES[e].processes_per_worker]
+    if single:
+        raise click.BadParameter(f"{', '.join(single)} runs every worker in one process; a script runs one "
+                                 "worker per process", param_hint="--engines")
+    engines = engines or [e for e in (grid.engines if grid else ENGINES)
+                          if not (script and not ENGINES[e].processes_per_worker)]
     worker_counts = worker_counts or list(grid.workers if grid else (1, 2))
     if grid and grid.variants:  # --engines and --servers choose among the comparison's lines
         variants = [v for v in grid.variants if v.engine in engines

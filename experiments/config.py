@@ -13,6 +13,7 @@ from ps.config import PSConfig, key_mb
 
 from . import data, files, models
 from .checkpoint import CheckpointConfig
+from .engines import get_engine
 from .faults import FaultConfig
 from .network import NetConfig, parse_rate
 from .overrides import OverrideError, apply_overrides, dumps, from_dict
@@ -72,7 +73,8 @@ class RunConfig:
     batch_size: int = 32
     """Examples per worker per step (the global batch is workers x batch_size)."""
     engine: str = "allreduce"
-    """Gradient synchronisation: local, ddp, allreduce, ps-sync, ps-async or ps-ssp."""
+    """Gradient synchronisation: an engine of `psar list` (local, ddp, allreduce, ps-sync,
+    ps-async, ps-ssp, and any in $PSAR_ENGINES)."""
     workers: int = 2
     """Number of workers (data shards)."""
     servers: int = 1
@@ -126,12 +128,8 @@ class RunConfig:
         local and ddp, which stay dense as the reference). ValueError when row-sparse is asked
         for, the model has tables, and the optimizer's sparse update is not its dense one."""
         problem = sparse_update_problem(self.optim)
-        if self.engine == "allreduce":
-            forced, on = "allreduce.sparse=allgather", self.allreduce.sparse == "allgather"
-        elif self.engine.startswith("ps-"):
-            forced, on = "ps.sparse=rows", self.ps.sparse == "rows" or (self.ps.sparse == "auto" and not problem)
-        else:
-            forced, on = "", False
+        decide = get_engine(self.engine).row_sparse
+        forced, on = decide(self, problem) if decide else ("", False)
         tables = embedding_tables(model) if on else {}
         if tables and problem:
             raise ValueError(f"{forced}: {problem}")

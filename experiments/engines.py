@@ -1,30 +1,39 @@
-"""The engine protocol the training loop is written against, and the engines by name.
+"""The engine protocol the training loop is written against, and the one registry of engines.
 
-The loop never asks which engine it runs; an engine satisfies this protocol by shape.
+The loop never asks which engine it runs; an engine satisfies this protocol by shape. Every
+other module (the CLI, the settings checks, the tables, the figures, the cost and link
+models) asks the registry what an engine is, and never lists engine names. This module
+imports no torch, so that analysis can read it.
+
+Adding an engine is one step: `register(EngineSpec(...))` in any module, named in
+$PSAR_ENGINES (comma-separated modules) when it is not one of psar's own, so that every
+process of a run (workers, shards, the analysis) imports it.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .config import RunConfig
-from .distenv import DistEnv
-
-MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+MakeOptimizer = Callable[[list["torch.nn.Parameter"]], "torch.optim.Optimizer"]
 Trace = Callable[..., None]
+PLUGINS_ENV = "PSAR_ENGINES"
+FAMILIES = ("local", "ring", "ps")
 
 
 class Engine(Protocol):
     shards: Sequence[int]
     """The data shards this process trains on each step: [rank], or all of them for `local`."""
 
-    def attach(self, model: torch.nn.Module, make_optimizer: MakeOptimizer) -> torch.nn.Module:
+    def attach(self, model: "torch.nn.Module", make_optimizer: MakeOptimizer) -> "torch.nn.Module":
         """Agree on initial parameters, install hooks; return the module to call forward on."""
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: "torch.Tensor") -> None:
         """Run backward for one shard's loss; communication may start inside it."""
 
     def step(self) -> Mapping[str, float]:
@@ -39,76 +48,190 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True)
+class Label:
+    """A name runs are told apart by in tables and figures: an engine's, or a variant's."""
+
+    name: str
+    colour: str
+    """Its colour in every figure."""
+    fit: str = ""
+    """The cost model's bench fit of its communication ("library", "ring", "ps"); "" takes
+    its family's ("library" for ring, "ps" for ps)."""
+    gathers_rows: bool = False
+    """Its embedding rows travel in an all-gather besides the dense all-reduce (the link model
+    adds them; its compute is not the dense engines')."""
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     name: str
     summary: str
-    processes_per_worker: bool
+    build: str
+    """"module:function" making the engine from (cfg, env, device, trace), imported when a
+    run builds one; trace is a tracer's record function when the run is traced, else None."""
+    family: str
+    """How its workers communicate, which the cost and link models price: "local" (not at
+    all), "ring" (an all-reduce of the gradient) or "ps" (push to and pull from shards)."""
+    colour: str
+    """The colour of its label in every figure."""
+    processes_per_worker: bool = True
     """False when one process plays every worker (local)."""
-    uses_servers: bool
-    build: Callable[[RunConfig, DistEnv, torch.device, Trace | None], Engine]
-    """Makes the engine; given a tracer's record function when the run is traced."""
+    uses_servers: bool = False
+    """It runs parameter-server shards (`--servers`, `net.placement`)."""
+    consistency: str = ""
+    """Its shards' rule (ps.server's modes: sync, async, ssp); "" without shards."""
+    synchronous: bool = True
+    """Every worker applies the same update each step, so a fast worker waits for the slowest."""
+    comm_in_backward: bool = False
+    """Its communication runs inside backward where psar cannot time it apart (torch's DDP):
+    its step_s - comm_s is not its compute."""
+    reads: tuple[str, ...] = ()
+    """The engine-specific settings it reads (keys, or prefixes ending in "."); a setting no
+    engine lists here is read by every engine."""
+    skips: tuple[str, ...] = ()
+    """Settings under `reads`' prefixes that it does not read."""
+    own: tuple[str, ...] = ()
+    """Settings among those it reads that each process may choose for itself; the others
+    every process of a run must agree on (experiments.agreement)."""
+    row_sparse: Callable[[Any, str | None], tuple[str, bool]] | None = None
+    """(cfg, why the optimizer cannot update rows sparsely or None) -> (the setting that asks
+    for row-sparse tables, whether cfg moves them row-sparse); None: always dense."""
+    variants: tuple[Label, ...] = ()
+    """Labels of its variants, when a setting tells its runs apart (see label_of)."""
+    label_of: Callable[[Mapping], str] | None = None
+    """A run's label from its config (as config.json holds it); None: the engine's name."""
 
     @property
     def rendezvous(self) -> bool:
         """Its workers meet through torch.distributed's env:// rendezvous (MASTER_ADDR/PORT)."""
         return self.processes_per_worker and not self.uses_servers
 
+    @property
+    def labels(self) -> tuple[Label, ...]:
+        """Every label its runs can have."""
+        return self.variants or (Label(self.name, self.colour),)
 
-def _local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from .local_engine import LocalEngine
+    def label(self, config: Mapping) -> str:
+        return self.label_of(config) if self.label_of else self.name
 
-    return LocalEngine(cfg.workers)
+    def reads_setting(self, key: str) -> bool:
+        return matches(key, self.reads) and not matches(key, self.skips)
 
-
-def _allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from allreduce.engine import AllReduceEngine
-
-    # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
-    return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
-                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables)
-
-
-def _ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from allreduce.ddp import DDPEngine
-
-    if cfg.fault.delay_ms:
-        raise ValueError("fault.delay_ms cannot be applied to ddp: its messages are inside torch; "
-                         "use --engine allreduce to study a slow link")
-    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
+    def make(self, cfg: Any, env: Any, device: "torch.device", trace: Trace | None) -> Engine:
+        """The engine for cfg (a RunConfig) as the process env (a DistEnv) plays its part."""
+        module, _, name = self.build.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg, env, device, trace)
 
 
-def _ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from ps.engine import MODES, PSEngine
-
-    from .agreement import settings
-
-    from .script import ScriptConfig, shard_initializer
-
-    # fault.delay_ms is applied by the servers, which hold every reply back.
-    return PSEngine(env.rank, env.world, device, list(env.servers), MODES[cfg.engine], cfg.ps, trace,
-                    settings=settings(cfg),
-                    initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
+def matches(key: str, names: Sequence[str]) -> bool:
+    """Whether setting `key` is one of `names` (keys, or prefixes ending in ".")."""
+    return any(key.startswith(n) if n.endswith(".") else key == n for n in names)
 
 
-ENGINES: dict[str, EngineSpec] = {
-    spec.name: spec
-    for spec in [
-        EngineSpec("local", "one process accumulates every shard's gradient: the reference",
-                   False, False, _local),
-        EngineSpec("ddp", "torch DistributedDataParallel", True, False, _ddp),
-        EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
-                   True, False, _allreduce),
-        EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
-                   True, True, _ps),
-        EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
-                   True, True, _ps),
-        EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
-                   True, True, _ps),
-    ]
-}
+# -------------------------------------------------------------------------- the registry
+
+_ENGINES: dict[str, EngineSpec] = {}
+_plugins_loaded = False
+
+
+def register(spec: EngineSpec) -> EngineSpec:
+    """Add an engine; its name and labels must be new (a module imported again under another
+    name may register its engine again: same name, same build). Returns spec."""
+    if spec.family not in FAMILIES:
+        raise ValueError(f"engine {spec.name!r}: family {spec.family!r}, expected one of {', '.join(FAMILIES)}")
+    if spec.name in _ENGINES and _ENGINES[spec.name].build != spec.build:
+        raise ValueError(f"engine {spec.name!r} is already registered (built by {_ENGINES[spec.name].build})")
+    taken = {label.name for name, other in _ENGINES.items() if name != spec.name for label in other.labels}
+    clash = [label.name for label in spec.labels if label.name in taken]
+    if clash:
+        raise ValueError(f"engine {spec.name!r}: label(s) {', '.join(clash)} already belong to another engine")
+    _ENGINES[spec.name] = spec
+    return spec
+
+
+def engines() -> dict[str, EngineSpec]:
+    """Every engine by name, psar's own first, then those of the modules in $PSAR_ENGINES."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise ValueError(f"{PLUGINS_ENV} names module {module!r}, which cannot be imported: {err}") from None
+    return _ENGINES
 
 
 def get_engine(name: str) -> EngineSpec:
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(ENGINES)}")
-    return ENGINES[name]
+    known = engines()
+    if name not in known:
+        raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(known)} "
+                         f"(an engine of your own: name its module in ${PLUGINS_ENV})")
+    return known[name]
+
+
+def label_info(label: str) -> tuple[EngineSpec, Label]:
+    """The engine a run label belongs to, and the label's properties; an engine's name stands
+    for its first label ("allreduce": "allreduce/library")."""
+    if label in engines():
+        spec = engines()[label]
+        return spec, spec.labels[0]
+    for spec in engines().values():
+        for info in spec.labels:
+            if info.name == label:
+                return spec, info
+    known = [info.name for spec in engines().values() for info in spec.labels]
+    raise ValueError(f"unknown engine label {label!r}: expected one of {', '.join(known)}")
+
+
+def all_labels() -> tuple[str, ...]:
+    """Every label any registered engine's runs can have."""
+    return tuple(info.name for spec in engines().values() for info in spec.labels)
+
+
+# -------------------------------------------------------------------------- psar's engines
+
+def _allreduce_label(config: Mapping) -> str:
+    settings = config.get("allreduce") or {}
+    label = f"allreduce/{settings.get('algorithm', 'library')}"
+    return label + "+allgather" if settings.get("sparse") == "allgather" else label
+
+
+def _allreduce_rows(cfg: Any, problem: str | None) -> tuple[str, bool]:
+    return "allreduce.sparse=allgather", cfg.allreduce.sparse == "allgather"
+
+
+def _ps_rows(cfg: Any, problem: str | None) -> tuple[str, bool]:
+    return "ps.sparse=rows", cfg.ps.sparse == "rows" or (cfg.ps.sparse == "auto" and not problem)
+
+
+_PS_OWN = ("ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
+           "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb")
+_PS_READS = ("ps.", "servers", "fault.delay_ms")
+
+for _spec in [
+    EngineSpec("local", "one process accumulates every shard's gradient: the reference",
+               "experiments.engine_builders:local", "local", "#7f7f7f",  # grey: the numerical reference
+               processes_per_worker=False),
+    EngineSpec("ddp", "torch DistributedDataParallel", "experiments.engine_builders:ddp", "ring", "#8c564b",
+               comm_in_backward=True, reads=("allreduce.bucket_cap_mb", "allreduce.compression")),
+    EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
+               "experiments.engine_builders:allreduce", "ring", "#1f77b4",
+               reads=("allreduce.", "fault.delay_ms"), row_sparse=_allreduce_rows, label_of=_allreduce_label,
+               variants=(Label("allreduce/library", "#1f77b4", "library"),          # blue
+                         Label("allreduce/ring", "#17becf", "ring"),                # cyan
+                         Label("allreduce/library+allgather", "#9467bd", "library", gathers_rows=True),
+                         Label("allreduce/ring+allgather", "#c5b0d5", "ring", gathers_rows=True))),
+    EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
+               "experiments.engine_builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
+               reads=_PS_READS, skips=("ps.staleness", "ps.async_scale"), own=_PS_OWN, row_sparse=_ps_rows),
+    EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
+               "experiments.engine_builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
+               synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange"),
+               own=_PS_OWN, row_sparse=_ps_rows),
+    EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
+               "experiments.engine_builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
+               synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange"), own=_PS_OWN,
+               row_sparse=_ps_rows),
+]:
+    register(_spec)

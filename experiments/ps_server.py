@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from ps.engine import MODES
 from ps.layout import split_values
 from ps.security import load_server_keys
 from ps.protocol import Limits
@@ -29,6 +28,7 @@ from . import files
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save_atomic, server_path
 from .config import OptimConfig, RunConfig
+from .engines import engines, get_engine
 from .script import ScriptConfig
 from .sparsity import model_layout
 from .metrics import write_json
@@ -45,8 +45,10 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     With checkpoint.every and a run_dir, the shard saves its state to
     run_dir/checkpoint/server<shard>.pt; resume starts from that file.
     """
-    if cfg.engine not in MODES:
-        raise ValueError(f"engine {cfg.engine!r} has no servers; expected one of {', '.join(MODES)}")
+    spec = get_engine(cfg.engine)
+    if not spec.uses_servers:
+        served = [name for name, e in engines().items() if e.uses_servers]
+        raise ValueError(f"engine {cfg.engine!r} has no servers; expected one of {', '.join(served)}")
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     torch.set_num_threads(max(1, cfg.threads))
@@ -54,7 +56,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     path = server_path(run_dir, shard) if run_dir is not None else None
 
     def make(layout, values, optim: OptimConfig) -> ShardServer:
-        return ShardServer(shard, layout, values, optim.build, MODES[cfg.engine], cfg.workers,
+        return ShardServer(shard, layout, values, optim.build, spec.consistency, cfg.workers,
                            cfg.ps, trace=tracer.record if tracer.enabled else None,
                            reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
                            checkpoint_every=cfg.checkpoint.every if path else 0,

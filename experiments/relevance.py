@@ -8,22 +8,7 @@ expects it to. `unused` names each such setting and why, so that the CLI can say
 from __future__ import annotations
 
 from .config import RunConfig
-
-# Settings read only by some engines: (key or prefix ending in ".", engines that read it).
-READ_BY: list[tuple[str, tuple[str, ...]]] = [
-    ("allreduce.algorithm", ("allreduce",)),
-    ("allreduce.first_bucket_mb", ("allreduce",)),
-    ("allreduce.unused", ("allreduce",)),
-    ("allreduce.sparse", ("allreduce",)),
-    ("allreduce.", ("allreduce", "ddp")),
-    ("ps.staleness", ("ps-ssp",)),
-    ("ps.window_mb", ("ps-sync",)),
-    ("ps.exchange", ("ps-sync",)),
-    ("ps.async_scale", ("ps-async", "ps-ssp")),
-    ("ps.", ("ps-sync", "ps-async", "ps-ssp")),
-    ("servers", ("ps-sync", "ps-async", "ps-ssp")),
-    ("fault.delay_ms", ("allreduce", "ps-sync", "ps-async", "ps-ssp")),
-]
+from .engines import engines, matches
 
 
 def setting_key(assignment: str) -> str:
@@ -32,11 +17,12 @@ def setting_key(assignment: str) -> str:
 
 
 def readers(key: str) -> tuple[str, ...] | None:
-    """The engines that read `key`, or None if every engine does."""
-    for name, engines in READ_BY:
-        if key == name or (name.endswith(".") and key.startswith(name)):
-            return engines
-    return None
+    """The engines that read `key`, or None if every engine does (no engine lists it among
+    its engine-specific settings, EngineSpec.reads)."""
+    specs = engines().values()
+    if not any(matches(key, spec.reads) for spec in specs):
+        return None
+    return tuple(spec.name for spec in specs if spec.reads_setting(key))
 
 
 def unused(cfg: RunConfig, overrides=(), servers_given: bool = False) -> list[str]:
@@ -44,9 +30,9 @@ def unused(cfg: RunConfig, overrides=(), servers_given: bool = False) -> list[st
     keys = [setting_key(o) for o in overrides] + (["servers"] if servers_given else [])
     out = []
     for key in dict.fromkeys(keys):
-        engines = readers(key)
-        if engines is not None and cfg.engine not in engines:
-            out.append(f"{key} has no effect on --engine {cfg.engine}; only {', '.join(engines)} read it")
+        names = readers(key)
+        if names is not None and cfg.engine not in names:
+            out.append(f"{key} has no effect on --engine {cfg.engine}; only {', '.join(names)} read it")
     if cfg.fault.slow_rank >= cfg.workers:
         out.append(f"fault.slow_rank={cfg.fault.slow_rank} has no effect: there are {cfg.workers} "
                    f"workers, ranks 0..{cfg.workers - 1}")

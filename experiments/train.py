@@ -68,7 +68,7 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     torch.manual_seed(cfg.seed + 1 + env.rank + first)  # runtime randomness (dropout) differs by rank
 
     tracer = Tracer(run_dir, f"rank {env.rank}", cfg.trace)
-    engine = get_engine(cfg.engine).build(cfg, env, device, tracer.record if cfg.trace else None)
+    engine = get_engine(cfg.engine).make(cfg, env, device, tracer.record if cfg.trace else None)
     check_rendezvous_peers(cfg, env.rank)  # the parameter-server shards check at join instead
     module = engine.attach(model, checkpoints.optimizer_factory(cfg.optim.build))
     feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, device)

@@ -40,7 +40,8 @@ from .client import PeerTimeout, PSClient, PSError, PullResult
 from .config import PSConfig
 from .layout import ROW_MODULES, ParamSpec
 
-MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
+MODES = ("sync", "async", "ssp")
+"""The shards' consistency rules (ps.server)."""
 log = logging.getLogger("psar.ps.engine")
 
 
@@ -55,7 +56,7 @@ class PSEngine:
         initializer: for shards started without a model (a user's script): a callable
         (model, make_optimizer) -> (layout, {key: initial values}, optimizer settings) that
         worker 0 sends them (init) before anyone joins."""
-        if mode not in MODES.values():
+        if mode not in MODES:
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
             raise ValueError("the parameter-server engines need server addresses (--servers)")

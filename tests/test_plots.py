@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_hex
 
+from experiments.engines import all_labels, label_info
 from analysis import plots, style
 from analysis.results import Run, load_run
 
@@ -85,10 +86,10 @@ def test_a_label_has_one_colour_in_every_figure():
               _run("allreduce", {}, algorithm="ring"), _run("local", {})]
     a, b = style.colours(first), style.colours(second)
     assert a == {label: b[label] for label in a}
-    assert a["allreduce/ring"] == style.COLOURS["allreduce/ring"] == style.colour("allreduce/ring")
+    assert a["allreduce/ring"] == label_info("allreduce/ring")[1].colour == style.colour("allreduce/ring")
     assert a["my-engine"] in style.FALLBACK
-    known = set(style.COLOURS.values())
-    assert len(known) == len(style.COLOURS) and not known & set(style.FALLBACK)  # all differ
+    known = [style.colour(label) for label in all_labels()]
+    assert len(set(known)) == len(known) and not set(known) & set(style.FALLBACK)  # all differ
 
 
 def test_label_of_names_workers_and_shards():
@@ -145,7 +146,7 @@ def test_step_split_of_real_runs_fits_in_the_step(runs):
         if all("wait_s" in r for r in steady):  # measured by the engine: taken as is
             held = [min(r["wait_s"], r["comm_s"]) for r in steady]  # the part inside the step
             assert split["wait_s"] == pytest.approx(sum(held) / len(held))
-        elif run.engine not in plots.SYNCHRONOUS:
+        elif not run.spec.synchronous:
             assert split["wait_s"] == 0
 
 

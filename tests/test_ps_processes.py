@@ -14,7 +14,7 @@ import pytest
 
 from experiments import checkpoint
 from ps.config import PSConfig
-from ps.engine import MODES
+from experiments.engines import get_engine
 from conftest import started, wait_for_steps
 from experiments.launcher import free_port
 
@@ -90,7 +90,7 @@ def test_worker_whose_server_is_gone_names_it(tmp_path):
 def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
     extra = FAST_LIVENESS + ["--set", "checkpoint.every=50"]
     extra += ["--set", f"ps.on_worker_loss={policy}"] if policy else []
-    policy = policy or PSConfig().loss_policy(MODES[engine])
+    policy = policy or PSConfig().loss_policy(get_engine(engine).consistency)
     addresses, servers, workers = start_cluster(tmp_path, engine=engine, steps=500, shards=1, extra=extra)
     wait_for_steps(tmp_path / "run", 1, 20)
     workers[1].send_signal(signal.SIGKILL)

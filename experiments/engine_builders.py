@@ -1,0 +1,44 @@
+"""psar's own engines, built from a run's config: the `build` of each registry entry."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import RunConfig
+from .distenv import DistEnv
+from .engines import Engine, Trace, get_engine
+
+
+def local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
+    from .local_engine import LocalEngine
+
+    return LocalEngine(cfg.workers)
+
+
+def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
+    from allreduce.engine import AllReduceEngine
+
+    # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
+    return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
+                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables)
+
+
+def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
+    from allreduce.ddp import DDPEngine
+
+    if cfg.fault.delay_ms:
+        raise ValueError("fault.delay_ms cannot be applied to ddp: its messages are inside torch; "
+                         "use --engine allreduce to study a slow link")
+    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
+
+
+def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
+    from ps.engine import PSEngine
+
+    from .agreement import settings
+    from .script import ScriptConfig, shard_initializer
+
+    # fault.delay_ms is applied by the servers, which hold every reply back.
+    return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
+                    trace, settings=settings(cfg),
+                    initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
