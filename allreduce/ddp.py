@@ -31,8 +31,7 @@ class DDPEngine:
         with self._liveness.naming_lost_ranks():  # DDP broadcasts rank 0's state here
             self._ddp = DistributedDataParallel(
                 model, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
-                broadcast_buffers=True,
-            )
+            )  # buffers: rank 0's at every forward, DDP's default (torch 2.13 warns when it is named)
         wire = WIRE_DTYPES[self.config.compression]
         if wire is not None:  # the same wire compression as the allreduce engine
             self._ddp.register_comm_hook(self.world, _cast_hook(wire))
@@ -66,16 +65,30 @@ class DDPEngine:
 
 
 class _NamingLostRanks(torch.nn.Module):
-    """DDP broadcasts rank 0's buffers inside forward, a collective like the others: a rank
-    lost while it runs is named too, not reported as a raw connection error."""
+    """The module a script calls: forward goes through DDP, while parameters, buffers,
+    submodules and so state_dict are the model's own, with the model's keys ("fc.weight", as
+    under every other engine; DDP's own would be "module.fc.weight"). DDP broadcasts rank 0's
+    buffers inside forward, a collective like the others: a rank lost while it runs is named
+    too, not reported as a raw connection error."""
 
     def __init__(self, ddp: DistributedDataParallel, liveness: Liveness) -> None:
         super().__init__()
-        self.ddp, self._liveness = ddp, liveness
+        model = ddp.module
+        # The model's own tables, not copies: the same tensors, under the same names.
+        self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        object.__setattr__(self, "_ddp", ddp)  # not a submodule: its names would prefix the keys
+        object.__setattr__(self, "_model", model)
+        self._liveness = liveness
 
     def forward(self, *args, **kwargs):
         with self._liveness.naming_lost_ranks():
-            return self.ddp(*args, **kwargs)
+            return self._ddp(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "_NamingLostRanks":
+        self._model.train(mode)  # the model's own flag too: its forward may read self.training
+        self.training = mode
+        return self
 
 
 def _cast_hook(wire: torch.dtype):

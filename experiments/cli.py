@@ -126,6 +126,29 @@ def _refuse_finished(run_dir: Path, overwrite: bool) -> None:
                                    f"--out, or --overwrite to replace it")
 
 
+def _run_fields(cfg: RunConfig) -> dict:
+    """Every setting of cfg but the workload (a script's model, data and arguments)."""
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in ("experiment", "model", "data")}
+
+
+def _resumed_dir(cfg, resume_dir: Path, out: Path | None, overwrite: bool) -> Path:
+    """Where a resumed run goes on: in place, or as a copy in --out when given (a finished run
+    only so: resuming it in place would overwrite its results)."""
+    from .launcher import resumable_copy
+
+    if out is not None:  # results already there stay as they are; a copy goes on
+        _refuse_finished(out, overwrite)
+        return resumable_copy(cfg, resume_dir, out)
+    if (resume_dir / "summary.json").exists():
+        raise click.ClickException(
+            f"{resume_dir} has finished (it has a summary.json), and resuming it in place would "
+            f"overwrite its results: add --out NEW_DIR to go on from its last checkpoint there")
+    return resume_dir
+
+
 def _with_net(overrides, net) -> tuple[str, ...]:
     """--net RATE is net.rate, set before the --set options (net.latency_ms needs it)."""
     return ((f"net.rate={net}",) if net else ()) + tuple(overrides)
@@ -210,10 +233,15 @@ def list_cmd() -> None:
 @click.option("--trace", is_flag=True, default=None, help="Write a Chrome trace (trace.json).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override an engine setting, e.g. --set allreduce.algorithm=ring.")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="Continue the script's run in this directory from its last checkpoint "
+              "(--set checkpoint.every=K; the script starts its loop at job.start_step). A finished "
+              "run is continued only as a copy in --out.")
 @overwrite_option
 @net_option
 @_friendly
-def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net, overwrite) -> None:
+def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net, overwrite,
+           resume_dir) -> None:
     """Run your own training SCRIPT (with ARGS) on N workers with one engine, as torchrun
     would, plus the parameter-server shards; the script uses experiments.api (see the README,
     "Your own model"). Options come before SCRIPT; what follows it is the script's.
@@ -227,12 +255,25 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
     if not script.exists():
         raise click.UsageError(f"script {script} does not exist")
     overrides = _with_net(overrides, net)
-    cfg = script_config(str(script), script_args, overrides, engine=engine, workers=workers,
-                        servers=servers, device=device, trace=trace)
-    _warn_unused([cfg], overrides, servers is not None)
-    run_dir = out or Path("runs") / f"{script.stem}-{cfg.engine}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}"
-    _refuse_finished(run_dir, overwrite)
-    summary = launch_batch([(cfg, run_dir)], script=[str(script), *script_args])[0]
+    if resume_dir is not None:
+        from . import config as config_mod
+        from .config import resolve
+
+        if workers or servers or engine or device or net:
+            raise click.UsageError("--resume continues a run as it was configured: give only "
+                                   "--trace, --set or --out with it")
+        cfg = resolve(config_mod.load(resume_dir / "config.json"), overrides, trace=trace)
+        if cfg.experiment != script_config(str(script)).experiment:
+            raise click.UsageError(f"{resume_dir} is a run of {cfg.experiment}, not of script {script}")
+        cfg = script_config(str(script), script_args, (), **_run_fields(cfg))
+        run_dir = _resumed_dir(cfg, resume_dir, out, overwrite)
+    else:
+        cfg = script_config(str(script), script_args, overrides, engine=engine, workers=workers,
+                            servers=servers, device=device, trace=trace)
+        _warn_unused([cfg], overrides, servers is not None)
+        run_dir = out or Path("runs") / f"{script.stem}-{cfg.engine}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}"
+        _refuse_finished(run_dir, overwrite)
+    summary = launch_batch([(cfg, run_dir)], resume=resume_dir is not None, script=[str(script), *script_args])[0]
     click.echo(describe_summary(summary))
     click.echo(f"run directory: {run_dir}")
 
@@ -266,21 +307,11 @@ def run(experiment, workers, servers, out, resume_dir, overwrite, net, engine, s
     from .launcher import launch
 
     if resume_dir is not None:
-        from .launcher import resumable_copy
-
         if experiment or workers or servers or engine or seed is not None:
             raise click.UsageError("--resume continues a run as it was configured: give only "
                                    "--steps, --trace, --set or --out with it")
         cfg = resolve(config_mod.load(resume_dir / "config.json"), overrides, steps=steps, trace=trace)
-        if out is not None:  # results already there stay as they are; a copy goes on
-            _refuse_finished(out, overwrite)
-            run_dir = resumable_copy(cfg, resume_dir, out)
-        elif (resume_dir / "summary.json").exists():
-            raise click.ClickException(
-                f"{resume_dir} has finished (it has a summary.json), and resuming it in place would "
-                f"overwrite its results: add --out NEW_DIR to go on from its last checkpoint there")
-        else:
-            run_dir = resume_dir
+        run_dir = _resumed_dir(cfg, resume_dir, out, overwrite)
     else:
         if experiment is None:
             raise click.UsageError("missing EXPERIMENT (or --resume RUN_DIR)")

@@ -23,6 +23,8 @@ from .worker import SERVERS_FILE
 
 RUN_DIR_ENV = "PSAR_RUN_DIR"
 """A script's workers find their run directory (config.json, servers.json) here."""
+RESUME_ENV = "PSAR_RESUME"
+"""Set to 1 when a script's workers continue from their checkpoints (psar launch --resume)."""
 
 
 class LaunchError(RuntimeError):
@@ -57,10 +59,11 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     Every job must need the same processes: workers, and server shards for the ps engines.
     resume: continue each run from its checkpoints, in its own directory, on new ports.
     script: [SCRIPT, ARGS...] a user's training script each worker runs in place of psar's
-    loop (one job; the script finds the run directory in $PSAR_RUN_DIR, see experiments.api).
+    loop (one job; the script finds the run directory in $PSAR_RUN_DIR and whether it resumes
+    in $PSAR_RESUME, see experiments.api).
     """
-    if script is not None and (len(jobs) != 1 or resume):
-        raise ValueError("a script runs one job, from its start")
+    if script is not None and len(jobs) != 1:
+        raise ValueError("a script runs one job")
     shapes = {process_shape(cfg) for cfg, _ in jobs}
     if len(shapes) != 1:
         raise ValueError(f"jobs of one batch need the same processes, got {sorted(shapes)}")
@@ -85,6 +88,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         worker = [sys.executable, *script] if script else [sys.executable, "-m", "experiments.worker", *again, *dirs]
         if script:
             base[RUN_DIR_ENV] = dirs[0]
+            base[RESUME_ENV] = "1" if resume else "0"
         procs += [(f"rank {r}", sites.worker(r).wrap(worker),
                    _gloo_interface(dict(base, RANK=str(r), LOCAL_RANK=str(r)), sites.worker(r).ifname))
                   for r in range(nprocs)]

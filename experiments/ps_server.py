@@ -66,13 +66,11 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     curve = load_server_keys(cfg.ps.curve_dir) if cfg.ps.curve_dir else None
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s, curve=curve)
     try:
-        if isinstance(cfg.model, ScriptConfig):  # the script's worker 0 brings the model
-            if resume:
-                raise ValueError("--resume of a script run is not supported: its shards take the model "
-                                 "from worker 0 at the start")
+        if isinstance(cfg.model, ScriptConfig):  # the script's worker 0 brings the model (and a
             server = await_init(transport, shard, num_shards,
                                 lambda layout, values, optim: make(layout, values, OptimConfig(**optim)),
                                 cfg.ps.timeout_s, Limits(max_tensor_bytes=cfg.ps.max_message_bytes))
+            # resume then replaces what it brought with the checkpoint's, as for an experiment)
         else:
             server = make(*_from_experiment(cfg, shard, num_shards), cfg.optim)
         if resume:

@@ -41,10 +41,19 @@ def torchrun_ddp(args, tmp_path: Path) -> dict:
 
 
 def launched(engine: str, args, run_dir: Path, **extra) -> dict:
+    """The parameters the script saves, model.state_dict() of the module attach() returned;
+    they are the run's model.pt too, key for key."""
     script = EXAMPLES / "convnet_psar.py"
     cfg = script_config(str(script), args, engine=engine, workers=2, **extra)
-    launch_batch([(cfg, run_dir)], deadline_s=150, quiet=True, script=[str(script), *args])
-    return torch.load(run_dir / "model.pt", weights_only=True)
+    saved = run_dir / "script.pt"
+    os.environ["CONVNET_OUT"] = str(saved)
+    try:
+        launch_batch([(cfg, run_dir)], deadline_s=150, quiet=True, script=[str(script), *args])
+    finally:
+        del os.environ["CONVNET_OUT"]
+    state = torch.load(saved, weights_only=True)
+    assert max_param_diff(state, torch.load(run_dir / "model.pt", weights_only=True)) == 0
+    return state
 
 
 @pytest.mark.multiprocess
@@ -54,7 +63,9 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     unclipped = torchrun_ddp(SCHEDULED, tmp_path / "plain")
     assert max_param_diff(reference, unclipped) > 1e-4  # the clip acts: the runs differ
     for engine in ("allreduce", "ddp"):
-        assert max_param_diff(reference, launched(engine, CLIPPED, tmp_path / engine)) < 1e-10, engine
+        state = launched(engine, CLIPPED, tmp_path / engine)
+        assert list(state) == list(reference), engine  # torchrun's model.module.state_dict() keys
+        assert max_param_diff(reference, state) < 1e-10, engine
     # Sums add up either way: what no_sync saves is the first micro-batch's all-reduce.
     records = [json.loads(line) for line in (tmp_path / "allreduce" / "metrics" / "rank0.jsonl").open()]
     assert {r["bytes_sent"] for r in records} == {sum(t.numel() * 8 for t in reference.values())}
@@ -67,7 +78,7 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     assert "changed after backward pushed it" in str(err.value) and "job.clip_grad_norm_" in str(err.value)
     # ... and with job.clip_grad_norm_ the shards agree on the norm and clip as DDP does.
     clipped = launched("ps-sync", CLIPPED + ["--job-clip"], tmp_path / "ps-job-clip", servers=2)
-    assert max_param_diff(reference, clipped) < 1e-10
+    assert list(clipped) == list(reference) and max_param_diff(reference, clipped) < 1e-10
 
 
 @pytest.mark.long

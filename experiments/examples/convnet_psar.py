@@ -3,6 +3,7 @@
 script as convnet_ddp.py but for the lines marked "psar"."""
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,9 @@ def main() -> None:
     job.close()                                                        # psar
     if rank == 0:
         print(f"rank 0: {step} steps, last loss {loss.item():.4f}")
+        out = os.environ.get("CONVNET_OUT")
+        if out:
+            torch.save(model.state_dict(), out)                        # psar: the model's own keys
 
 
 if __name__ == "__main__":

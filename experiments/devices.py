@@ -1,0 +1,26 @@
+"""Where a worker computes: its device, and its share of the host's cores."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import RunConfig
+from .distenv import DistEnv
+
+
+def pick_device(cfg: RunConfig, env: DistEnv) -> torch.device:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def set_threads(cfg: RunConfig, env: DistEnv) -> None:
+    # Workers on one host share its cores; oversubscribing them slows every engine alike.
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world))
+    torch.set_num_threads(threads)

@@ -1,0 +1,218 @@
+"""One worker's run, from start to summary: the object a user's script gets from
+`experiments.api.init()`, and the one the named experiments' loop (experiments/train.py) is
+written on, so that both write the same run directory the same way.
+
+    job = Job(cfg, env, run_dir)              # threads, device, engine, checkpoints
+    module = job.attach(model, make_opt)      # agree on parameters (or restore them), hooks
+    for step in range(job.start_step, ...):   # 0, or the checkpoint's step under --resume
+        job.backward(loss(module(x), y))      # per micro-batch; communication inside
+        job.step()                            # update; metrics, TensorBoard, progress, checkpoint
+    job.close(evaluate)                       # rank 0: model.pt, eval, summary.json, trace
+
+The forward hooks attach() installs count the samples, time the forward for the trace, and
+stall a straggler (fault.slow_rank) before its step's first forward, so a script gets the
+injected faults too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import files
+from .agreement import check_rendezvous_peers
+from .board import RankBoard
+from .checkpoint import WorkerCheckpoints
+from .config import RunConfig
+from .distenv import DistEnv
+from .engines import get_engine
+from .metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config
+from .overrides import to_dict
+from .progress import Progress
+from .trace import Tracer
+from .trace import merge as merge_trace
+from .devices import pick_device, set_threads
+
+MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class Job:
+    """One worker of a run. Args:
+        cfg, env: the run's config and this process's place in it.
+        run_dir: where the run's files go.
+        resume: start from this rank's checkpoint in run_dir (model, optimizer, step).
+        steps: the steps the loop will run, for the progress bar (None: a script's, unknown).
+    """
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False,
+                 steps: int | None = None) -> None:
+        spec = get_engine(cfg.engine)
+        self.config, self.run_dir = cfg, Path(run_dir)
+        self.rank, self.world_size, self.local_rank = env.rank, env.world, env.local_rank
+        set_threads(cfg, env)
+        self.device = pick_device(cfg, env)
+        self._checkpoints = WorkerCheckpoints(self.run_dir, env.rank, cfg.checkpoint.every, resume)
+        self._tracer = Tracer(self.run_dir, f"rank {env.rank}", cfg.trace)
+        self._engine = spec.make(cfg, env, self.device, self._tracer.record if cfg.trace else None)
+        self._uses_servers = spec.uses_servers
+        self._progress = Progress(steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
+        self._state = "created"
+        self._model: torch.nn.Module | None = None
+        self._losses: list[torch.Tensor] = []
+        self._samples = 0
+        self._step = self.start_step
+        self._forward_at: float | None = None  # time.time() of the forward under way, for the trace
+        self._computing: float | None = None  # after this step's stall: its compute starts
+        self._last_compute = 0.0
+
+    @property
+    def engine(self) -> str:
+        return self.config.engine
+
+    @property
+    def start_step(self) -> int:
+        """The first step to run: 0, or the step the checkpoint was taken after (--resume)."""
+        return self._checkpoints.start_step
+
+    @property
+    def shards(self) -> list[int]:
+        """The data shards this process trains on each step: [rank], or every one (local)."""
+        return list(self._engine.shards)
+
+    def attach(self, model: torch.nn.Module, make_optimizer: MakeOptimizer) -> torch.nn.Module:
+        """Agree on the initial parameters (rank 0's, or the checkpoint's), install the engine's
+        hooks and build the optimizer; return the module to call forward on, whose state_dict
+        has the model's own keys under every engine. Once, before any backward."""
+        self._need("created", "attach")
+        check_rendezvous_peers(self.config, self.rank)
+        self._checkpoints.restore_model(model)
+        self._model = model
+        module = self._engine.attach(model, self._checkpoints.optimizer_factory(make_optimizer))
+        if self._uses_servers:  # the shards step; the script schedules this one
+            self._engine.schedule = make_optimizer([p for p in model.parameters() if p.requires_grad])
+            self._engine.allow_clip()
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
+        self._writer = MetricsWriter(self.run_dir, self.rank, keep_before=self.start_step)
+        self._board = RankBoard(self.run_dir, to_dict(self.config), self.rank) if self.config.tensorboard else None
+        self._state = "attached"
+        self._start = self._mark = time.perf_counter()
+        return module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer to hand a torch.optim.lr_scheduler: the engine's own on allreduce and
+        ddp; under the parameter servers one make_optimizer built here, never stepped, whose
+        learning rate each step's pushes carry to the shards."""
+        if self._state == "created":
+            raise RuntimeError("job.optimizer before attach(model, make_optimizer): there is none yet")
+        return getattr(self._engine, "schedule", None) or self._engine.optimizer
+
+    def no_sync(self):
+        """A context in which forward and backward only accumulate gradients, as DDP's
+        no_sync: the next job.backward outside it communicates their sum (every engine)."""
+        self._need("attached", "no_sync")
+        return self._engine.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm, between backward and step, as
+        torch.nn.utils.clip_grad_norm_ does under DDP; returns the norm before clipping. Under
+        ps-sync the shards hold each step's update, give the sums of squares of their parts
+        and update with the coefficient every worker sends (call it from the first step on);
+        ps-async and ps-ssp have no averaged gradient and refuse it."""
+        self._need("attached", "clip_grad_norm_")
+        if self._uses_servers:
+            return self._engine.clip_grad_norm_(max_norm, norm_type)
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def prefetch(self, row_ids) -> None:
+        """Where the engine can (the parameter servers), start fetching the embedding rows the
+        next batch reads ({table: ids}) while this step ends; otherwise nothing."""
+        prefetch = getattr(self._engine, "prefetch", None)
+        if prefetch is not None:
+            prefetch(row_ids)
+
+    def _before_forward(self, _module, args) -> None:
+        if self._computing is None:  # the step's first forward: a straggler stalls here
+            self.config.fault.stall(self.rank, self._last_compute)
+            self._computing = time.perf_counter()
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self._samples += first.shape[0] if first is not None and first.dim() else 0
+        self._forward_at = time.time()
+
+    def _after_forward(self, _module, _args, _output) -> None:
+        if self._forward_at is not None:
+            self._tracer.record("forward", self._forward_at, time.time(), step=self._step)
+            self._forward_at = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with the engine's communication started inside it."""
+        self._need("attached", "backward")
+        with self._tracer.span("backward", step=self._step):
+            self._engine.backward(loss)
+        self._losses.append(loss.detach())
+
+    def step(self, samples: int | None = None) -> dict:
+        """Finish this step's communication and update the parameters (the optimizer runs here
+        or on the shards); record the step (metrics, TensorBoard, progress) and checkpoint it
+        every checkpoint.every steps. samples: the step's examples (default: the first tensor
+        argument's length, summed over this step's forwards). Returns its metrics."""
+        self._need("attached", "step")
+        if not self._losses:
+            raise RuntimeError("step() before backward(loss): there is no gradient to apply")
+        computed = time.perf_counter()
+        with self._tracer.span("step", step=self._step):
+            stats = self._engine.step()
+        done = time.perf_counter()
+        loss = torch.stack([l.double() for l in self._losses]).mean().item()
+        record = step_record(self._step, self._start, self._mark, computed, done, loss,
+                             self._samples if samples is None else samples, stats)
+        self._writer.write(record)
+        if self._board is not None:
+            self._board.step(record)
+        self._step += 1
+        self._progress.update(self._step, loss)
+        self._checkpoints.after_step(self._step, self._model)
+        self._last_compute = computed - (self._computing if self._computing is not None else self._mark)
+        self._losses, self._samples, self._computing = [], 0, None
+        self._mark = time.perf_counter()
+        return record
+
+    def close(self, evaluate: Callable[[torch.nn.Module], dict] | None = None) -> dict | None:
+        """Leave the job once every worker is done; rank 0 then holds the final parameters,
+        writes model.pt, runs evaluate(model) (its dict is the summary's "eval") and writes
+        summary.json, which it returns."""
+        self._need("attached", "close")
+        self._state = "closed"
+        wall_s = time.perf_counter() - self._start
+        self._writer.close()
+        self._engine.close()
+        self._tracer.save()
+        if self.rank != 0:
+            if self._board is not None:
+                self._board.close()
+            return None
+        model, cfg = self._model, self.config
+        files.save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
+        eval_metrics = evaluate(model) if evaluate is not None else {}
+        summary = summarize(self.run_dir, summary_config(cfg), eval_metrics, wall_s, param_sha256(model),
+                            first_step=self.start_step)
+        summary.update(self._engine.report())
+        files.write_json(self.run_dir / "summary.json", summary)
+        if self._board is not None:
+            self._board.close(summary, to_dict(cfg))
+        if cfg.trace:
+            merge_trace(self.run_dir)  # what this host sees; the launcher merges again with the shards'
+        return summary
+
+    def _need(self, state: str, call: str) -> None:
+        if self._state == state:
+            return
+        order = {"created": "call attach(model, make_optimizer) first",
+                 "attached": "attach() was already called; it is called once",
+                 "closed": "the job is closed"}
+        raise RuntimeError(f"{call}() now: {order[self._state]}")
