@@ -17,7 +17,7 @@
 (torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and names the
 run directory; so do `torchrun` (allreduce, ddp) and Slurm (SLURM_PROCID, SLURM_NTASKS,
 SLURM_LOCALID, the first host of SLURM_JOB_NODELIST), with the engine given to init().
-The job is the one the named experiments' loop runs on (experiments/job.py), so a script's
+The job is the one the named experiments' loop runs on (experiments/harness/job.py), so a script's
 run directory is what theirs is (metrics/rank<r>.jsonl, summary.json, model.pt; trace.json
 with --trace, TensorBoard files with --set tensorboard=true), and `psar plot`, `psar table`
 and `psar model` read it unchanged. `job.close(evaluate)` puts evaluate(model)'s dict in
@@ -47,15 +47,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from . import config as config_mod
-from . import files
-from .config import RunConfig
-from .distenv import DistEnv
-from .engines import engines, get_engine
-from .job import Job
-from .launcher import RESUME_ENV, RUN_DIR_ENV
-from .script import script_config
-from .worker import SERVERS_FILE
+from experiments.settings import config as config_mod
+from experiments.rundir import files
+from experiments.settings.config import RunConfig
+from experiments.harness.distenv import DistEnv
+from experiments.harness.engines import engines, get_engine
+from experiments.harness.job import Job
+from experiments.runtime.launcher import RESUME_ENV, RUN_DIR_ENV
+from experiments.settings.script import script_config
+from experiments.runtime.worker import SERVERS_FILE
 
 __all__ = ["Job", "init", "script_config"]
 

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import click
 
-from . import presets
-from .config import RunConfig
-from .engines import EngineSpec
-from .engines import engines as registered
+from experiments.settings import presets
+from experiments.settings.config import RunConfig
+from experiments.harness.engines import EngineSpec
+from experiments.harness.engines import engines as registered
 
 ENGINES = registered()
 """The registry itself (a live view: an engine registered later shows up)."""
-from .overrides import OverrideError
-from .comparisons import COMPARISONS
-from .presets import build_config
+from experiments.settings.overrides import OverrideError
+from experiments.comparisons.grids import COMPARISONS
+from experiments.settings.presets import build_config
 
 
 
@@ -137,7 +137,7 @@ def _run_fields(cfg: RunConfig) -> dict:
 def _resumed_dir(cfg, resume_dir: Path, out: Path | None, overwrite: bool) -> Path:
     """Where a resumed run goes on: in place, or as a copy in --out when given (a finished run
     only so: resuming it in place would overwrite its results)."""
-    from .launcher import resumable_copy
+    from experiments.runtime.launcher import resumable_copy
 
     if out is not None:  # results already there stay as they are; a copy goes on
         _refuse_finished(out, overwrite)
@@ -158,7 +158,7 @@ def _with_board(overrides, tensorboard) -> tuple[str, ...]:
     """--tensorboard is tensorboard=true, refused at once where the package is missing."""
     if not tensorboard:
         return tuple(overrides)
-    from .board import available
+    from experiments.rundir.tensorboard_log import available
 
     missing = available()
     if missing:
@@ -173,7 +173,7 @@ def _with_curve(overrides, curve) -> tuple[str, ...]:
 
 def _warn_unused(cfgs: list[RunConfig], overrides, servers_given: bool) -> None:
     """Say which settings given on the command line no run of cfgs reads."""
-    from .relevance import unused
+    from experiments.settings.readers import unused
 
     lines = [unused(cfg, overrides, servers_given) for cfg in cfgs]
     for line in lines[0] if lines else []:
@@ -249,15 +249,15 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
     \b
         psar launch --engine ps-sync --workers 2 --servers 2 --out runs/mine train.py --epochs 1
     """
-    from .launcher import launch_batch
-    from .script import script_config
+    from experiments.runtime.launcher import launch_batch
+    from experiments.settings.script import script_config
 
     if not script.exists():
         raise click.UsageError(f"script {script} does not exist")
     overrides = _with_net(overrides, net)
     if resume_dir is not None:
-        from . import config as config_mod
-        from .config import resolve
+        from experiments.settings import config as config_mod
+        from experiments.settings.config import resolve
 
         if workers or servers or engine or device or net:
             raise click.UsageError("--resume continues a run as it was configured: give only "
@@ -302,9 +302,9 @@ def run(experiment, workers, servers, out, resume_dir, overwrite, net, engine, s
         psar run --resume runs/cnn-ps --steps 100 --out runs/cnn-ps-100
     """
     overrides = _with_net(_with_board(_with_curve(overrides, curve), tensorboard), net)
-    from . import config as config_mod
-    from .config import resolve
-    from .launcher import launch
+    from experiments.settings import config as config_mod
+    from experiments.settings.config import resolve
+    from experiments.runtime.launcher import launch
 
     if resume_dir is not None:
         if experiment or workers or servers or engine or seed is not None:
@@ -350,9 +350,9 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
         psar worker cnn --engine ps-sync --servers tcp://srv0:5555 --rank 0 --world 2 --out runs/y
     """
     overrides = _with_board(_with_curve(overrides, curve), tensorboard)
-    from .distenv import DistEnv
-    from .train import prepare_run_dir
-    from .worker import run_worker
+    from experiments.harness.distenv import DistEnv
+    from experiments.harness.loop import prepare_run_dir
+    from experiments.runtime.worker import run_worker
 
     env = DistEnv.from_environ(rank, world, addresses)
     cfg = build_config(experiment, overrides, engine=engine, workers=env.world,
@@ -370,7 +370,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
     if code:
         raise SystemExit(code)
     if env.rank == 0:  # rank 0 wrote the summary
-        from . import files
+        from experiments.rundir import files
 
         click.echo(describe_summary(files.read_json(out / "summary.json", timeout_s=0)))
     else:
@@ -388,7 +388,7 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
 def bench(steps, rounds, workers, out) -> None:
     """Measure all-reduce busbw (ring vs library), parameter-server push+pull bandwidth against
     a plain ZeroMQ round trip, and mlp-wide samples/s of every engine against ddp."""
-    from . import bench as bench_mod
+    from experiments.bench import suite as bench_mod
 
     bench_mod.run(click.echo, steps=steps, rounds=rounds, workers=workers, out=out)
 
@@ -445,7 +445,7 @@ def server(bind, experiment, script, workers, shard, out, resume, engine, steps,
         psar server --bind tcp://0.0.0.0:5555 --script train.py --workers 2 --out runs/mine
     """
     overrides = _with_board(_with_curve(overrides, curve), tensorboard)
-    from .ps_server import serve_shard
+    from experiments.runtime.shard import serve_shard
 
     try:
         index, count = (int(x) for x in shard.split("/"))
@@ -455,7 +455,7 @@ def server(bind, experiment, script, workers, shard, out, resume, engine, steps,
     if (experiment is None) == (script is None):
         raise click.UsageError("give --experiment (a named experiment) or --script (your own), one of them")
     if script:
-        from .script import script_config
+        from experiments.settings.script import script_config
 
         cfg = script_config(script, (), overrides, engine=engine, workers=workers, servers=count, seed=seed,
                             device=device, trace=trace)
@@ -523,7 +523,7 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
     from analysis.results import load_runs
     from analysis.table import failed_rows, markdown, rows, write
 
-    from .compare import run_grid, variants_of
+    from experiments.comparisons.runner import run_grid, variants_of
 
     grid = COMPARISONS.get(name)
     experiment = grid.experiment if grid else name
@@ -552,7 +552,7 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
         variants = variants_of(engines, server_counts or list(grid.servers if grid else (1,)))
     net = net or (grid.net if grid else None)
     overrides = _with_net((grid.overrides if grid else ()) + tuple(overrides), net)
-    from .relevance import setting_key
+    from experiments.settings.readers import setting_key
 
     if not any(setting_key(o) == "threads" for o in overrides):
         # Every cell's workers get the threads the largest cell's have: a 1-worker run on all
@@ -643,7 +643,7 @@ def tensorboard_cmd(run_dirs) -> None:
     on their parent shows them side by side."""
     from analysis.results import expand
 
-    from .board import available, convert
+    from experiments.rundir.tensorboard_log import available, convert
 
     missing = available()
     if missing:

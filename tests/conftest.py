@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.presets import build_config
-from experiments.launcher import launch, launch_batch, process_shape
+from experiments.settings.presets import build_config
+from experiments.runtime.launcher import launch, launch_batch, process_shape
 
 RUN_DEADLINE_S = 180
 

@@ -7,7 +7,7 @@ import os
 import traceback
 from datetime import timedelta
 
-from experiments.sites import free_port
+from experiments.runtime.sites import free_port
 
 
 def _entry(fn, rank, world, port, args, queue, group):

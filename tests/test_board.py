@@ -9,7 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from experiments import board
+from experiments.rundir import tensorboard_log as board
 from experiments.cli import main
 
 pytestmark = [pytest.mark.timeout(300)]

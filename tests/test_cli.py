@@ -15,8 +15,8 @@ import torch
 from click.testing import CliRunner
 
 from experiments.cli import describe_summary, main
-from experiments.launcher import free_port
-from experiments.presets import PRESETS, build_config
+from experiments.runtime.launcher import free_port
+from experiments.settings.presets import PRESETS, build_config
 
 RECORD_FIELDS = {"step", "time", "loss", "samples", "compute_s", "comm_s", "bytes_sent", "bytes_recv"}
 SUMMARY_FIELDS = {"experiment", "engine", "workers", "steps", "seed", "final_loss", "eval",
@@ -199,7 +199,7 @@ def test_run_line_says_why_a_figure_is_missing():
 
 
 def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
-    import experiments.compare
+    import experiments.comparisons.runner
 
     seen = {}
 
@@ -208,7 +208,7 @@ def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
                     overrides=overrides)
         return [], []
 
-    monkeypatch.setattr(experiments.compare, "run_grid", grid)
+    monkeypatch.setattr(experiments.comparisons.runner, "run_grid", grid)
     result = invoke("compare", "straggler", "--steps", 15, "--engines", "ps-async", "--out", tmp_path)
     assert result.exit_code == 0, result.output
     assert seen["steps"] == 15 and seen["engines"] == ["ps-async"] and seen["experiment"] == "cnn"
@@ -224,7 +224,7 @@ def test_flags_win_over_a_named_comparison(monkeypatch, tmp_path):
 
 
 def test_compare_takes_a_script_with_its_arguments(monkeypatch, tmp_path):
-    import experiments.compare
+    import experiments.comparisons.runner
 
     seen = {}
 
@@ -232,7 +232,7 @@ def test_compare_takes_a_script_with_its_arguments(monkeypatch, tmp_path):
         seen.update(engines=[v.engine for v in variants], script=script)
         return [], []
 
-    monkeypatch.setattr(experiments.compare, "run_grid", grid)
+    monkeypatch.setattr(experiments.comparisons.runner, "run_grid", grid)
     script = tmp_path / "train.py"
     script.write_text("")
     result = invoke("compare", script, "--args", "--epochs 1 --lr '0.5'", "--out", tmp_path / "out")

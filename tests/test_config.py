@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from experiments import config as config_mod
-from experiments.presets import build_config
-from experiments.overrides import OverrideError, apply_overrides
-from experiments.presets import PRESETS, get_preset
+from experiments.settings import config as config_mod
+from experiments.settings.presets import build_config
+from experiments.settings.overrides import OverrideError, apply_overrides
+from experiments.settings.presets import PRESETS, get_preset
 
 
 def test_override_nested_keys_and_types():
@@ -87,7 +87,7 @@ def _records(walls, samples=32):
     ({0: _records([0.5 * k for k in range(1, 13)]), 1: _records([2, 4, 6, 8])}, (8 + 2) * 32 / 4.0),
 ])
 def test_throughput_counts_steps_while_every_rank_trains(per_rank, expected):
-    from experiments.metrics import throughput
+    from experiments.rundir.metrics import throughput
 
     assert throughput(per_rank) == pytest.approx(expected)
 
@@ -103,14 +103,14 @@ def test_throughput_counts_steps_while_every_rank_trains(per_rank, expected):
     ("allreduce", ["fault.slow_rank=1"], 2, ["fault.slow_rank=1 has no effect with fault.slow_factor=1"]),
 ])
 def test_settings_the_engine_never_reads_are_named(engine, overrides, workers, expected):
-    from experiments.relevance import unused
+    from experiments.settings.readers import unused
 
     lines = unused(build_config("quickstart", overrides, engine=engine, workers=workers), overrides)
     assert len(lines) == len(expected) and all(e in line for e, line in zip(expected, lines)), lines
 
 
 def test_servers_with_an_engine_without_servers_is_named():
-    from experiments.relevance import unused
+    from experiments.settings.readers import unused
 
     assert unused(build_config("quickstart", engine="allreduce", servers=2), servers_given=True) == [
         "servers has no effect on --engine allreduce; only ps-sync, ps-async, ps-ssp read it"]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from experiments.data import (
+from experiments.workloads.data import (
     VOCAB,
     VOCAB_SIZE,
     BatchFeeder,

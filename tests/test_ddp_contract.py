@@ -19,8 +19,8 @@ import torch
 from conftest import max_param_diff, started
 
 from experiments.api import script_config
-from experiments.launcher import LaunchError, launch_batch
-from experiments.sites import free_port
+from experiments.runtime.launcher import LaunchError, launch_batch
+from experiments.runtime.sites import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "experiments" / "examples"

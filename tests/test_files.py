@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from experiments import files
-from experiments.metrics import MetricsWriter, read_metrics
+from experiments.rundir import files
+from experiments.rundir.metrics import MetricsWriter, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 WRITER = """
 import sys
-from experiments import files
+from experiments.rundir import files
 path, tag = sys.argv[1], sys.argv[2]
 for i in range(300):
     files.write_json(path, {"writer": tag, "i": i, "pad": "x" * 20000})

@@ -19,8 +19,8 @@ from conftest import max_param_diff, started
 
 from experiments.api import script_config
 from experiments.cli import main
-from experiments.launcher import LaunchError, launch_batch
-from experiments.sites import ephemeral_range, free_port
+from experiments.runtime.launcher import LaunchError, launch_batch
+from experiments.runtime.sites import ephemeral_range, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "examples" / "convnet_psar.py"
@@ -119,7 +119,7 @@ def test_a_script_failing_under_ps_sync_is_reported_in_seconds_with_what_it_prin
     """Rank 0's prints reach the terminal; the failure is reported within the launcher's
     grace after it happens (the other worker and the shard wait on it); the shard's log says
     why it was stopped, above its stacks."""
-    from experiments.launcher import FAILURE_GRACE_S, STACK_DUMP_S
+    from experiments.runtime.launcher import FAILURE_GRACE_S, STACK_DUMP_S
 
     stamp = tmp_path / "failed_at"
     script = tmp_path / "fails.py"
@@ -200,7 +200,7 @@ def test_bad_command_lines_get_one_line_errors(argv, message):
 @pytest.mark.parametrize("nodelist,host", [("node07", "node07"), ("gpu[03-05,09],cpu1", "gpu03"),
                                            ("n[1-4]", "n1"), ("rack2-[10,12]-ib,x9", "rack2-10-ib")])
 def test_slurm_rendezvous_is_the_first_host_of_the_job(monkeypatch, nodelist, host):
-    from experiments.distenv import SLURM_PORT, DistEnv
+    from experiments.harness.distenv import SLURM_PORT, DistEnv
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -239,7 +239,7 @@ def test_psar_server_and_workers_started_by_hand_match_launch(launched, tmp_path
 def test_a_process_held_when_its_job_fails_writes_its_stacks_before_it_is_killed(tmp_path):
     """One process fails; the other, held in a sleep, is killed after the grace period, and
     first writes where each of its threads stands to its log (SIGUSR1, faulthandler)."""
-    from experiments import launcher
+    from experiments.runtime import launcher
 
     held = ("import faulthandler, signal, time\n"
             "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"

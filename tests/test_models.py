@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from experiments.data import VOCAB_SIZE, BatchFeeder, CharCorpusConfig, DigitsConfig, SparseConfig
-from experiments.models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
-from experiments.tasks import get_task
+from experiments.workloads.data import VOCAB_SIZE, BatchFeeder, CharCorpusConfig, DigitsConfig, SparseConfig
+from experiments.workloads.models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
+from experiments.workloads.tasks import get_task
 
 
 def _images(side):
@@ -163,7 +163,7 @@ def test_get_task_unknown_names_known():
 
 
 def test_dlrm_reads_dense_features_and_one_id_per_table():
-    from experiments.models import DLRMConfig
+    from experiments.workloads.models import DLRMConfig
 
     cfg = DLRMConfig(dense=5, tables=(50, 70, 90), dim=8, bottom=(16,), top=(16,))
     model = cfg.build()
@@ -182,8 +182,8 @@ def test_dlrm_reads_dense_features_and_one_id_per_table():
 
 
 def test_click_data_is_skewed_and_learnable_and_auc_is_mann_whitney():
-    from experiments.data import ClickConfig
-    from experiments.tasks import auc
+    from experiments.workloads.data import ClickConfig
+    from experiments.workloads.tasks import auc
 
     data = ClickConfig(samples=20_000, dense=3, tables=(1000, 1000), zipf=1.1).build(0)
     ids = data.train[1][:, 0]
@@ -196,8 +196,8 @@ def test_click_data_is_skewed_and_learnable_and_auc_is_mann_whitney():
 
 
 def test_dlrm_model_and_data_must_agree():
-    from experiments.overrides import OverrideError
-    from experiments.presets import build_config
+    from experiments.settings.overrides import OverrideError
+    from experiments.settings.presets import build_config
 
     with pytest.raises(OverrideError, match="model.tables=.*but data.tables="):
         build_config("dlrm", ["model.tables=[10,10]"])

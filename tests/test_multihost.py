@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import max_param_diff
-from experiments.network import Network, NetworkError, unavailable
+from experiments.runtime.netns import Network, NetworkError, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

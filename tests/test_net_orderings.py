@@ -14,9 +14,9 @@ import pytest
 
 from analysis.costmodel import measured_step
 from analysis.results import load_run
-from experiments import network
-from experiments.launcher import launch
-from experiments.presets import build_config
+from experiments.runtime import netns as network
+from experiments.runtime.launcher import launch
+from experiments.settings.presets import build_config
 
 REASON = network.unavailable()
 pytestmark = [pytest.mark.long, pytest.mark.multiprocess, pytest.mark.timeout(900),

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from experiments import network
-from experiments.network import Network, parse_rate
+from experiments.runtime import netns as network
+from experiments.runtime.netns import Network, parse_rate
 
 REASON = network.unavailable()
 F64 = ("dtype=float64", "threads=1")
@@ -158,7 +158,7 @@ def test_nothing_is_left_and_a_killed_runs_leftovers_are_cleaned():
         assert set(names) <= set(network._namespaces())
     assert not set(names) & set(network._namespaces())
     # A run killed with SIGKILL cannot clean up; the next one removes what it left.
-    code = ("from experiments.network import Network\nimport time,sys\n"
+    code = ("from experiments.runtime.netns import Network\nimport time,sys\n"
             "n = Network(('x',), rate='10mbit').up()\nprint(n.prefix, flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,7 +175,7 @@ def test_nothing_is_left_and_a_killed_runs_leftovers_are_cleaned():
 @needs_netns
 @pytest.mark.timeout(60)
 def test_sigterm_removes_the_network():
-    code = ("from experiments.network import Network\nimport time\n"
+    code = ("from experiments.runtime.netns import Network\nimport time\n"
             "with Network(('x', 'y'), rate='10mbit') as n:\n"
             "    print(n.prefix, flush=True)\n    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -216,8 +216,8 @@ def test_shaped_runs_compute_what_loopback_computes(tmp_path, pool):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_failed_shaped_run_leaves_no_host_behind(tmp_path):
-    from experiments.launcher import LaunchError, launch
-    from experiments.presets import build_config
+    from experiments.runtime.launcher import LaunchError, launch
+    from experiments.settings.presets import build_config
 
     cfg = build_config("quickstart", ["net.rate=100mbit", "batch_size=100000"], engine="allreduce", steps=2)
     with pytest.raises(LaunchError, match="rank [01]"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for_steps
-from experiments.launcher import free_port
+from experiments.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 

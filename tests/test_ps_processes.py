@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from experiments import checkpoint
+from experiments.rundir import checkpoint
 from ps.config import PSConfig
-from experiments.engines import get_engine
+from experiments.harness.engines import get_engine
 from conftest import started, wait_for_steps
-from experiments.launcher import free_port
+from experiments.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 

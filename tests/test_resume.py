@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import max_param_diff
-from experiments import checkpoint
-from experiments.launcher import launch
-from experiments.presets import build_config
+from experiments.rundir import checkpoint
+from experiments.runtime.launcher import launch
+from experiments.settings.presets import build_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""A user's script gets the run lifecycle of the named experiments (experiments/job.py):
+"""A user's script gets the run lifecycle of the named experiments (experiments/harness/job.py):
 checkpoints every checkpoint.every steps and `psar launch --resume`, from which the script's
 loop starts at job.start_step and ends with the parameters (float64) of a run that never
 stopped, every step recorded once; job.close(evaluate) puts the script's metrics in
@@ -16,8 +16,10 @@ import torch
 from click.testing import CliRunner
 from conftest import max_param_diff
 
-from experiments import board, config
-from experiments.script import script_config
+from experiments.rundir import tensorboard_log as board
+
+from experiments.settings import config
+from experiments.settings.script import script_config
 from experiments.cli import main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

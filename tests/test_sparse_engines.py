@@ -17,7 +17,7 @@ from conftest import max_param_diff, max_rel_diff, run_jobs
 from spawn import run_ranks
 
 from allreduce.sparse import SparseAllGather, merge_rows
-from experiments.presets import build_config
+from experiments.settings.presets import build_config
 
 ROWS, DIM, BATCH, WORLD = 512, 16, 32, 2
 SMALL = (f"model.tables=[{ROWS},{ROWS}]", f"data.tables=[{ROWS},{ROWS}]", "data.samples=4000")

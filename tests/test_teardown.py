@@ -16,7 +16,7 @@ import torch
 from spawn import run_ranks
 
 from allreduce.backward_state import KEY, SUPPORTED, BackwardStates, held_elsewhere
-from experiments.sites import free_port
+from experiments.runtime.sites import free_port
 
 needs_tls = pytest.mark.skipif(not SUPPORTED,
                                reason="this torch keeps no Python object in thread-local state during backward")

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from experiments import api as psar
-from experiments.data import CharCorpusConfig
-from experiments.models import GPTConfig
+from experiments.workloads.data import CharCorpusConfig
+from experiments.workloads.models import GPTConfig
 
 
 def test_loss(model: torch.nn.Module, corpus, device: torch.device) -> dict:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .config import RunConfig
-from .engines import engines, get_engine, matches
-from .overrides import to_dict
+from experiments.settings.config import RunConfig
+from experiments.harness.engines import engines, get_engine, matches
+from experiments.settings.overrides import to_dict
 
 LOCAL = ("threads", "trace", "tensorboard", "timeout_s", "eval_batch_size", "device", "checkpoint.", "net.")
 """Settings of every engine that each process may choose for itself (keys, or prefixes ending
@@ -44,7 +44,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def settings(cfg: RunConfig, for_server: bool = False) -> dict[str, Any]:
     """{dotted key: scalar} of what must agree across the run (a shard's: what it uses): every
     setting but the local ones and those of other engines that cfg's engine does not read."""
-    from .script import ScriptConfig
+    from experiments.settings.script import ScriptConfig
 
     flat = _flatten(to_dict(cfg))
     spec = get_engine(cfg.engine)

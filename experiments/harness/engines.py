@@ -92,7 +92,7 @@ class EngineSpec:
     """Settings under `reads`' prefixes that it does not read."""
     own: tuple[str, ...] = ()
     """Settings among those it reads that each process may choose for itself; the others
-    every process of a run must agree on (experiments.agreement)."""
+    every process of a run must agree on (experiments.settings.agreement)."""
     row_sparse: Callable[[Any, str | None], tuple[str, bool]] | None = None
     """(cfg, why the optimizer cannot update rows sparsely or None) -> (the setting that asks
     for row-sparse tables, whether cfg moves them row-sparse); None: always dense."""
@@ -211,26 +211,26 @@ _PS_READS = ("ps.", "servers", "fault.delay_ms")
 
 for _spec in [
     EngineSpec("local", "one process accumulates every shard's gradient: the reference",
-               "experiments.engine_builders:local", "local", "#7f7f7f",  # grey: the numerical reference
+               "experiments.harness.builders:local", "local", "#7f7f7f",  # grey: the numerical reference
                processes_per_worker=False),
-    EngineSpec("ddp", "torch DistributedDataParallel", "experiments.engine_builders:ddp", "ring", "#8c564b",
+    EngineSpec("ddp", "torch DistributedDataParallel", "experiments.harness.builders:ddp", "ring", "#8c564b",
                comm_in_backward=True, reads=("allreduce.bucket_cap_mb", "allreduce.compression")),
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
-               "experiments.engine_builders:allreduce", "ring", "#1f77b4",
+               "experiments.harness.builders:allreduce", "ring", "#1f77b4",
                reads=("allreduce.", "fault.delay_ms"), row_sparse=_allreduce_rows, label_of=_allreduce_label,
                variants=(Label("allreduce/library", "#1f77b4", "library"),          # blue
                          Label("allreduce/ring", "#17becf", "ring"),                # cyan
                          Label("allreduce/library+allgather", "#9467bd", "library", gathers_rows=True),
                          Label("allreduce/ring+allgather", "#c5b0d5", "ring", gathers_rows=True))),
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
-               "experiments.engine_builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
+               "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
                reads=_PS_READS, skips=("ps.staleness", "ps.async_scale"), own=_PS_OWN, row_sparse=_ps_rows),
     EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
-               "experiments.engine_builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
+               "experiments.harness.builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
                synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange"),
                own=_PS_OWN, row_sparse=_ps_rows),
     EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
-               "experiments.engine_builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
+               "experiments.harness.builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
                synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange"), own=_PS_OWN,
                row_sparse=_ps_rows),
 ]:

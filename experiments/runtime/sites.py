@@ -10,8 +10,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import RunConfig
-from .network import NetConfig, Network, clean_stale, has_netem, parse_rate, unavailable
+from experiments.settings.config import RunConfig
+from experiments.runtime.netns import NetConfig, Network, clean_stale, has_netem, parse_rate, unavailable
 
 MASTER_PORT = 29500  # an emulated host is a new namespace: its ports are all free
 SERVER_PORT = 5555

@@ -1,4 +1,4 @@
-"""One parameter-server shard for a run: `python -m experiments.ps_server SHARD RUN_DIR [RUN_DIR ...]`.
+"""One parameter-server shard for a run: `python -m experiments.runtime.shard SHARD RUN_DIR [RUN_DIR ...]`.
 
 The shard builds the experiment's model from the same seed as the workers, so every process
 derives the same layout and initial values without any being sent; it then serves until
@@ -22,20 +22,20 @@ from ps.protocol import Limits
 from ps.server import ShardServer, await_init
 from ps.transport import ServerTransport
 
-from . import agreement
-from . import config as config_mod
-from . import files
-from .checkpoint import load as load_checkpoint
-from .checkpoint import save_atomic, server_path
-from .config import OptimConfig, RunConfig
-from .engines import engines, get_engine
-from .script import ScriptConfig
-from .sparsity import model_layout
-from .metrics import write_json
-from .board import ShardBoard
-from .overrides import to_dict
-from .trace import Tracer
-from .worker import SERVERS_FILE
+from experiments.settings import agreement
+from experiments.settings import config as config_mod
+from experiments.rundir import files
+from experiments.rundir.checkpoint import load as load_checkpoint
+from experiments.rundir.checkpoint import save_atomic, server_path
+from experiments.settings.config import OptimConfig, RunConfig
+from experiments.harness.engines import engines, get_engine
+from experiments.settings.script import ScriptConfig
+from experiments.workloads.sparsity import model_layout
+from experiments.rundir.metrics import write_json
+from experiments.rundir.tensorboard_log import ShardBoard
+from experiments.settings.overrides import to_dict
+from experiments.rundir.trace import Tracer
+from experiments.runtime.worker import SERVERS_FILE
 
 
 def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
@@ -112,7 +112,7 @@ def _from_experiment(cfg: RunConfig, shard: int, num_shards: int):
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m experiments.ps_server [--resume] SHARD RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        print("usage: python -m experiments.runtime.shard [--resume] SHARD RUN_DIR [RUN_DIR ...]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     resume = "--resume" in argv
@@ -131,5 +131,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # see experiments.worker.main
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # see experiments.runtime.worker.main
     sys.exit(main(sys.argv[1:]))

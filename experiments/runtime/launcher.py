@@ -12,14 +12,14 @@ import threading
 import time
 from pathlib import Path
 
-from . import files
-from .checkpoint import CHECKPOINT_DIR, server_path, worker_path
-from .config import RunConfig
-from .engines import get_engine
-from .sites import free_port, sites_for
-from .trace import merge as merge_trace
-from .train import prepare_run_dir
-from .worker import SERVERS_FILE
+from experiments.rundir import files
+from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
+from experiments.settings.config import RunConfig
+from experiments.harness.engines import get_engine
+from experiments.runtime.sites import free_port, sites_for
+from experiments.rundir.trace import merge as merge_trace
+from experiments.harness.loop import prepare_run_dir
+from experiments.runtime.worker import SERVERS_FILE
 
 RUN_DIR_ENV = "PSAR_RUN_DIR"
 """A script's workers find their run directory (config.json, servers.json) here."""
@@ -82,10 +82,10 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
                     MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(sites.master_port()),
                     PYTHONUNBUFFERED="1")
         again = ["--resume"] if resume else []
-        procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.ps_server",
+        procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.runtime.shard",
                                                         *again, str(s), *dirs]), base)
                  for s in range(nservers)]
-        worker = [sys.executable, *script] if script else [sys.executable, "-m", "experiments.worker", *again, *dirs]
+        worker = [sys.executable, *script] if script else [sys.executable, "-m", "experiments.runtime.worker", *again, *dirs]
         if script:
             base[RUN_DIR_ENV] = dirs[0]
             base[RESUME_ENV] = "1" if resume else "0"

@@ -1,4 +1,4 @@
-"""Entry point of one worker process: `python -m experiments.worker RUN_DIR [RUN_DIR ...]`.
+"""Entry point of one worker process: `python -m experiments.runtime.worker RUN_DIR [RUN_DIR ...]`.
 
 Reads RUN_DIR/config.json and the launcher's RANK / WORLD_SIZE variables; several run
 directories are trained one after another, their all-reduce groups meeting on one store at
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from allreduce import group
 
-from . import config as config_mod
-from . import files
-from .config import RunConfig
-from .distenv import DistEnv
-from .train import train
+from experiments.settings import config as config_mod
+from experiments.rundir import files
+from experiments.settings.config import RunConfig
+from experiments.harness.distenv import DistEnv
+from experiments.harness.loop import train
 
 SERVERS_FILE = "servers.json"
 
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
     if not argv:
-        return "usage: python -m experiments.worker [--resume] RUN_DIR [RUN_DIR ...]"
+        return "usage: python -m experiments.runtime.worker [--resume] RUN_DIR [RUN_DIR ...]"
     if len(argv) > 1:  # a batch of runs: their all-reduce groups meet on one store
         group.share_store()
     for run_dir in argv:

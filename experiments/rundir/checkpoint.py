@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import files
+from experiments.rundir import files
 
 CHECKPOINT_DIR = "checkpoint"
 

@@ -1,5 +1,5 @@
 """The named experiments' training loop: a script written on the job object a user's own
-script gets (experiments/job.py), so both write the same run directory the same way.
+script gets (experiments/harness/job.py), so both write the same run directory the same way.
 
     module = job.attach(model, optim.build)
     for each step:
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from . import config as config_mod
-from .config import RunConfig
-from .data import BatchFeeder
-from .distenv import DistEnv
-from .job import Job
-from .tasks import get_task
+from experiments.settings import config as config_mod
+from experiments.settings.config import RunConfig
+from experiments.workloads.data import BatchFeeder
+from experiments.harness.distenv import DistEnv
+from experiments.harness.job import Job
+from experiments.workloads.tasks import get_task
 
 
 def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> dict | None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .comparisons import Variant
-from .presets import build_config
-from .engines import get_engine
-from .launcher import LaunchError, launch_batch
-from .script import script_config
+from experiments.comparisons.grids import Variant
+from experiments.settings.presets import build_config
+from experiments.harness.engines import get_engine
+from experiments.runtime.launcher import LaunchError, launch_batch
+from experiments.settings.script import script_config
 
 
 def variants_of(engines: list[str], servers: list[int]) -> list[Variant]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .config import RunConfig
-from .distenv import DistEnv
-from .engines import Engine, Trace, get_engine
+from experiments.settings.config import RunConfig
+from experiments.harness.distenv import DistEnv
+from experiments.harness.engines import Engine, Trace, get_engine
 
 
 def local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from .local_engine import LocalEngine
+    from experiments.harness.local_engine import LocalEngine
 
     return LocalEngine(cfg.workers)
 
@@ -35,8 +35,8 @@ def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
 def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from ps.engine import PSEngine
 
-    from .agreement import settings
-    from .script import ScriptConfig, shard_initializer
+    from experiments.settings.agreement import settings
+    from experiments.settings.script import ScriptConfig, shard_initializer
 
     # fault.delay_ms is applied by the servers, which hold every reply back.
     return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,

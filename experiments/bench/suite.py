@@ -10,10 +10,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from . import files
-from .launcher import free_port, launch_batch, process_shape, run_ranks
-from .metrics import read_metrics, throughput
-from .presets import build_config
+from experiments.rundir import files
+from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
+from experiments.rundir.metrics import read_metrics, throughput
+from experiments.settings.presets import build_config
 
 SKIP_STEPS = 3
 """Steps left out of each throughput figure (allocation, connection and cache warm-up)."""
@@ -44,12 +44,12 @@ def engine_throughput(experiment: str, variants: dict[str, tuple[str, tuple[str,
 
 
 def rpc_throughput(experiment: str, workers: int, steps: int, rounds: int, out: Path) -> list[float]:
-    """samples/s of the torch.distributed.rpc parameter server (experiments/rpc_baseline.py): one
+    """samples/s of the torch.distributed.rpc parameter server (experiments/bench/rpc_baseline.py): one
     server process and `workers` workers, `rounds` times."""
     rates = []
     for r in range(rounds):
         path = out / f"rpc-ps-round{r}.json"
-        run_ranks([sys.executable, "-m", "experiments.rpc_baseline", experiment, str(steps), str(path)],
+        run_ranks([sys.executable, "-m", "experiments.bench.rpc_baseline", experiment, str(steps), str(path)],
                   workers + 1, out / f"logs-rpc-ps-round{r}")
         rates.append(json.loads(path.read_text())["samples_per_sec"])
     return rates

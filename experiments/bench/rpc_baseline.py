@@ -2,7 +2,7 @@
 pattern of torch.distributed.rpc with @rpc.functions.async_execution), training one of
 psar's experiments, so that `psar bench` can set ps-sync against it in one run.
 
-    python -m experiments.rpc_baseline EXPERIMENT STEPS OUT.json    # as ranks 0..N of a launcher
+    python -m experiments.bench.rpc_baseline EXPERIMENT STEPS OUT.json    # as ranks 0..N of a launcher
 
 Rank 0 is the server: it holds the model and the optimizer; each of the N workers computes
 a gradient on its shard, sends it with update_and_fetch, and gets the new parameters once
@@ -26,7 +26,7 @@ SKIP_STEPS = 3
 
 
 def _experiment(name: str, workers: int, steps: int):
-    from experiments.presets import build_config
+    from experiments.settings.presets import build_config
 
     return build_config(name, ("threads=1",), engine="ps-sync", workers=workers, steps=steps)
 
@@ -71,8 +71,8 @@ class BatchUpdateServer:
 
 def train_worker(server_rref, experiment: str, workers: int, steps: int, shard: int) -> list[float]:
     """One worker's loop; returns the wall time at which each step ended."""
-    from experiments.data import BatchFeeder
-    from experiments.tasks import get_task
+    from experiments.workloads.data import BatchFeeder
+    from experiments.workloads.tasks import get_task
 
     torch.set_num_threads(1)
     cfg = _experiment(experiment, workers, steps)

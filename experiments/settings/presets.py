@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import OptimConfig, RunConfig, resolve
-from .data import CharCorpusConfig, ClickConfig, DigitsConfig, SparseConfig
-from .models import CNNConfig, DLRMConfig, GPTConfig, LogRegConfig, MLPConfig
+from experiments.settings.config import OptimConfig, RunConfig, resolve
+from experiments.workloads.data import CharCorpusConfig, ClickConfig, DigitsConfig, SparseConfig
+from experiments.workloads.models import CNNConfig, DLRMConfig, GPTConfig, LogRegConfig, MLPConfig
 
 
 def quickstart() -> RunConfig:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.data import VOCAB_SIZE
+from experiments.workloads.data import VOCAB_SIZE
 
 
 def _check_positive(config: object, *names: str) -> None:

@@ -1,5 +1,5 @@
 """One worker's run, from start to summary: the object a user's script gets from
-`experiments.api.init()`, and the one the named experiments' loop (experiments/train.py) is
+`experiments.api.init()`, and the one the named experiments' loop (experiments/harness/loop.py) is
 written on, so that both write the same run directory the same way.
 
     job = Job(cfg, env, run_dir)              # threads, device, engine, checkpoints
@@ -22,19 +22,19 @@ from typing import Callable
 
 import torch
 
-from . import files
-from .agreement import check_rendezvous_peers
-from .board import RankBoard
-from .checkpoint import WorkerCheckpoints
-from .config import RunConfig
-from .distenv import DistEnv
-from .engines import get_engine
-from .metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config
-from .overrides import to_dict
-from .progress import Progress
-from .trace import Tracer
-from .trace import merge as merge_trace
-from .devices import pick_device, set_threads
+from experiments.rundir import files
+from experiments.settings.agreement import check_rendezvous_peers
+from experiments.rundir.tensorboard_log import RankBoard
+from experiments.rundir.checkpoint import WorkerCheckpoints
+from experiments.settings.config import RunConfig
+from experiments.harness.distenv import DistEnv
+from experiments.harness.engines import get_engine
+from experiments.rundir.metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config
+from experiments.settings.overrides import to_dict
+from experiments.rundir.progress import Progress
+from experiments.rundir.trace import Tracer
+from experiments.rundir.trace import merge as merge_trace
+from experiments.harness.devices import pick_device, set_threads
 
 MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 

@@ -7,8 +7,8 @@ expects it to. `unused` names each such setting and why, so that the CLI can say
 
 from __future__ import annotations
 
-from .config import RunConfig
-from .engines import engines, matches
+from experiments.settings.config import RunConfig
+from experiments.harness.engines import engines, matches
 
 
 def setting_key(assignment: str) -> str:

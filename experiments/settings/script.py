@@ -17,8 +17,8 @@ import torch
 
 from ps.layout import split_values
 
-from .config import OptimConfig, RunConfig, ScriptConfig, resolve
-from .sparsity import model_layout
+from experiments.settings.config import OptimConfig, RunConfig, ScriptConfig, resolve
+from experiments.workloads.sparsity import model_layout
 
 
 def script_config(script: str, args: Sequence[str] = (), overrides: Sequence[str] = (), **fields) -> RunConfig:

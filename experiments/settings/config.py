@@ -11,13 +11,17 @@ import torch
 from allreduce.config import AllReduceConfig
 from ps.config import PSConfig, key_mb
 
-from . import data, files, models
-from .checkpoint import CheckpointConfig
-from .engines import get_engine
-from .faults import FaultConfig
-from .network import NetConfig, parse_rate
-from .overrides import OverrideError, apply_overrides, dumps, from_dict
-from .sparsity import embedding_tables, sparse_update_problem
+from experiments.workloads import data
+
+from experiments.rundir import files
+
+from experiments.workloads import models
+from experiments.rundir.checkpoint import CheckpointConfig
+from experiments.harness.engines import get_engine
+from experiments.harness.faults import FaultConfig
+from experiments.runtime.netns import NetConfig, parse_rate
+from experiments.settings.overrides import OverrideError, apply_overrides, dumps, from_dict
+from experiments.workloads.sparsity import embedding_tables, sparse_update_problem
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DEVICES = ("cpu", "cuda")
@@ -65,9 +69,9 @@ class RunConfig:
     experiment: str
     """Name of the preset this run started from."""
     model: Any
-    """Model section (an experiments.models config)."""
+    """Model section (an experiments.workloads.models config)."""
     data: Any
-    """Data section (an experiments.data config)."""
+    """Data section (an experiments.workloads.data config)."""
     steps: int = 100
     """Optimizer steps per worker."""
     batch_size: int = 32

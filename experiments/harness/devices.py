@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from .config import RunConfig
-from .distenv import DistEnv
+from experiments.settings.config import RunConfig
+from experiments.harness.distenv import DistEnv
 
 
 def pick_device(cfg: RunConfig, env: DistEnv) -> torch.device:

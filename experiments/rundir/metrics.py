@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import files
+from experiments.rundir import files
 
 WARMUP_STEPS = 1
 """Steps left out of throughput: the first step pays for allocation and connection set-up."""

@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import files
+from experiments.rundir import files
 
 TRACE_DIR = "trace"
 

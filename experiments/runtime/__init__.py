@@ -1,0 +1,2 @@
+"""The processes of a run: the launcher, the worker and server-shard entry points, the sites
+they run at (loopback or emulated hosts) and the emulated network (namespaces, links, tc)."""
