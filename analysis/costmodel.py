@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .linkmodel import run_link_time, run_psar_link_time
-from experiments.harness.engines import label_info
+from experiments.engines import label_info
 
 from .results import Run, family, median
 from .traffic import run_traffic
@@ -175,7 +175,7 @@ class CostModel:
         """Seconds of communication per step for engine `label` (a Run.label).
 
         Args:
-            label: a run label of a registered engine (experiments.harness.engines).
+            label: a run label of a registered engine (experiments.engines).
             workers: N.
             servers: S, parameter-server shards (ignored by the other engines).
             nbytes: M, gradient bytes per worker per step (all-reduced, or pushed).

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from experiments.harness.engines import label_info
+from experiments.engines import label_info
 
 from .results import Run, family
 

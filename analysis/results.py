@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.harness.engines import get_engine, label_info
+from experiments.engines import get_engine, label_info
 
 
 def family(label: str) -> str:
@@ -29,7 +29,7 @@ class Run:
 
     @property
     def spec(self):
-        """The engine's registry entry (experiments.harness.engines.EngineSpec)."""
+        """The engine's registry entry (experiments.engines.EngineSpec)."""
         return get_engine(self.engine)
 
     @property

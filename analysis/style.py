@@ -6,7 +6,7 @@ import zlib
 
 import matplotlib
 
-from experiments.harness.engines import label_info
+from experiments.engines import label_info
 
 from .results import Run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from experiments.harness.engines import label_info
+from experiments.engines import label_info
 
 from .results import Run, median, quantile, time_to_target
 

@@ -41,7 +41,7 @@ def push_messages(run: Run) -> list[int]:
     cut into its keys (ps.chunk_mb, by net.rate where it is 0, as the run's layout cuts it),
     gathered until a message holds ps.bucket_kb KiB, as the engine's buckets are, even between
     one parameter's keys."""
-    from experiments.runtime.netns import parse_rate
+    from experiments.settings.net import parse_rate
     from ps.config import PSConfig, key_mb
     from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, dtype_name
 

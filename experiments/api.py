@@ -51,7 +51,7 @@ from experiments.settings import config as config_mod
 from experiments.rundir import files
 from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
-from experiments.harness.engines import engines, get_engine
+from experiments.engines import engines, get_engine
 from experiments.harness.job import Job
 from experiments.runtime.launcher import RESUME_ENV, RUN_DIR_ENV
 from experiments.settings.script import script_config

@@ -14,7 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from experiments.cli import describe_summary, main
+from experiments.cli import main
+from experiments.cli.options import describe_summary
 from experiments.runtime.launcher import free_port
 from experiments.settings.presets import PRESETS, build_config
 

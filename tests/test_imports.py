@@ -1,6 +1,7 @@
 """The import graph of the project's packages, read from the source: no module imports itself
 through others, and the engines (ps/, allreduce/) import nothing of the harness
-(experiments/) or of the analysis (analysis/). Imports inside functions count too: a cycle
+(experiments/) or of the analysis (analysis/), and experiments/'s subpackages import only
+from their own layer or those below (LAYERS). Imports inside functions count too: a cycle
 hidden in a function is still a cycle."""
 
 from __future__ import annotations
@@ -80,3 +81,22 @@ def test_no_import_cycles_and_the_engines_stand_alone():
 
 def test_a_cycle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# experiments/ in layers, lowest first: a module imports from its own layer or below only.
+LAYERS = (("engines", "workloads", "rundir"), ("settings",), ("harness",), ("runtime",),
+          ("comparisons", "bench"), ("api", "cli", "examples"))
+
+
+def layer_of(module: str) -> int:
+    part = module.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if part in names)
+
+
+def test_experiments_subpackages_import_only_downwards():
+    known = modules()
+    inside = {name: path for name, path in known.items() if name.startswith("experiments.")}
+    assert {name.split(".")[1] for name in inside} == {n for names in LAYERS for n in names}
+    upward = sorted((m, t) for m, path in inside.items() for t in imports(m, path, known)
+                    if t.startswith("experiments.") and layer_of(t) > layer_of(m))
+    assert upward == []

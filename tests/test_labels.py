@@ -18,7 +18,7 @@ from analysis.linkmodel import link_time, run_link_time
 from analysis.results import family, load_run
 from analysis.traffic import run_traffic
 from analysis.table import rows
-from experiments.harness.engines import all_labels, engines
+from experiments.engines import all_labels, engines
 
 RATE_BITS = 200e6
 M = 4 * 256 * 1024  # the fake model's float32 bytes

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from experiments.runtime import netns as network
-from experiments.runtime.netns import Network, parse_rate
+from experiments.runtime.netns import Network
+from experiments.settings.net import parse_rate
 
 REASON = network.unavailable()
 F64 = ("dtype=float64", "threads=1")

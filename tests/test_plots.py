@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_hex
 
-from experiments.harness.engines import all_labels, label_info
+from experiments.engines import all_labels, label_info
 from analysis import plots, style
 from analysis.results import Run, load_run
 

@@ -14,7 +14,7 @@ import pytest
 
 from experiments.rundir import checkpoint
 from ps.config import PSConfig
-from experiments.harness.engines import get_engine
+from experiments.engines import get_engine
 from conftest import started, wait_for_steps
 from experiments.runtime.launcher import free_port
 

@@ -9,7 +9,6 @@ Before: the object a script got re-implemented the loop's bookkeeping without an
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from experiments.harness.engines import PLUGINS_ENV, EngineSpec, register
+from experiments.engines import PLUGINS_ENV, EngineSpec, register
 
 TOY = "toy-naive"
 HERE = Path(__file__).resolve().parent
@@ -128,7 +128,7 @@ def test_an_engine_name_or_label_is_taken_once():
     with pytest.raises(ValueError, match="already registered"):
         register(EngineSpec(TOY, "another", "elsewhere:build", "ring", "#000000"))
     with pytest.raises(ValueError, match="allreduce/ring already belong"):
-        from experiments.harness.engines import Label
+        from experiments.engines import Label
 
         register(EngineSpec("toy-2", "x", "elsewhere:build", "ring", "#000000",
                             variants=(Label("allreduce/ring", "#000000"),)))

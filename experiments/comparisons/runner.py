@@ -7,7 +7,7 @@ from typing import Callable
 
 from experiments.comparisons.grids import Variant
 from experiments.settings.presets import build_config
-from experiments.harness.engines import get_engine
+from experiments.engines import get_engine
 from experiments.runtime.launcher import LaunchError, launch_batch
 from experiments.settings.script import script_config
 

@@ -6,7 +6,7 @@ import torch
 
 from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
-from experiments.harness.engines import Engine, Trace, get_engine
+from experiments.engines import Engine, Trace, get_engine
 
 
 def local(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

@@ -28,7 +28,7 @@ from experiments.rundir.tensorboard_log import RankBoard
 from experiments.rundir.checkpoint import WorkerCheckpoints
 from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
-from experiments.harness.engines import get_engine
+from experiments.engines import get_engine
 from experiments.rundir.metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config
 from experiments.settings.overrides import to_dict
 from experiments.rundir.progress import Progress

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.harness.engines import get_engine
+from experiments.engines import get_engine
 
 NEEDS = ("--tensorboard needs the tensorboard package, which is not installed: "
          "pip install 'psar[tensorboard]' (or pip install tensorboard)")

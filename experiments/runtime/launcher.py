@@ -15,7 +15,7 @@ from pathlib import Path
 from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from experiments.settings.config import RunConfig
-from experiments.harness.engines import get_engine
+from experiments.engines import get_engine
 from experiments.runtime.sites import free_port, sites_for
 from experiments.rundir.trace import merge as merge_trace
 from experiments.harness.loop import prepare_run_dir

@@ -28,7 +28,7 @@ from experiments.rundir import files
 from experiments.rundir.checkpoint import load as load_checkpoint
 from experiments.rundir.checkpoint import save_atomic, server_path
 from experiments.settings.config import OptimConfig, RunConfig
-from experiments.harness.engines import engines, get_engine
+from experiments.engines import engines, get_engine
 from experiments.settings.script import ScriptConfig
 from experiments.workloads.sparsity import model_layout
 from experiments.rundir.metrics import write_json

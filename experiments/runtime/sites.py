@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.settings.config import RunConfig
-from experiments.runtime.netns import NetConfig, Network, clean_stale, has_netem, parse_rate, unavailable
+from experiments.runtime.netns import Network, clean_stale, has_netem, unavailable
+from experiments.settings.net import NetConfig, parse_rate
 
 MASTER_PORT = 29500  # an emulated host is a new namespace: its ports are all free
 SERVER_PORT = 5555

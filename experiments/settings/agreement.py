@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from experiments.settings.config import RunConfig
-from experiments.harness.engines import engines, get_engine, matches
+from experiments.engines import engines, get_engine, matches
 from experiments.settings.overrides import to_dict
 
 LOCAL = ("threads", "trace", "tensorboard", "timeout_s", "eval_batch_size", "device", "checkpoint.", "net.")

@@ -17,9 +17,9 @@ from experiments.rundir import files
 
 from experiments.workloads import models
 from experiments.rundir.checkpoint import CheckpointConfig
-from experiments.harness.engines import get_engine
-from experiments.harness.faults import FaultConfig
-from experiments.runtime.netns import NetConfig, parse_rate
+from experiments.engines import get_engine
+from experiments.settings.faults import FaultConfig
+from experiments.settings.net import NetConfig, parse_rate
 from experiments.settings.overrides import OverrideError, apply_overrides, dumps, from_dict
 from experiments.workloads.sparsity import embedding_tables, sparse_update_problem
 

@@ -8,7 +8,7 @@ expects it to. `unused` names each such setting and why, so that the CLI can say
 from __future__ import annotations
 
 from experiments.settings.config import RunConfig
-from experiments.harness.engines import engines, matches
+from experiments.engines import engines, matches
 
 
 def setting_key(assignment: str) -> str:
