@@ -39,9 +39,8 @@ import torch
 from .client import PeerTimeout, PSClient, PSError, PullResult
 from .config import PSConfig
 from .layout import ROW_MODULES, ParamSpec
+from .protocol import MODES
 
-MODES = ("sync", "async", "ssp")
-"""The shards' consistency rules (ps.server)."""
 log = logging.getLogger("psar.ps.engine")
 
 
