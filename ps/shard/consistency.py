@@ -314,8 +314,13 @@ RULES: dict[str, type[Rule]] = {r.name: r for r in (SyncRule, AsyncRule, SSPRule
 assert tuple(RULES) == MODES, "one rule per mode of ps.protocol.MODES"
 
 
-def make_rule(mode: str, host: Host) -> Rule:
-    """The rule named mode (one of MODES), working on host."""
+def rule_for(mode: str) -> type[Rule]:
+    """The rule named mode, one of MODES (else ValueError)."""
     if mode not in RULES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return RULES[mode](host)
+    return RULES[mode]
+
+
+def make_rule(mode: str, host: Host) -> Rule:
+    """The rule named mode, working on host."""
+    return rule_for(mode)(host)

@@ -27,7 +27,7 @@ import torch
 from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import REQUESTS, Limits, Message, encode
-from ps.shard.consistency import MODES, make_rule
+from ps.shard.consistency import rule_for
 from ps.shard.dispatch import Dispatcher, Reply, serve
 from ps.shard.optim import ShardOptimizer
 from ps.shard.reject import Reject
@@ -48,7 +48,7 @@ class ShardServer:
         values: {key id: initial values} for exactly this shard's keys (copied).
         make_optimizer: builds the experiment's optimizer over a list of tensors (called once
             per key, with that key's chunk).
-        mode: "sync", "async" or "ssp" (ps.shard.consistency.MODES).
+        mode: "sync", "async" or "ssp" (ps.protocol.MODES).
         num_workers: workers 0..num_workers-1 take part.
         config: PSConfig (timeouts, staleness bound, loss policy, async scaling).
         clock: time source, injectable for tests (default time.monotonic).
@@ -68,8 +68,7 @@ class ShardServer:
                  trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0,
                  checkpoint_every: int = 0, save: Callable[[dict], None] | None = None,
                  settings: dict[str, Any] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        rule = rule_for(mode)
         if not 0 <= shard < layout.num_shards:
             raise ValueError(f"shard {shard} out of range for a layout of {layout.num_shards} shards")
         if type(num_workers) is not int or num_workers < 1:
@@ -94,7 +93,7 @@ class ShardServer:
         self.workers = Workers(num_workers, len(self.keys))
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
                              rows_pushed=0, rows_pulled=0, row_collisions=0)
-        self.rule = make_rule(mode, self)
+        self.rule = rule(self)
         self.mode = self.rule.name
         self.checkpoint_every = checkpoint_every * self.rule.versions_per_step
         # An update of a few keys costs what those keys cost, in one optimizer call.
