@@ -79,7 +79,7 @@ class EngineSpec:
     uses_servers: bool = False
     """It runs parameter-server shards (`--servers`, `net.placement`)."""
     consistency: str = ""
-    """Its shards' rule (ps.server's modes: sync, async, ssp); "" without shards."""
+    """Its shards' rule (ps.protocol.MODES: sync, async, ssp); "" without shards."""
     synchronous: bool = True
     """Every worker applies the same update each step, so a fast worker waits for the slowest."""
     comm_in_backward: bool = False

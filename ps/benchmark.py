@@ -18,7 +18,7 @@ import torch
 from .client import PSClient
 from .config import PSConfig
 from .layout import ParamSpec, build_layout, split_values
-from .server import ShardServer
+from .shard import ShardServer
 from .transport import ClientTransport, ServerTransport
 
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB

@@ -26,7 +26,7 @@ from ps.transport import ClientTransport, PeerTimeout, TransportError, poll_many
 
 log = logging.getLogger("psar.ps.client")
 
-__all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "PullResult"]
+__all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "Result", "PullResult"]
 
 
 UNBLOCK_S = 0.5
@@ -61,19 +61,32 @@ class Handle:
 
 
 @dataclass
-class PullResult:
-    version: int
-    """The smallest version over the shards that answered."""
-    versions: dict[int, int]
-    """shard -> version of the values it sent."""
-    values: dict[int, torch.Tensor]
-    """key id -> flat chunk (built on the received frame, no copy)."""
+class Result:
+    """What PSClient.wait gives for every kind of request: what its shards' replies carry
+    (fields a kind's replies do not carry keep their empty defaults)."""
+
+    kind: str
+    """The request: "push", "push+pull", "pull", "wait", "norm", "stats", "checkpoint", ..."""
+    version: int = 0
+    """The smallest version over the shards that answered (0 where none names one)."""
+    versions: dict[int, int] = field(default_factory=dict)
+    """shard -> the version its reply names (of the values it sent, for a pull)."""
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    """key id -> flat chunk (built on the received frame, no copy): pull, push+pull, checkpoint."""
     waited_s: float = 0.0
-    """Longest time a shard held the pull back for its condition (waiting for other workers)."""
+    """Longest time a shard held the answer back for its condition (waiting for other workers)."""
     ids: dict[int, torch.Tensor] = field(default_factory=dict)
     """key id -> the row ids whose values `values` holds ((n, dim)), for keys pulled by rows."""
     staleness: int = 0
-    """Of a push+pull (push(pull=True)): the largest staleness the shards reported for the push."""
+    """Of a push or push+pull: the largest staleness the shards reported for the push."""
+    sq: dict[int, float] = field(default_factory=dict)
+    """Of a norm: shard -> the sum of squares of its averaged gradient of the held step."""
+    bodies: dict[int, Any] = field(default_factory=dict)
+    """shard -> the body its reply carries (stats: its counters)."""
+
+
+PullResult = Result
+"""The former name of the result of a pull."""
 
 
 class PSClient:
@@ -200,12 +213,11 @@ class PSClient:
         computed for `step` on parameters of `version` (None: the version last received from
         each shard). Row ids count from the key's first row, strictly increasing (int64); rows
         are (n, dim). Non-blocking; the tensors must not change until wait(handle) returns
-        (they leave without a copy). wait gives the largest staleness reported by the shards.
+        (they leave without a copy). wait's Result has the largest staleness the shards report.
 
         pull: ask in the same message for the pushed keys' values, as pull(keys,
         next_version=next_version, clock=clock) would right behind the push: one message
-        each way instead of two. wait then gives that pull's PullResult, whose `staleness`
-        is the push's. Whole keys only (no rows).
+        each way instead of two. wait's Result then holds that pull's values too. Whole keys only (no rows).
 
         lr: the learning rate the shards update these keys with (None: their optimizer's own).
         hold: (sync) the shards keep the step's averaged gradient until a pull brings the clip
@@ -270,7 +282,7 @@ class PSClient:
         next_version: each shard answers once past the version this client last saw from it
         (sync steps, counted per shard). rows: {key: row ids} asks for only those rows of
         those row-sparse keys (ids as in push); they are pulled besides keys. Non-blocking;
-        wait gives a PullResult. scale: the clip coefficient of a held sync step (see norm),
+        wait gives its Result. scale: the clip coefficient of a held sync step (see norm),
         with which each shard first makes that step's update."""
         layout = self._need_layout()
         rows = {k: self._row_ids(k, i) for k, i in (rows or {}).items()}
@@ -299,8 +311,8 @@ class PSClient:
 
     def step_done(self) -> Handle:
         """Ask every shard to answer, without values, once it has finished the sync step past
-        the version this client last saw from it (every key updated). Non-blocking; wait gives
-        {shard: version} and the longest time a shard held the answer back."""
+        the version this client last saw from it (every key updated). Non-blocking; wait's
+        Result has each shard's version and the longest time a shard held the answer back."""
         self._need_layout()
         return self._start("wait", {s: ({"op": "wait", "min_version": self.versions.get(s, 0) + 1}, None)
                                     for s in range(len(self.addresses))}, conditional=True)
@@ -308,35 +320,30 @@ class PSClient:
     def norm(self) -> Handle:
         """Ask every shard for the sum of squares of its averaged gradient of the held sync
         step this client last pushed (answered once every worker's pushes are in). Non-blocking;
-        wait gives {shard: sum of squares}."""
+        wait's Result has them as sq {shard: sum of squares}."""
         self._need_layout()
         return self._start("norm", {s: ({"op": "norm", "step": self.versions.get(s, 0)}, None)
                                     for s in range(len(self.addresses))}, conditional=True)
 
-    def wait(self, handle: Handle, timeout_s: float | None = None) -> Any:
-        """Block until every shard of handle has answered; its result (see push / pull).
+    def wait(self, handle: Handle, timeout_s: float | None = None) -> Result:
+        """Block until every shard of handle has answered; what they answered, as a Result.
         Raises PSError on an error reply, PeerTimeout naming the silent shard's address (the
         handle then stays pending: waiting again is allowed)."""
         self._wait_replies(handle, timeout_s if timeout_s is not None else handle.timeout_s)
-        stale = [m.get("staleness") for m in handle.replies.values() if m.get("staleness") is not None]
-        if handle.kind == "push":
-            return max(stale, default=0)
-        if handle.kind == "norm":
-            return {s: m.get("sq") for s, m in handle.replies.items()}
-        if handle.kind == "wait":
-            waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
-            return {s: m.get("version") for s, m in handle.replies.items()}, waited / 1e6
+        replies = handle.replies.values()
+        versions = {s: m.get("version") for s, m in handle.replies.items() if m.get("version") is not None}
         if handle.kind in ("pull", "push+pull"):
-            versions = {s: m.get("version") for s, m in handle.replies.items()}
             self.versions.update(versions)
-            values = {k: t for m in handle.replies.values() for k, t in zip(m.keys, m.tensors)}
-            ids = {k: i for m in handle.replies.values() for k, i in zip(m.keys, m.ids) if i is not None}
-            waited = max((m.get("waited_us") or 0 for m in handle.replies.values()), default=0)
-            return PullResult(min(versions.values(), default=0), versions, values, waited / 1e6, ids,
-                              max(stale, default=0))
-        return handle.replies
+        return Result(
+            handle.kind, min(versions.values(), default=0), versions,
+            values={k: t for m in replies for k, t in zip(m.keys, m.tensors)},
+            waited_s=max((m.get("waited_us") or 0 for m in replies), default=0) / 1e6,
+            ids={k: i for m in replies for k, i in zip(m.keys, m.ids) if i is not None},
+            staleness=max((m.get("staleness") for m in replies if m.get("staleness") is not None), default=0),
+            sq={s: m.get("sq") for s, m in handle.replies.items() if m.get("sq") is not None},
+            bodies={s: m.get("body") for s, m in handle.replies.items() if m.get("body") is not None})
 
-    def wait_alive(self, handle: Handle) -> Any:
+    def wait_alive(self, handle: Handle) -> Result:
         """wait() for as long as the shards keep answering heartbeats: for requests whose
         reply legitimately takes long (a final pull waiting for slower workers to finish)."""
         while True:
@@ -357,14 +364,12 @@ class PSClient:
     def stats(self) -> list[dict[str, Any]]:
         """Each shard's counters (blocking)."""
         h = self._start("stats", {s: ({"op": "stats"}, None) for s in range(len(self.addresses))})
-        return [m.get("body") for _, m in sorted(self.wait(h).items())]
+        return [body for _, body in sorted(self.wait(h).bodies.items())]
 
     def checkpoint(self) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
         """({shard: version}, {key id: values}) snapshot of every shard (blocking)."""
-        h = self._start("checkpoint", {s: ({"op": "checkpoint"}, None) for s in range(len(self.addresses))})
-        replies = self.wait(h)
-        values = {k: t for m in replies.values() for k, t in zip(m.keys, m.tensors)}
-        return {s: m.get("version") for s, m in replies.items()}, values
+        result = self.wait(self._start("checkpoint", {s: ({"op": "checkpoint"}, None) for s in range(len(self.addresses))}))
+        return result.versions, result.values
 
     def leave(self) -> None:
         """Tell every shard this worker is done (blocking); it stops watching this worker and

@@ -36,12 +36,11 @@ import time
 
 import torch
 
-from .client import PeerTimeout, PSClient, PSError, PullResult
+from .client import PeerTimeout, PSClient, PSError
 from .config import PSConfig
 from .layout import ROW_MODULES, ParamSpec
+from .protocol import MODES
 
-MODES = ("sync", "async", "ssp")
-"""The shards' consistency rules (ps.server)."""
 log = logging.getLogger("psar.ps.engine")
 
 
@@ -240,7 +239,7 @@ class PSEngine:
         if self.clip_mode is None:
             self._release_deferred(True)
         self._flush(None)
-        sums = self.client.wait(self.client.norm())
+        sums = self.client.wait(self.client.norm()).sq
         total = math.sqrt(sum(sums[s] for s in sorted(sums)))
         self._scale = min(1.0, max_norm / (total + 1e-6))
         return torch.tensor(total, dtype=torch.float64)
@@ -374,8 +373,8 @@ class PSEngine:
             waited = self._phase() if self._phased else 0.0
             pushed = [self.client.wait(h) for _, _, h in self._pushes]
             pulled = [self.client.wait(h) for _, _, h in self._pulls]
-            staleness = [r.staleness if isinstance(r, PullResult) else r for r in pushed]
-            results = [r for r in pushed if isinstance(r, PullResult)] + pulled
+            staleness = [r.staleness for r in pushed]
+            results = [r for r in pushed if r.kind == "push+pull"] + pulled
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
@@ -387,7 +386,7 @@ class PSEngine:
                     "staleness": [], "reconnected": 1}
         if self.trace is not None:
             for (name, sent_at, h), result in zip(self._pushes, pushed):  # a reply's time is when the client read it
-                if isinstance(result, PullResult):
+                if result.kind == "push+pull":
                     self.trace(f"push+pull {name}", sent_at, h.done_at, thread="push",
                                waited_on_server_s=result.waited_s)
                 else:
@@ -410,12 +409,13 @@ class PSEngine:
     def _phase(self) -> float:
         """ps.exchange=phased: wait until every shard has finished the step, then pull the
         dense keys (rows come at lookup, as ever); the longest a shard held its answer back."""
-        sent_at, done = time.time(), self.client.step_done()
+        sent_at, asked = time.time(), self.client.step_done()
         for _, _, h in self._pushes:  # a refused push fails here, not after a wait's timeout
             self.client.wait(h)
-        versions, waited = self.client.wait(done)
+        done = self.client.wait(asked)
+        versions, waited = done.versions, done.waited_s
         if self.trace is not None:
-            self.trace("wait for every shard's step", sent_at, done.done_at, thread="pull")
+            self.trace("wait for every shard's step", sent_at, asked.done_at, thread="pull")
         if self._dense_keys:
             self._pulls = [("dense keys", time.time(), self.client.pull(self._dense_keys, min_version=versions))]
         return waited

@@ -15,7 +15,7 @@ from ps.client import PSClient
 from ps.config import PSConfig
 from ps.layout import Layout, split_values
 from ps.security import load_server_keys
-from ps.server import ShardServer
+from ps.shard import ShardServer
 from ps.transport import ServerTransport, TransportError
 
 log = logging.getLogger("psar.ps.local")

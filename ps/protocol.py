@@ -69,6 +69,9 @@ _FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
 
 
+MODES = ("sync", "async", "ssp")
+"""The shards' consistency rules (ps.shard.consistency), as a join's reply names them."""
+
 ERROR_CODES = ("not_joined", "not_initialized")
 """What an error reply's optional 'code' may say, where a client acts on the kind of error
 (rejoin a shard that restarted; wait for worker 0's init): matched by code, never by text."""

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ps.client import PSClient, PSError, PeerTimeout
+from ps.client import PSClient, PSError, PeerTimeout, Result
 from ps.config import PSConfig
 from ps.layout import ParamSpec, build_layout, join_values, split_values
 from ps.local import LocalCluster
@@ -64,7 +64,7 @@ def test_pslite_n_pushes_sum():
                 c.join()
                 grads = {k.id: g[:k.numel].clone() for k in layout.keys}
                 for step in range(rounds):
-                    assert c.wait(c.push(step, None, grads)) >= 0
+                    assert c.wait(c.push(step, None, grads)).staleness >= 0
                     c.wait(c.pull())  # versions move on, so staleness is measured from here
         run_workers(worker, workers)
         with cluster.client(0) as c:
@@ -120,6 +120,35 @@ def test_sync_matches_local_averaged_steps(name):
     for w in range(workers):
         for got, want in zip(finals[w], local):
             assert (got - want).abs().max().item() <= 1e-12, (name, w)
+
+
+@pytest.mark.timeout(20)
+def test_wait_gives_one_result_type_for_every_kind_of_request():
+    """push, push+pull, pull, wait (step_done), norm and checkpoint all give a Result, each
+    with the fields its replies carry."""
+    layout, init = setup()
+    with LocalCluster(layout, init, lambda p: torch.optim.SGD(p, lr=0.5), "sync", 1, PSConfig(**FAST)) as cluster:
+        with cluster.client(0) as c:
+            c.join()
+            ones = split_values(layout, [torch.ones(s.shape, dtype=torch.float64) for s in SPECS])
+            pushed = c.wait(c.push(0, 0, ones))
+            assert type(pushed) is Result and pushed.kind == "push" and pushed.staleness == 0 and not pushed.values
+            done = c.wait(c.step_done())
+            assert type(done) is Result and done.versions == {0: 1, 1: 1} and done.version == 1
+            pulled = c.wait(c.pull())
+            assert type(pulled) is Result and pulled.version == 1 and set(pulled.values) == set(ones)
+            both = c.wait(c.push(1, 1, ones, pull=True, next_version=True))
+            assert both.kind == "push+pull" and both.version == 2 and set(both.values) == set(ones)
+            for got, start in zip(join_values(layout, both.values), init):
+                assert torch.allclose(got, start - 1.0, rtol=0, atol=1e-15)
+            held = c.push(2, 2, ones, hold=True)
+            sums = c.wait(c.norm())
+            c.wait(held)
+            assert type(sums) is Result and set(sums.sq) == {0, 1}
+            assert sum(sums.sq.values()) == pytest.approx(sum(float(g.pow(2).sum()) for g in ones.values()))
+            c.wait(c.pull(next_version=True, scale=1.0))
+            versions, values = c.checkpoint()
+            assert versions == {0: 3, 1: 3} and set(values) == set(ones)
 
 
 @pytest.mark.timeout(20)

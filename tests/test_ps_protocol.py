@@ -10,7 +10,7 @@ import torch
 from ps.config import PSConfig
 from ps.layout import ParamSpec, build_layout, split_values
 from ps.protocol import PROTOCOL_VERSION, Limits, ProtocolError, decode, encode, peek_ids
-from ps.server import ShardServer
+from ps.shard import ShardServer
 
 SPECS = [ParamSpec("w", (6, 5), "float64"), ParamSpec("b", (5,), "float64"), ParamSpec("h", (4,), "float16")]
 LAYOUT = build_layout(SPECS, 2, 8)

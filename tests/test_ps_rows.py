@@ -10,7 +10,7 @@ import torch
 from ps.config import PSConfig
 from ps.layout import ParamSpec, build_layout, split_values
 from ps.protocol import Limits, ProtocolError, decode, encode
-from ps.server import ShardServer
+from ps.shard import ShardServer
 
 ROWS, DIM = 40, 3
 SPECS = [ParamSpec("table", (ROWS, DIM), "float64"), ParamSpec("bias", (5,), "float64")]

@@ -7,7 +7,7 @@ import torch
 from ps.config import PSConfig
 from ps.layout import ParamSpec, build_layout, split_values
 from ps.protocol import decode, encode
-from ps.server import ShardServer
+from ps.shard import ShardServer
 
 SPECS = [ParamSpec("w", (4, 3), "float64"), ParamSpec("b", (3,), "float64")]
 LAYOUT = build_layout(SPECS, 1, 5)
@@ -152,7 +152,7 @@ def test_sync_push_in_pieces_and_rejections():
 
 def test_requests_before_join_and_replies_are_refused():
     server, _ = make("sync", workers=3)
-    server.seen.pop(2)
+    server.workers.seen.pop(2)
     assert "worker 2 has not joined" in call(server, 2, "pull", keys=[])[0].get("error")
     assert "expected a request" in call(server, 0, "ok")[0].get("error")
 
@@ -365,7 +365,7 @@ def _init_frames(worker=0, layout=LAYOUT, optim=None, keys=None, values=None):
 
 
 def test_a_shard_without_a_model_takes_it_from_worker_0_and_refuses_everything_else():
-    from ps.server import NOT_INITIALIZED, await_init
+    from ps.shard import await_init
 
     wire = LAYOUT.to_wire()
     bad_layout = dict(wire, num_shards=3)
@@ -389,7 +389,8 @@ def test_a_shard_without_a_model_takes_it_from_worker_0_and_refuses_everything_e
     transport = QueueTransport(items)
     server = await_init(transport, 0, 1, make, timeout_s=5.0)
     errors = [m.get("error") for _, m in transport.sent if m.op == "error"]
-    assert NOT_INITIALIZED in errors[0]
+    codes = [m.get("code") for _, m in transport.sent if m.op == "error"]
+    assert codes == ["not_initialized"] + [None] * 5 and "has no model yet" in errors[0]
     assert "init comes from worker 0, not worker 1" in errors[1]
     assert "the layout has 3 shards, this run 1" in errors[2] or "invalid layout" in errors[2]
     assert "expected this shard's keys" in errors[3]
@@ -404,7 +405,7 @@ def test_a_shard_without_a_model_takes_it_from_worker_0_and_refuses_everything_e
 
 
 def test_a_shard_without_a_model_gives_up_naming_worker_0():
-    from ps.server import await_init
+    from ps.shard import await_init
 
     with pytest.raises(TimeoutError, match="worker 0 sent no init"):
         await_init(QueueTransport([]), 0, 1, lambda *a: None, timeout_s=0.3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.shard_optim import ShardOptimizer
+from ps.shard.optim import ShardOptimizer
 
 OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -73,7 +73,7 @@ def test_a_shard_builds_and_steps_its_optimizer_without_loading_the_compiler():
     import sys
 
     code = ("import sys, torch\n"
-            "from ps.shard_optim import ShardOptimizer\n"
+            "from ps.shard.optim import ShardOptimizer\n"
             "s = ShardOptimizer(lambda ps: torch.optim.Adam(ps, lr=0.1), {0: torch.zeros(4)})\n"
             "s.chunks[0].grad = torch.ones(4); s.step([0]); s.load_state_dict(s.state_dict())\n"
             "print('torch._dynamo' in sys.modules, float(s.chunks[0][0]))\n")

@@ -2,7 +2,7 @@
 optimizer, and the next step, which is also the data position (a batch is a pure function of
 its step). Written atomically: a temporary file, then a rename.
 
-Parameter-server shards write their own (ps/server.py state), at the same step.
+Parameter-server shards write their own (ps.shard.ShardServer.state_dict), at the same step.
 """
 
 from __future__ import annotations

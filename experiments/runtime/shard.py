@@ -19,7 +19,7 @@ import torch
 from ps.layout import split_values
 from ps.security import load_server_keys
 from ps.protocol import Limits
-from ps.server import ShardServer, await_init
+from ps.shard import ShardServer, await_init
 from ps.transport import ServerTransport
 
 from experiments.settings import agreement

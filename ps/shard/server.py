@@ -1,0 +1,389 @@
+"""One server shard: the parameters of its keys, the experiment's optimizer, one handler per op.
+
+ShardServer.handle(peer, frames) is the whole protocol and touches no socket, so it is
+tested directly; serve(transport) is the loop around it (ps.shard.dispatch). The shard asks
+its consistency rule (ps.shard.consistency: sync, async, ssp) when a push updates and when a
+pull is answered.
+
+A worker that has done all its steps sends leave; a pull with wait_left waits until every
+other worker has left (or is lost), which is how the final parameters are read. The serve
+loop ends by itself once every worker has left or is lost (ps.shard.workers).
+
+Row-sparse keys (embedding tables, see ps.layout) are held as (rows, dim) and may be pushed
+and pulled by rows (ps.shard.rows): the optimizer updates only the pushed rows and their
+state; a pull by rows gets copies of just those rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ps.config import PSConfig
+from ps.layout import TORCH_DTYPES, Layout
+from ps.protocol import REQUESTS, Limits, Message, encode
+from ps.shard.consistency import rule_for
+from ps.shard.dispatch import Dispatcher, Reply, serve
+from ps.shard.optim import ShardOptimizer
+from ps.shard.reject import Reject
+from ps.shard.settings import SettingsCheck
+from ps.shard.snapshots import SnapshotPool
+from ps.shard.waiting import Waiting
+from ps.shard.workers import Workers
+
+log = logging.getLogger("psar.ps.server")
+
+
+class ShardServer:
+    """Server shard `shard` of `layout`.
+
+    Args:
+        shard: index of this shard in the layout.
+        layout: the agreed layout; this shard holds layout.shard_keys(shard).
+        values: {key id: initial values} for exactly this shard's keys (copied).
+        make_optimizer: builds the experiment's optimizer over a list of tensors (called once
+            per key, with that key's chunk).
+        mode: "sync", "async" or "ssp" (ps.protocol.MODES).
+        num_workers: workers 0..num_workers-1 take part.
+        config: PSConfig (timeouts, staleness bound, loss policy, async scaling).
+        clock: time source, injectable for tests (default time.monotonic).
+        trace: optional callable(name, start, end, thread=...) given every optimizer update.
+        reply_delay_s: every reply leaves this much later (an injected slow link); the loop
+            goes on serving meanwhile.
+        checkpoint_every, save: save(state_dict()) each time the version reaches a multiple
+            of checkpoint_every (sync: steps; async/ssp: worker-steps, so every x num_workers).
+        settings: {name: scalar} this shard runs with and every worker must share; a join
+            whose settings differ is refused, naming each. A setting the shard does not have
+            (one only workers use) must equal the first joined worker's. None: not checked.
+    """
+
+    def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
+                 make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], mode: str,
+                 num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic,
+                 trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0,
+                 checkpoint_every: int = 0, save: Callable[[dict], None] | None = None,
+                 settings: dict[str, Any] | None = None):
+        rule = rule_for(mode)
+        if not 0 <= shard < layout.num_shards:
+            raise ValueError(f"shard {shard} out of range for a layout of {layout.num_shards} shards")
+        if type(num_workers) is not int or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.shard, self.layout, self.num_workers = shard, layout, num_workers
+        self.config, self.clock = config, clock
+        self.trace, self.reply_delay_s = trace, reply_delay_s
+        self.save = save
+        self.keys = [k.id for k in layout.shard_keys(shard)]
+        if set(values) != set(self.keys):
+            raise ValueError(f"shard {shard}: values given for keys {sorted(values)}, expected {self.keys}")
+        self.chunks: dict[int, torch.Tensor] = {}  # flat, or (rows, dim) for a row-sparse key
+        for kid in self.keys:
+            key, t = layout.keys[kid], values[kid]
+            dtype = TORCH_DTYPES[layout.dtype(key)]
+            if t.numel() != key.numel or t.dtype != dtype:
+                raise ValueError(f"shard {shard}: key {kid} needs {key.numel} {dtype} values, got {t.numel()} {t.dtype}")
+            dim = layout.row_dim(key)
+            shape = (key.numel // dim, dim) if dim else (key.numel,)
+            self.chunks[kid] = t.detach().reshape(shape).clone()  # a leaf tensor owned by the server
+        self.version = 0
+        self.workers = Workers(num_workers, len(self.keys))
+        self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
+                             rows_pushed=0, rows_pulled=0, row_collisions=0)
+        self.rule = rule(self)
+        self.mode = self.rule.name
+        self.checkpoint_every = checkpoint_every * self.rule.versions_per_step
+        # An update of a few keys costs what those keys cost, in one optimizer call.
+        self.optimizer = ShardOptimizer(make_optimizer, self.chunks)
+        self.snapshots = SnapshotPool(self.chunks, TORCH_DTYPES[config.wire_dtype] if config.wire_dtype else None)
+        self.settings = SettingsCheck(shard, settings)
+        self.waiting = Waiting()
+        self._dispatch = Dispatcher(shard, layout, self.workers, config.wire_dtype,
+                                    Limits(max_tensor_bytes=config.max_message_bytes),
+                                    {op: getattr(self, f"_on_{op}") for op in REQUESTS}, self._release,
+                                    self.counters, clock)
+        self._started = clock()
+        self.aborted: str | None = None
+        self.stopped = False
+        self.staleness: dict[int, int] = {}
+        self.max_clock_gap = 0
+
+    @property
+    def finished(self) -> bool:
+        """Every worker has left or is lost: nothing more will come."""
+        return self.workers.finished
+
+    # -- the handler -------------------------------------------------------------------------
+
+    def handle(self, peer: bytes, frames: Sequence[Any]) -> list[Reply]:
+        """Handle one request; return the replies to send (possibly to other, waiting peers)."""
+        return self._dispatch.handle(peer, frames, self.aborted)
+
+    def tick(self) -> list[Reply]:
+        """Periodic work: declare silent workers lost, answer pulls now ready or out of time."""
+        now, config = self.clock(), self.config
+        if not self.aborted and now - self._started > config.timeout_s:
+            for w in self.workers.never_joined():
+                self._lose(w, f"worker {w} did not join within timeout_s={config.timeout_s:g} s")
+        for w, quiet in self.workers.silent_for(now):
+            if not self.aborted and w not in self.workers.lost and quiet > config.worker_timeout_s:
+                self._lose(w, f"worker {w} silent for {quiet:.2f} s (worker_timeout_s={config.worker_timeout_s:g})")
+        replies = self._release()
+        for d in self.waiting.expired(now):
+            replies.append(self._dispatch.error(d.peer, d.msg.worker, d.msg.req,
+                                                f"shard {self.shard}: {d.msg.op} waited {now - d.since:.2f} s "
+                                                f"(timeout_s={self.config.timeout_s:g}) for {self._waits_for(d.msg)}"))
+        if self.aborted:
+            replies += [self._dispatch.error(d.peer, d.msg.worker, d.msg.req, self.aborted)
+                        for d in self.waiting.take_all()]
+        return replies
+
+    def serve(self, transport: Any, stop_event: threading.Event | None = None,
+              report: tuple[float, Callable[[dict], None]] | None = None) -> str:
+        """The loop around handle and tick on transport (see ps.shard.dispatch.serve)."""
+        return serve(self, transport, stop_event, report)
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def _on_join(self, peer: bytes, msg: Message) -> list[Reply]:
+        if msg.worker in self.workers.left:
+            raise Reject(f"worker {msg.worker} has already left this run")
+        self.settings.check(msg.worker, msg.get("settings"))
+        self.workers.joined.add(msg.worker)
+        self.counters["joins"] += 1
+        body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
+                "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint,
+                "clock": self.workers.clocks[msg.worker]}
+        return [self._values(peer, msg, self.keys, exact=True, body=body)]
+
+    def _on_init(self, peer: bytes, msg: Message) -> list[Reply]:
+        raise Reject("this shard already has its model; init is sent once, by worker 0, before any join")
+
+    def _on_leave(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.workers.leave(msg.worker)
+        log.info("shard %d: worker %d left", self.shard, msg.worker)
+        self.rule.worker_gone()
+        return [self._ok(peer, msg)]
+
+    def _on_heartbeat(self, peer: bytes, msg: Message) -> list[Reply]:
+        return [self._ok(peer, msg)]
+
+    def _on_stats(self, peer: bytes, msg: Message) -> list[Reply]:
+        return [self._ok(peer, msg, body=self.stats())]
+
+    def _on_checkpoint(self, peer: bytes, msg: Message) -> list[Reply]:
+        return [self._values(peer, msg, self.keys, exact=True)]
+
+    def _on_shutdown(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.stopped = True
+        log.info("shard %d: shutdown requested by worker %d", self.shard, msg.worker)
+        return [self._ok(peer, msg)]
+
+    def _on_pull(self, peer: bytes, msg: Message, **fields: Any) -> list[Reply]:
+        """Answer now if the pull's condition holds, else once it does (fields: more of the
+        reply's header, a push+pull's staleness). A pull with a clip scale first makes the
+        held step's update."""
+        if msg.get("scale") is not None:
+            self.rule.scale(msg)
+        self.counters["pulls"] += 1
+        return self._answer_or_wait(peer, msg, fields)
+
+    def _on_norm(self, peer: bytes, msg: Message) -> list[Reply]:
+        """The sum of squares of held step `step`'s averaged gradient on this shard, once every
+        key of it is in."""
+        self.rule.check_norm()
+        return self._answer_or_wait(peer, msg, {})
+
+    def _on_wait(self, peer: bytes, msg: Message) -> list[Reply]:
+        """Answer, without values, once this shard's version reaches min_version (the whole
+        step done, not only some keys); else once it does."""
+        return self._answer_or_wait(peer, msg, {})
+
+    def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
+        w, step, version = msg.worker, msg.get("step"), msg.get("version")
+        if not msg.keys:
+            raise Reject("push names no keys")
+        if version > self.version:
+            raise Reject(f"push says its gradient was computed on version {version}, "
+                         f"but this shard is only at version {self.version}")
+        if step < self.workers.clocks[w]:
+            raise Reject(f"worker {w} already pushed all keys of step {step} (its clock is {self.workers.clocks[w]})")
+        self.rule.check_step(w, step)
+        done = self.workers.pushed(w, step)
+        twice = [k for k in msg.keys if k in done]
+        if twice:
+            raise Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
+        self.rule.check_push(w, step, msg)
+        # validated: from here on the push is applied
+        if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
+            msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
+        ids = msg.ids or [None] * len(msg.keys)
+        stale = self.version - version
+        self.staleness[stale] = self.staleness.get(stale, 0) + 1
+        self.counters["pushes"] += 1
+        self.counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
+        self.rule.push(w, step, msg.keys, msg.tensors, ids, msg.get("lr"), bool(msg.get("hold")))
+        if msg.get("pull"):  # the pushed keys' values, under the push's own conditions
+            conditions = {f: msg.get(f) for f in ("min_version", "clock") if msg.get(f) is not None}
+            pull = Message({"op": "pull", "v": msg.get("v"), "worker": w, "req": msg.req, "keys": msg.keys,
+                            **conditions})
+            return self._on_pull(peer, pull, staleness=stale)
+        return [self._ok(peer, msg, staleness=stale, version=self.version)]
+
+    # -- requests that wait ----------------------------------------------------------------------
+
+    def _answer_or_wait(self, peer: bytes, msg: Message, fields: dict) -> list[Reply]:
+        if self._ready(msg):
+            return [self._answer(peer, msg, **fields)]
+        self.waiting.add(peer, msg, self.clock(), self.config.timeout_s, fields)
+        return []
+
+    def _answer(self, peer: bytes, msg: Message, **fields: Any) -> Reply:
+        """The reply to a pull (its values), a wait (the version) or a norm whose condition holds."""
+        if msg.op == "wait":
+            return self._ok(peer, msg, version=self.version, **fields)
+        if msg.op == "norm":
+            return self._ok(peer, msg, version=self.version, sq=self.rule.norm_of(msg.get("step")), **fields)
+        self._note_gap(msg)
+        return self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)
+
+    def _ready(self, msg: Message) -> bool:
+        min_version = msg.get("min_version")
+        if msg.op == "wait":
+            return self.version >= min_version
+        if msg.op == "norm":
+            return self.rule.norm_ready(msg.get("step"))
+        if msg.get("wait_left") and any(w != msg.worker for w in self.workers.live()):
+            return False
+        if min_version is not None and self.rule.version_of(msg.keys or self.keys) < min_version:
+            return False
+        return self.rule.pull_ready(msg)
+
+    def _waits_for(self, msg: Message) -> str:
+        parts = []
+        if msg.op == "norm":
+            parts.append(self.rule.norm_waits_for(msg.get("step")))
+        if msg.get("min_version") is not None:
+            parts.append(f"version >= {msg.get('min_version')} (shard at version {self.version})")
+        rule_reason = self.rule.pull_waits_for(msg)
+        if rule_reason:
+            parts.append(rule_reason)
+        if msg.get("wait_left"):
+            others = sorted(w for w in self.workers.live() if w != msg.worker)
+            parts.append(f"workers {others} to leave")
+        return " and ".join(parts) or "nothing"
+
+    def _release(self) -> list[Reply]:
+        """Answer the waiting requests whose condition now holds."""
+        if self.aborted:
+            return []
+        return [self._answer(d.peer, d.msg, waited_us=int(waited * 1e6), **d.fields)
+                for d, waited in self.waiting.ready(self._ready, self.clock())]
+
+    def _lose(self, w: int, reason: str) -> None:
+        self.workers.lose(w, reason)
+        if self.config.loss_policy(self.mode) == "abort":
+            self.aborted = f"shard {self.shard} aborted: {reason}"
+            log.error("%s", self.aborted)
+            return
+        log.warning("shard %d: dropping %s; continuing with workers %s", self.shard, reason,
+                    sorted(self.workers.live()))
+        self.rule.worker_gone()
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def _ok(self, peer: bytes, msg: Message, **fields: Any) -> Reply:
+        return self._dispatch.send(peer, encode({"op": "ok", "worker": msg.worker, "req": msg.req, **fields}))
+
+    def _note_gap(self, msg: Message) -> None:
+        """How far ahead of the slowest live worker a pull lets its worker run (any mode)."""
+        clock, slowest = msg.get("clock"), self.workers.slowest()
+        if clock is not None and slowest is not None:
+            self.max_clock_gap = max(self.max_clock_gap, clock - slowest[1])
+
+    def _values(self, peer: bytes, msg: Message, keys: list[int], exact: bool = False, **fields: Any) -> Reply:
+        """The values of keys, in the wire dtype under compression unless exact (join, the
+        final pull, checkpoint: what the worker keeps must be the master values); of the rows
+        a pull names, for a pull by rows."""
+        header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self.rule.version_of(keys),
+                  "keys": list(keys)}
+        if msg.op == "pull":
+            self.rule.read(msg.worker)
+        if msg.op != "pull" or not msg.ids:
+            return self._dispatch.send(peer, encode({**header, **fields}, [self.snapshots.snapshot(k, exact) for k in keys]))
+        wire = self.snapshots.wire if not exact else None
+        tensors = []
+        for k, i in zip(keys, msg.ids):
+            if i is None:
+                tensors.append(self.snapshots.snapshot(k, exact))
+            else:  # index_select copies: the reply never points into the chunk
+                rows = self.chunks[k].detach().index_select(0, i)
+                tensors.append(rows.to(wire) if wire is not None else rows)
+                self.counters["rows_pulled"] += i.numel()
+        return self._dispatch.send(peer, encode({**header, **fields}, tensors, msg.ids))
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def apply(self, keys: Sequence[int], label: str, count: bool = True, lr: float | None = None) -> None:
+        """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
+        skip every chunk without one), at learning rate lr (None: the optimizer's). count: it
+        is an update of the shard (the counter)."""
+        start = time.time()
+        for k in keys:
+            self.snapshots.own(k)
+        # Row gradients are built from validated ids (ps.shard.rows), so torch's own checks of
+        # sparse tensors are off here; saying so keeps the optimizers from warning that they are.
+        with torch.sparse.check_sparse_tensor_invariants(enable=False):
+            self.optimizer.step(keys, lr)
+        for k in keys:
+            self.chunks[k].grad = None
+            self.snapshots.updated(k)
+        self.counters["updates"] += int(count)
+        if self.trace is not None:
+            self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
+
+    def bump(self) -> None:
+        self.version += 1
+        if self.save is not None and self.checkpoint_every and self.version % self.checkpoint_every == 0:
+            self.save(self.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this shard: values, optimizer state, version, clocks."""
+        return {"shard": self.shard, "fingerprint": self.layout.fingerprint, "version": self.version,
+                "values": {k: t.detach().reshape(-1).clone() for k, t in self.chunks.items()},
+                "optimizer": self.optimizer.state_dict(),
+                "clocks": dict(self.workers.clocks), "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from state_dict(); refuses a checkpoint of another shard or layout."""
+        if state.get("shard") != self.shard or state.get("fingerprint") != self.layout.fingerprint:
+            raise ValueError(f"checkpoint is of shard {state.get('shard')} with layout "
+                             f"{str(state.get('fingerprint'))[:12]}, not shard {self.shard} with layout "
+                             f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard?")
+        with torch.no_grad():
+            for k, t in state["values"].items():
+                self.snapshots.own(k)
+                self.chunks[k].copy_(t.reshape(self.chunks[k].shape))
+        self.optimizer.load_state_dict(state.get("optimizer") or {})
+        self.version = int(state["version"])
+        self.workers.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
+        self.counters.update(state["counters"])
+        self.snapshots.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters as a plain dict (str keys, msgpack-able)."""
+        workers = self.workers
+        return {
+            "shard": self.shard, "mode": self.mode, "version": self.version, **self.counters,
+            "staleness": {str(s): n for s, n in sorted(self.staleness.items())},
+            "queue_wait": dict(self.waiting.waits), "deferred": len(self.waiting),
+            "joined_workers": sorted(workers.joined), "live_workers": sorted(workers.live()),
+            "left_workers": sorted(workers.left),
+            "lost_workers": {str(w): why for w, why in workers.lost.items()},
+            "clocks": {str(w): c for w, c in workers.clocks.items()}, "aborted": self.aborted,
+            "max_clock_gap": self.max_clock_gap,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
+        }
