@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from experiments.bench.startup import format_startup, startup
 from experiments.rundir import files
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
 from experiments.rundir.metrics import read_metrics, throughput
@@ -161,6 +162,9 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     out = Path(out or tempfile.mkdtemp(prefix="psar-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     echo(f"bench: results under {out}")
+    start = startup(rounds, workers, out)
+    echo(format_startup(start, workers))
+    echo("")
     table = allreduce_table(workers, out)
     echo(format_allreduce_table(table))
     echo("")
@@ -198,7 +202,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     sparse = sparse_table(workers, min(steps, 20), rounds, out)
     echo(format_sparse_table(sparse, workers, min(steps, 20), rounds))
     report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
-              "quickstart": quick,
+              "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "sparse": sparse}
     files.write_json(out / "bench.json", report)
     return report

@@ -1,8 +1,19 @@
 """`psar`: the command line. Thin: the library does the work, errors become one line."""
 
-import click
+import os
+import sys
 
-from experiments.cli import reporting, running
+from experiments.runtime import zygote
+
+# The commands that start a run's processes: they fork from a zygote, whose torch import runs
+# beside this process's own (below) rather than after it.
+if os.path.basename(sys.argv[0]) in ("psar", "-m", "__main__.py") and sys.argv[1:2] in (["run"], ["launch"], ["compare"]) \
+        and "--help" not in sys.argv:
+    zygote.prestart()
+
+import click  # noqa: E402
+
+from experiments.cli import reporting, running  # noqa: E402
 
 
 @click.group()

@@ -20,6 +20,8 @@ from experiments.runtime.sites import free_port, sites_for
 from experiments.rundir.trace import merge as merge_trace
 from experiments.harness.loop import prepare_run_dir
 from experiments.runtime.worker import SERVERS_FILE
+from experiments.runtime.zygote import Forked, Zygote, can_fork
+from experiments.runtime.zygote import shared as shared_zygote
 
 RUN_DIR_ENV = "PSAR_RUN_DIR"
 """A script's workers find their run directory (config.json, servers.json) here."""
@@ -179,9 +181,11 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     tty = show_progress and sys.stderr.isatty()
-    started: list[tuple[str, subprocess.Popen, Path]] = []
+    started: list[tuple[str, subprocess.Popen | Forked, Path]] = []
     echoes: list[threading.Thread] = []
     why = "the launcher was interrupted"
+    # Processes of this interpreter fork from one that has imported torch once.
+    zygote = shared_zygote(procs[0][2]) if procs and all(can_fork(argv) for _, argv, _ in procs) else None
     try:
         for name, argv, env in procs:
             log_path = log_dir / f"{name.replace(' ', '')}.log"
@@ -189,8 +193,7 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
             if not append:
                 open(log_path, "w").close()
             with open(log_path, "a") as log:  # appending: the launcher's own lines are never overwritten
-                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if echo else log,
-                                        stderr=None if (name == "rank 0" and tty) else log)
+                proc = _start(zygote, argv, env, log, echo, stderr_tty=name == "rank 0" and tty)
             if echo:
                 echoes.append(threading.Thread(target=_tee, args=(proc.stdout, log_path), daemon=True))
                 echoes[-1].start()
@@ -213,6 +216,31 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
             proc.wait()
         for thread in echoes:
             thread.join(5)
+
+
+def _start(zygote: Zygote | None, argv: list[str], env: dict[str, str], log, echo: bool,
+           stderr_tty: bool) -> subprocess.Popen | Forked:
+    """Start argv with its output in log (stdout through a pipe when echoed; stderr on this
+    terminal when stderr_tty), forked from the zygote when there is one."""
+    if zygote is None:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if echo else log,
+                                stderr=None if stderr_tty else log)
+    read = None
+    stdout = log.fileno()
+    if echo:
+        read, stdout = os.pipe()
+    try:
+        proc = Forked(zygote, zygote.fork(argv, env, stdout, 2 if stderr_tty else log.fileno()))
+    except BaseException:
+        if read is not None:
+            os.close(read)
+        raise
+    finally:
+        if echo:
+            os.close(stdout)  # the child holds it now: end of file when it exits
+    if read is not None:
+        proc.stdout = os.fdopen(read, "rb")
+    return proc
 
 
 def _tee(stream, log_path: Path) -> None:
