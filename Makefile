@@ -8,7 +8,7 @@ STAMP := $(VENV)/.psar-installed
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench stress clean
+.PHONY: install demo test bench stress docs clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ ROUNDS ?= 10
 LOAD ?=
 stress: $(STAMP)
 	$(PY) tests/stress.py --rounds $(ROUNDS) $(if $(LOAD),--load) $(STRESS_FILES)
+
+# docs/settings.md from the config dataclasses' field docstrings (tests/test_docs.py checks it).
+docs: $(STAMP)
+	$(PY) -m experiments.settings.reference > docs/settings.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,7 +1,7 @@
 """A DDP script's gradient clipping, learning-rate schedule and accumulation over two
 micro-batches (no_sync) behave on psar's engines as under torchrun DDP, or stop the run with
 the reason: experiments/examples/convnet_ddp.py under torchrun and convnet_psar.py (the
-README's diff) under `psar launch`, float64.
+diff in docs/your-own-script.md) under `psar launch`, float64.
 
 Before: allreduce read the gradients while they were still being all-reduced (four runs,
 four results), ps-sync dropped the clip and the scheduler without a word."""

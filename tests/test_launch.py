@@ -215,8 +215,8 @@ def test_slurm_rendezvous_is_the_first_host_of_the_job(monkeypatch, nodelist, ho
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_psar_server_and_workers_started_by_hand_match_launch(launched, tmp_path):
-    """As the README's sbatch script does it: `psar server --script` on one host, the workers
-    with RANK/WORLD_SIZE (or Slurm's), PSAR_ENGINE and PSAR_SERVERS on others."""
+    """As the sbatch script of docs/your-own-script.md does it: `psar server --script` on one
+    host, the workers with RANK/WORLD_SIZE (or Slurm's), PSAR_ENGINE and PSAR_SERVERS on others."""
     port, master = free_port(), free_port()
     psar = Path(sys.executable).parent / "psar"
     started(subprocess.Popen([str(psar), "server", "--script", str(SCRIPT), "--engine", "ps-sync", "--workers", "2",

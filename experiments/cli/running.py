@@ -57,8 +57,8 @@ def list_cmd() -> None:
 def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net, overwrite,
            resume_dir) -> None:
     """Run your own training SCRIPT (with ARGS) on N workers with one engine, as torchrun
-    would, plus the parameter-server shards; the script uses experiments.api (see the README,
-    "Your own model"). Options come before SCRIPT; what follows it is the script's.
+    would, plus the parameter-server shards; the script uses experiments.api (see
+    docs/your-own-script.md). Options come before SCRIPT; what follows it is the script's.
 
     \b
         psar launch --engine ps-sync --workers 2 --servers 2 --out runs/mine train.py --epochs 1

@@ -1,6 +1,6 @@
 """A small ConvNet on scikit-learn's bundled 8x8 digits, as plain DDP: run it with
 `torchrun --nproc-per-node 2 -m experiments.examples.convnet_ddp`. convnet_psar.py is the
-same script on psar's engines; the README shows the lines that differ."""
+same script on psar's engines; docs/your-own-script.md shows the lines that differ."""
 
 import argparse
 import contextlib
