@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,18 @@ def test_a_child_runs_a_script_with_its_arguments_environment_output_and_exit_co
     assert bad_text("out").startswith("argv ['7'] rank 3")
 
 
+def test_a_child_has_the_launchers_working_directory_and_its_own_pythonpath(zygote, tmp_path, monkeypatch):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper_module.py").write_text("WHO = 'from lib'\n")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")  # after the zygote started elsewhere
+    Path("here.py").write_text("import os, helper_module\nprint(os.getcwd(), helper_module.WHO)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "lib"))
+    proc, text = run(zygote, [sys.executable, "here.py"], tmp_path, "cwd", env=env)
+    assert proc.wait(60) == 0, text("err")
+    assert text("out") == f"{tmp_path / 'work'} from lib\n"
+
+
 def test_a_module_an_exception_and_a_signal_give_pythons_exit_codes(zygote, tmp_path):
     module, module_text = run(zygote, [sys.executable, "-m", "json.tool", "--no-such-flag"], tmp_path, "module")
     assert module.wait(60) == 2 and "usage:" in module_text("err")  # argparse's exit
@@ -74,9 +87,9 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on(zygote, tmp_path):
     with open(tmp_path / "x", "w") as f:
         with pytest.raises(RuntimeError, match="not this interpreter running a module or a script"):
             zygote.fork(["/bin/sh", "-c", "echo hi"], {}, f.fileno(), f.fileno())
-        line = json.dumps({"argv": [sys.executable, "x.py"], "env": {}, "extra": 1}).encode() + b"\n"
+        line = json.dumps({"argv": [sys.executable, "x.py"], "env": {}, "cwd": "/", "extra": 1}).encode() + b"\n"
         socket.send_fds(zygote._sock, [line], [f.fileno(), f.fileno()])
-        assert "has the fields argv and env" in zygote._read(30.0, "a refusal")["error"]
+        assert "has the fields argv, env and cwd" in zygote._read(30.0, "a refusal")["error"]
         socket.send_fds(zygote._sock, [b"not json\n"], [f.fileno(), f.fileno()])
         assert "not JSON" in zygote._read(30.0, "a refusal")["error"]
     ok, _ = run(zygote, [sys.executable, "-m", "json.tool", "--help"], tmp_path, "after")

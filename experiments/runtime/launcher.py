@@ -57,7 +57,8 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
                  quiet: bool = False, resume: bool = False, script: list[str] | None = None) -> list[dict]:
     """Run several configs one after another in the same processes.
 
-    Each process imports torch once for all of them, which is most of a short run's cost.
+    The processes serve all of them, so a batch pays their start-up (forks from the zygote,
+    or an import of torch each on an emulated network) once.
     Every job must need the same processes: workers, and server shards for the ps engines.
     resume: continue each run from its checkpoints, in its own directory, on new ports.
     script: [SCRIPT, ARGS...] a user's training script each worker runs in place of psar's

@@ -5,13 +5,13 @@ most of a short run's wall time on a small machine). The launcher starts this pr
 it imports what every process needs, runs no torch operation (so no thread pool exists yet
 to be lost in a fork), and then forks one child per request:
 
-    launcher -> zygote   {"argv": [python, "-m", MODULE | SCRIPT, ARGS...], "env": {...}}
+    launcher -> zygote   {"argv": [python, "-m", MODULE | SCRIPT, ARGS...], "env": {...}, "cwd": DIR}
                          with two file descriptors (the child's stdout and stderr)
     zygote -> launcher   {"pid": PID}, later {"exited": PID, "code": CODE}
 
 The messages are JSON lines on a Unix socket pair, each checked before it is acted on;
 nothing is pickled. A child runs its module or script as `python ARGV` would run it, with
-the environment it was given, and its exit code is what that run's would be (a negative
+the environment (PYTHONPATH too) and working directory it was given, and its exit code is what that run's would be (a negative
 code: killed by that signal). The launcher signals and kills children by pid, as it would
 its own. When the launcher goes, the zygote kills what it forked and leaves.
 """
@@ -82,7 +82,7 @@ class Zygote:
 
     def fork(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> int:
         """Start argv in a child with env and these stdout and stderr; return its pid."""
-        line = json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n"
+        line = json.dumps({"argv": list(argv), "env": dict(env), "cwd": os.getcwd()}).encode() + b"\n"
         with self._lock:
             self._await_ready()
             socket.send_fds(self._sock, [line], [stdout, stderr])
@@ -203,25 +203,27 @@ class Forked:
 
 # --- the zygote process ---------------------------------------------------------------------
 
-def _request(line: bytes, fds: list[int]) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of a fork request, or ValueError naming what is wrong with it."""
+def _request(line: bytes, fds: list[int]) -> tuple[list[str], dict[str, str], str]:
+    """(argv, env, cwd) of a fork request, or ValueError naming what is wrong with it."""
     try:
         message = json.loads(line)
     except ValueError:
         raise ValueError(f"a fork request is not JSON: {line[:80]!r}") from None
-    if not isinstance(message, dict) or set(message) != {"argv", "env"}:
-        raise ValueError(f"a fork request has the fields argv and env, got {message!r}")
-    argv, env = message["argv"], message["env"]
+    if not isinstance(message, dict) or set(message) != {"argv", "env", "cwd"}:
+        raise ValueError(f"a fork request has the fields argv, env and cwd, got {message!r}")
+    argv, env, cwd = message["argv"], message["env"], message["cwd"]
+    if not (isinstance(cwd, str) and os.path.isdir(cwd)):
+        raise ValueError(f"cwd {cwd!r} is not a directory")
     if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv) and can_fork(argv)):
         raise ValueError(f"argv {argv!r} is not this interpreter running a module or a script")
     if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
         raise ValueError("env must map names to strings")
     if len(fds) != 2:
         raise ValueError(f"a fork request carries 2 file descriptors, got {len(fds)}")
-    return argv, env
+    return argv, env, cwd
 
 
-def _child(argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> None:
+def _child(argv: list[str], env: dict[str, str], cwd: str, stdout: int, stderr: int) -> None:
     """Become `python argv[1:]` in this forked process; never returns."""
     code = 1
     try:
@@ -231,8 +233,14 @@ def _child(argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> No
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
+        os.chdir(cwd)
+        # What python would have put on its path from this environment (PYTHONPATH, then the
+        # zygote's own, which is this interpreter's site-packages and standard library).
+        extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[1:1] = [p for p in extra if p not in sys.path]
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it stands, when the launcher asks
         if argv[1] == "-m":
+            sys.path[0] = cwd
             sys.argv = [argv[2], *argv[3:]]
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
         else:
@@ -286,7 +294,7 @@ def serve(sock: socket.socket) -> None:
                 line, _, buffer = buffer.partition(b"\n")
                 mine, fds = fds[:2], fds[2:]
                 try:
-                    argv, env = _request(line, mine)
+                    argv, env, cwd = _request(line, mine)
                 except ValueError as err:
                     for fd in mine:
                         os.close(fd)
@@ -295,7 +303,7 @@ def serve(sock: socket.socket) -> None:
                 pid = os.fork()
                 if pid == 0:
                     sock.close()
-                    _child(argv, env, *mine)
+                    _child(argv, env, cwd, *mine)
                 for fd in mine:
                     os.close(fd)
                 children.add(pid)
