@@ -84,7 +84,7 @@ def test_library_handle_reduces_on_the_wire_and_copies_back_in_place(fake_all_re
 
 @pytest.mark.timeout(10)
 def test_library_with_a_delay_starts_late_on_its_own_thread(fake_all_reduce):
-    delay = 0.05
+    delay = 0.1
     traced = []
     algo = LibraryAllReduce(0, 3, trace=lambda *a, **k: traced.append((a, k)), delay_s=delay)
     flat = torch.ones(4, dtype=torch.float64)

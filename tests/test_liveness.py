@@ -151,7 +151,7 @@ def test_naming_lost_ranks_turns_a_failed_collective_into_lost_rank(store):
         with pytest.raises(ValueError, match="bad shape"):
             with live.naming_lost_ranks():
                 raise ValueError("bad shape")
-        assert time.monotonic() - started < 2 * INTERVAL_S
+        assert time.monotonic() - started < 4 * INTERVAL_S  # explain() would have waited this long
     finally:
         live.close()
 
