@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.config import PSConfig
+from ps.config import PSConfig, key_mb
 from ps.engine import PSEngine
 from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb
 from ps.local import LocalCluster
@@ -45,7 +45,8 @@ class Run:
     def __init__(self, model, config: PSConfig, mode: str = "sync", shards: int = 1) -> None:
         self.model, self.sent = model, []
         specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
-        self.layout = build_layout(specs, shards, chunk_elems_from_mb(config.chunk_mb or 4.0, 8))
+        # As the shards' layout is cut (experiments/sparsity.py): keys of ps.chunk_mb (0: 4 MiB).
+        self.layout = build_layout(specs, shards, chunk_elems_from_mb(key_mb(config.chunk_mb), 8))
         params = [p.detach().clone() for p in model.parameters()]
         self.cluster = LocalCluster(self.layout, params, lambda p: torch.optim.SGD(p, lr=0.1), mode, 1, config)
         self.engine = PSEngine(0, 1, torch.device("cpu"), self.cluster.addresses, mode, config)
