@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.metrics import param_sha256
-from experiments.models import GPTConfig
+from experiments.rundir.metrics import param_sha256
+from experiments.workloads.models import GPTConfig
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,7 +60,9 @@ def test_gpt_psar_trains_on_the_parameter_server(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["experiment"] == "script:gpt_psar.py" and summary["engine"] == "ps-async"
     assert summary["workers"] == 2 and summary["steps"] == steps
-    assert f"final loss {summary['final_loss']:.3f} after {steps} steps" in out  # the script's own line
+    test_loss = summary["eval"]["test_loss"]  # the script's evaluate, run by job.close
+    assert math.isfinite(test_loss) and test_loss < math.log(GPTConfig().vocab_size)
+    assert f"final loss {summary['final_loss']:.3f}, test loss {test_loss:.3f} after {steps} steps" in out
     # Both workers trained every step on finite losses, and the loss fell from ln(vocab).
     losses = {rank: [r["loss"] for r in records(run_dir, rank)] for rank in (0, 1)}
     assert all(len(ls) == steps and all(map(math.isfinite, ls)) for ls in losses.values()), losses
