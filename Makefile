@@ -35,7 +35,7 @@ LOAD ?=
 stress: $(STAMP)
 	$(PY) tests/stress.py --rounds $(ROUNDS) $(if $(LOAD),--load) $(STRESS_FILES)
 
-# docs/settings.md from the config dataclasses' field docstrings (tests/test_docs.py checks it).
+# docs/settings.md from the config dataclasses' field docstrings (tests/unit/test_docs.py checks it).
 docs: $(STAMP)
 	$(PY) -m experiments.settings.reference > docs/settings.md
 

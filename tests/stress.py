@@ -22,9 +22,10 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("tests/test_ps_processes.py", "tests/test_ps_restart.py", "tests/test_process_loss.py",
-         "tests/test_multihost.py", "tests/test_ps_cluster.py", "tests/test_files.py",
-         "tests/test_network.py", "tests/test_teardown.py")
+FILES = ("tests/process/test_ps_processes.py", "tests/process/test_ps_restart.py",
+         "tests/process/test_process_loss.py", "tests/process/test_multihost.py",
+         "tests/unit/test_ps_cluster.py", "tests/process/test_files.py", "tests/process/test_network.py",
+         "tests/process/test_teardown.py", "tests/process/test_zygote.py")
 
 
 def _spin() -> None:

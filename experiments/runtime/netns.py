@@ -163,7 +163,7 @@ waiting on the other every step) where alone it took 1.1 s; with 10 ms it took 1
 QUEUE_MIN_BYTES = 150_000
 """...and never less than about 100 full frames: 10 ms of a slow link is a few packets (17 at
 20mbit), too few for two senders into one port. With 25 KB at 20mbit, one separate shard's
-step at 2 workers took 1.85 to 2.26 s from run to run (tests/test_net_orderings.py)."""
+step at 2 workers took 1.85 to 2.26 s from run to run (tests/process/test_net_orderings.py)."""
 
 
 HOST_QUEUE_BYTES = 4 << 20

@@ -22,7 +22,7 @@ from experiments.api import script_config
 from experiments.runtime.launcher import LaunchError, launch_batch
 from experiments.runtime.sites import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "experiments" / "examples"
 CLIPPED = ["--float64", "--steps", "8", "--clip", "0.05", "--lr-step", "3", "--micro", "2"]
 SCHEDULED = ["--float64", "--steps", "8", "--lr-step", "3", "--micro", "2"]

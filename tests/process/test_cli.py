@@ -107,7 +107,7 @@ def test_torchrun_launches_the_worker_entry_point(tmp_path):
            "quickstart", "--engine", "allreduce", "--steps", "5", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     _check_run_dir(out, "quickstart", "allreduce", 2, 5)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ps", "allreduce", "experiments", "analysis")
 ENGINES, ABOVE = ("ps", "allreduce"), ("experiments", "analysis")
 

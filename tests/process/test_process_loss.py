@@ -17,7 +17,7 @@ from experiments.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_workers(tmp_path: Path, engine: str, world: int = 2) -> list[subprocess.Popen]:

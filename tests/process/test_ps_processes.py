@@ -20,7 +20,7 @@ from experiments.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Heartbeats and liveness fast; the join window (ps.timeout_s) long enough for every process
 # to start under load (round 3 of a loaded `make stress` saw a worker join after more than 6 s).
 FAST_LIVENESS = ["--set", "ps.timeout_s=30", "--set", "ps.heartbeat_s=0.2", "--set", "ps.worker_timeout_s=3"]

@@ -22,7 +22,7 @@ from experiments.cli import main
 from experiments.runtime.launcher import LaunchError, launch_batch
 from experiments.runtime.sites import ephemeral_range, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "examples" / "convnet_psar.py"
 ARGS = ["--float64", "--steps", "12"]
 ENGINES = {"allreduce": {}, "ddp": {}, "ps-sync": {"servers": 2}}

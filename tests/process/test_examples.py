@@ -2,8 +2,8 @@
 as a user types it (a subprocess, in its own session so that a hang is ended whole).
 
 gpt_psar.py trains under the command its docstring gives. convnet_ddp.py is plain DDP,
-meant for torchrun (tests/test_ddp_contract.py runs it so and compares it with
-convnet_psar.py, whose own runs are in tests/test_launch.py): under `psar launch` it trains
+meant for torchrun (tests/process/test_ddp_contract.py runs it so and compares it with
+convnet_psar.py, whose own runs are in tests/process/test_launch.py): under `psar launch` it trains
 all the same, and the launcher then says what it lacks to make a run of it."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from experiments.workloads.models import GPTConfig
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "experiments" / "examples"
 DEADLINE_S = 120
 

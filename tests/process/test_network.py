@@ -162,7 +162,7 @@ def test_nothing_is_left_and_a_killed_runs_leftovers_are_cleaned():
     code = ("from experiments.runtime.netns import Network\nimport time,sys\n"
             "n = Network(('x',), rate='10mbit').up()\nprint(n.prefix, flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     prefix = proc.stdout.readline().strip()
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -180,7 +180,7 @@ def test_sigterm_removes_the_network():
             "with Network(('x', 'y'), rate='10mbit') as n:\n"
             "    print(n.prefix, flush=True)\n    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     prefix = proc.stdout.readline().strip()
     assert [n for n in network._namespaces() if n.startswith(prefix)]
     proc.send_signal(signal.SIGTERM)

@@ -14,7 +14,7 @@ import pytest
 from experiments.rundir import files
 from experiments.rundir.metrics import MetricsWriter, read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WRITER = """
 import sys

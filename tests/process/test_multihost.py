@@ -24,7 +24,7 @@ from experiments.runtime.netns import Network, NetworkError, unavailable
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
 OVERRIDES = ("dtype=float64", "threads=1")
 SETS = [arg for o in OVERRIDES for arg in ("--set", o)]
