@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -14,7 +13,8 @@ from .backward_state import BackwardStates
 class SharedStore:
     """One rendezvous store for the jobs a process runs one after another (a batch of runs):
     job n's group meets under the key prefix "job<n>/" of a TCPStore made at the first job,
-    which rank 0 serves, at env://'s MASTER_ADDR:MASTER_PORT, for the process's life.
+    which rank 0 serves at `master` (HOST:PORT, env://'s MASTER_ADDR:MASTER_PORT as
+    experiments.harness.distenv reads them), for the process's life.
 
     With a store per job, every job after the first started half a second late: rank 0 is
     always the last to finish a job (it writes the model and summary), and a peer whose
@@ -22,17 +22,18 @@ class SharedStore:
     same order, so their job counts agree.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, master: str) -> None:
+        addr, _, port = master.rpartition(":")
+        if not addr or not port.isdigit():
+            raise ValueError(f"a batch of runs meets at MASTER_ADDR and MASTER_PORT: set both (got {master!r})")
+        self.addr, self.port = addr, int(port)
         self.store: dist.TCPStore | None = None
         self.jobs = 0
 
     def next_job(self, rank: int, world: int, timeout_s: float) -> dist.Store:
         timeout = timedelta(seconds=timeout_s)
         if self.store is None:
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if not addr or not port:
-                raise ValueError("a batch of runs meets at MASTER_ADDR and MASTER_PORT: set both")
-            self.store = dist.TCPStore(addr, int(port), world, rank == 0, timeout)
+            self.store = dist.TCPStore(self.addr, self.port, world, rank == 0, timeout)
         self.store.set_timeout(timeout)
         self.jobs += 1
         return dist.PrefixStore(f"job{self.jobs}/", self.store)
@@ -41,10 +42,11 @@ class SharedStore:
 _shared: SharedStore | None = None
 
 
-def share_store() -> None:
-    """The jobs this process runs from now on meet on one store (see SharedStore)."""
+def share_store(master: str) -> None:
+    """The jobs this process runs from now on meet on one store at master, HOST:PORT (see
+    SharedStore)."""
     global _shared
-    _shared = SharedStore()
+    _shared = SharedStore(master)
 
 
 def init_process_group(device: torch.device, rank: int, world: int, timeout_s: float) -> str:

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         return "usage: python -m experiments.runtime.worker [--resume] RUN_DIR [RUN_DIR ...]"
     if len(argv) > 1:  # a batch of runs: their all-reduce groups meet on one store
-        group.share_store()
+        group.share_store(DistEnv.from_environ().master)
     for run_dir in argv:
         code = run_worker(Path(run_dir), resume=resume)
         if code:
