@@ -109,6 +109,13 @@ def net_option(fn):
                         "(tc units: 200mbit, 1gbit). Needs root. --set net.latency_ms=X adds delay.")(fn)
 
 
+def resume_option(what: str, note: str):
+    """--resume RUN_DIR, for `what` ("the run"), with a note on what carries over."""
+    return click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                        default=None, help=f"Continue {what} in this directory from its last checkpoint "
+                        f"({note}). A finished run is continued only as a copy in --out.")
+
+
 def overwrite_option(fn):
     return click.option("--overwrite", is_flag=True, default=False,
                          help="Replace a finished run already in --out (refused without it).")(fn)

@@ -14,8 +14,8 @@ from experiments.settings.presets import build_config
 
 from experiments.cli.options import (
     EngineChoice, serves, one_per_worker, friendly, run_options_for, run_options, process_counts,
-    net_option, overwrite_option, refuse_finished, run_fields, resumed_dir, with_net, with_board,
-    with_curve, warn_unused, describe_summary, default_run_dir, ENGINES,
+    net_option, overwrite_option, resume_option, refuse_finished, run_fields, resumed_dir, with_net,
+    with_board, with_curve, warn_unused, describe_summary, default_run_dir, ENGINES,
 )
 
 
@@ -47,10 +47,7 @@ def list_cmd() -> None:
 @click.option("--trace", is_flag=True, default=None, help="Write a Chrome trace (trace.json).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override an engine setting, e.g. --set allreduce.algorithm=ring.")
-@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Continue the script's run in this directory from its last checkpoint "
-              "(--set checkpoint.every=K; the script starts its loop at job.start_step). A finished "
-              "run is continued only as a copy in --out.")
+@resume_option("the script's run", "--set checkpoint.every=K; the script starts its loop at job.start_step")
 @overwrite_option
 @net_option
 @friendly
@@ -97,10 +94,7 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
 @process_counts
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
-@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Continue the run in this directory from its last checkpoint "
-              "(its config; --steps and --set may change it). A finished run is continued "
-              "only as a copy in --out.")
+@resume_option("the run", "its config; --steps and --set may change it")
 @overwrite_option
 @net_option
 @run_options
