@@ -84,8 +84,8 @@ def test_a_cycle_is_found():
 
 
 # experiments/ in layers, lowest first: a module imports from its own layer or below only.
-LAYERS = (("engines", "workloads", "rundir"), ("settings",), ("harness",), ("runtime",),
-          ("comparisons", "bench"), ("api", "cli", "examples"))
+LAYERS = (("engines", "workloads", "rundir", "compression"), ("settings",), ("harness",),
+          ("runtime",), ("comparisons", "bench"), ("api", "cli", "examples"))
 
 
 def layer_of(module: str) -> int:

@@ -1,0 +1,47 @@
+"""Random-k: k = max(1, ceil(ratio * n)) entries at indices every worker draws alike.
+
+The indices come from a generator seeded by (seed, step, key), so every worker and every
+server picks the same ones: only the values cross the wire (one frame, k values in the
+tensor's dtype), and the header carries the index seed and k so decompress needs no context.
+Because the indices agree, the sum of N workers' messages is the message of the sum: a
+ring all-reduces them.
+
+Values are sent unscaled, as GRACE and BytePS do with error feedback: the estimate is
+biased (its expectation is k/n times the gradient) and error feedback makes up the rest.
+Scaling by n/k would make it unbiased, at n/k times the variance; psar does not scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from experiments.compression.base import Compressor, Context, Message, count, seed_for
+
+
+def indices(seed: int, n: int, k: int) -> torch.Tensor:
+    """The k indices of a tensor of n elements for a given index seed (sorted, int64)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=gen)[:k].sort().values
+
+
+class RandomK(Compressor):
+    name = "randomk"
+    adds_up = True
+    needs_error_feedback = True
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.ratio, self.seed = ratio, seed
+
+    def compress(self, tensor: torch.Tensor, ctx: Context) -> Message:
+        flat = tensor.reshape(-1)
+        k = count(self.ratio, flat.numel())
+        index_seed = seed_for(self.seed, ctx.step, ctx.key)
+        values = flat[indices(index_seed, flat.numel(), k)]
+        return Message((values,), tuple(tensor.shape), tensor.dtype, (index_seed, k))
+
+    def decompress(self, message: Message) -> torch.Tensor:
+        index_seed, k = message.header
+        n = torch.Size(message.shape).numel()
+        out = torch.zeros(n, dtype=message.dtype)
+        out[indices(index_seed, n, k)] = message.frames[0].to(message.dtype)
+        return out.view(message.shape)
