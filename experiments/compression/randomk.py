@@ -42,6 +42,7 @@ class RandomK(Compressor):
     def decompress(self, message: Message) -> torch.Tensor:
         index_seed, k = message.header
         n = torch.Size(message.shape).numel()
-        out = torch.zeros(n, dtype=message.dtype)
-        out[indices(index_seed, n, k)] = message.frames[0].to(message.dtype)
+        values = message.frames[0]
+        out = torch.zeros(n, dtype=message.dtype, device=values.device)
+        out[indices(index_seed, n, k).to(values.device)] = values.to(message.dtype)
         return out.view(message.shape)

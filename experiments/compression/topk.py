@@ -29,6 +29,6 @@ class TopK(Compressor):
 
     def decompress(self, message: Message) -> torch.Tensor:
         values, indices = message.frames
-        out = torch.zeros(torch.Size(message.shape).numel(), dtype=message.dtype)
+        out = torch.zeros(torch.Size(message.shape).numel(), dtype=message.dtype, device=values.device)
         out[indices.long()] = values.to(message.dtype)
         return out.view(message.shape)
