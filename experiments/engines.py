@@ -207,17 +207,17 @@ def _ps_rows(cfg: Any, problem: str | None) -> tuple[str, bool]:
 
 _PS_OWN = ("ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
            "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb")
-_PS_READS = ("ps.", "servers", "fault.delay_ms")
+_PS_READS = ("ps.", "compress.method", "servers", "fault.delay_ms")
 
 for _spec in [
     EngineSpec("local", "one process accumulates every shard's gradient: the reference",
                "experiments.harness.builders:local", "local", "#7f7f7f",  # grey: the numerical reference
                processes_per_worker=False),
     EngineSpec("ddp", "torch DistributedDataParallel", "experiments.harness.builders:ddp", "ring", "#8c564b",
-               comm_in_backward=True, reads=("allreduce.bucket_cap_mb", "allreduce.compression")),
+               comm_in_backward=True, reads=("allreduce.bucket_cap_mb", "allreduce.compression", "compress.method")),
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                "experiments.harness.builders:allreduce", "ring", "#1f77b4",
-               reads=("allreduce.", "fault.delay_ms"), row_sparse=_allreduce_rows, label_of=_allreduce_label,
+               reads=("allreduce.", "compress.method", "fault.delay_ms"), row_sparse=_allreduce_rows, label_of=_allreduce_label,
                variants=(Label("allreduce/library", "#1f77b4", "library"),          # blue
                          Label("allreduce/ring", "#17becf", "ring"),                # cyan
                          Label("allreduce/library+allgather", "#9467bd", "library", gathers_rows=True),

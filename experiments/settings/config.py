@@ -13,6 +13,7 @@ from ps.config import PSConfig, key_mb
 
 from experiments.workloads import data
 
+from experiments.compression import CompressConfig
 from experiments.rundir import files
 
 from experiments.workloads import models
@@ -23,6 +24,8 @@ from experiments.settings.net import NetConfig, parse_rate
 from experiments.settings.overrides import OverrideError, apply_overrides, dumps, from_dict
 from experiments.workloads.sparsity import embedding_tables, sparse_update_problem
 
+CARRIED = ("none", "fp16", "bf16")
+"""The compress.method values the engines carry (their wire casts)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DEVICES = ("cpu", "cuda")
 
@@ -109,6 +112,10 @@ class RunConfig:
     """All-reduce engine section."""
     ps: PSConfig = field(default_factory=PSConfig)
     """Parameter-server section."""
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    """Gradient compression, one setting for every engine. The engines carry its casts today:
+    compress.method=fp16 or bf16 sets allreduce.compression (allreduce, ddp) and
+    ps.compression (ps-*) alike, which remain as each family's own name for it."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults (a slow worker, a slow link)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -126,6 +133,27 @@ class RunConfig:
             raise ValueError(f"device={self.device!r}: expected cpu or cuda")
         if self.threads < 0 or not self.timeout_s > 0:
             raise ValueError(f"threads={self.threads} must be >= 0 and timeout_s={self.timeout_s} > 0")
+        self._alias_compression()
+
+    def _alias_compression(self) -> None:
+        """compress.method's casts set the engines' own compression settings, which must agree."""
+        import dataclasses
+
+        method = self.compress.method
+        if method not in CARRIED:
+            raise ValueError(f"compress.method={method}: the engines carry {', '.join(CARRIED)} so far; "
+                             f"{method} is not wired to them")
+        if method == "none":
+            return
+        if self.compress.error_feedback:
+            raise ValueError(f"compress.error_feedback=true: the engines send compress.method={method} "
+                             "without error feedback so far")
+        for name in ("allreduce", "ps"):
+            section = getattr(self, name)
+            if section.compression not in ("none", method):
+                raise ValueError(f"compress.method={method} and {name}.compression={section.compression} "
+                                 f"disagree: give one (compress.method sets both engine families)")
+            object.__setattr__(self, name, dataclasses.replace(section, compression=method))
 
     def sparse_tables(self, model: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """{name: module} of the embedding tables this run's engine moves row-sparse (none for
@@ -166,7 +194,7 @@ class ScriptConfig:
 
 def _section_types() -> dict[str, type]:
     classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
-               ScriptConfig]
+               CompressConfig, ScriptConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]
     return {c.__name__: c for c in classes if isinstance(c, type)}

@@ -36,9 +36,15 @@ class Field:
     """(module, class) when the field is itself a dataclass: a section of its own."""
 
 
+def _path(name: str) -> Path:
+    """The source of module `name`: NAME.py, or a package's NAME/__init__.py."""
+    base = ROOT / name.replace(".", "/")
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
 @lru_cache(maxsize=None)
 def _module(name: str) -> ast.Module:
-    path = ROOT / (name.replace(".", "/") + ".py")
+    path = _path(name)
     return ast.parse(path.read_text(), str(path))
 
 
@@ -65,7 +71,7 @@ def find_class(module: str, name: str) -> tuple[str, ast.ClassDef] | None:
     if node is not None:
         return (module, node) if _is_dataclass(node) else None
     source = _imports(module).get(name)
-    if source and (ROOT / (source.replace(".", "/") + ".py")).exists():
+    if source and _path(source).exists():
         return find_class(source, name)
     return None
 
@@ -110,6 +116,8 @@ def fields(module: str, name: str, prefix: str = "") -> list[Field]:
 def _readers(key: str) -> str:
     """Which of psar's own engines read `key` ("every engine" where none lists it)."""
     own = [s for s in engines().values() if s.build.startswith("experiments.harness.builders:")]
+    if key.startswith("compress.") and key != "compress.method":
+        return "none yet"  # the engines carry compress.method's casts only (settings.config.CARRIED)
     if not any(matches(key, s.reads) for s in own):
         return "all"
     return ", ".join(s.name for s in own if s.reads_setting(key))

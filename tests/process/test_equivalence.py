@@ -7,6 +7,8 @@ parameters (and rank 0's BatchNorm buffers) within 1e-10; in float32 within 1e-5
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import max_param_diff, max_rel_diff
@@ -51,6 +53,11 @@ def POOL_JOBS() -> dict[str, dict]:
             overrides=F32 + (f"allreduce.algorithm={algorithm}", "allreduce.compression=fp16"))
     jobs["fp16-ddp"] = dict(experiment="quickstart", engine="ddp",
                             overrides=F32 + ("allreduce.compression=fp16",))
+    # compress.method is the one setting; each family's own name for its casts stays.
+    jobs["fp16-library-compress"] = dict(experiment="quickstart", engine="allreduce",
+                                         overrides=F32 + ("compress.method=fp16",))
+    for name, setting in (("own", "ps.compression=bf16"), ("compress", "compress.method=bf16")):
+        jobs[f"bf16-ps-{name}"] = dict(experiment="quickstart", engine="ps-sync", overrides=F32 + (setting,))
     return jobs
 
 
@@ -86,3 +93,13 @@ def test_ring_with_three_workers_matches_local(results):
 def test_compressed_wire_is_close_but_not_exact(results, algorithm):
     diff = max_rel_diff(results["quickstart-local-f32"][1], results[f"fp16-{algorithm}"][1])
     assert 0 < diff < 1e-2
+
+
+def test_compress_method_is_the_engines_own_compression(results, pool):
+    assert max_param_diff(results["fp16-library"][1], results["fp16-library-compress"][1]) == 0
+    (own_summary, own), (summary, state) = results["bf16-ps-own"], results["bf16-ps-compress"]
+    assert max_param_diff(own, state) == 0 and 0 < max_rel_diff(results["quickstart-local-f32"][1], state) < 1e-1
+    # The gradients' bytes are the same; the few control messages may differ by a byte or so.
+    assert summary["bytes_per_worker_per_step"] == pytest.approx(own_summary["bytes_per_worker_per_step"], rel=1e-4)
+    config = json.loads((pool.folder(__name__) / "bf16-ps-compress" / "config.json").read_text())
+    assert config["ps"]["compression"] == "bf16" == config["compress"]["method"]

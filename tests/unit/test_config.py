@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -114,3 +115,19 @@ def test_servers_with_an_engine_without_servers_is_named():
 
     assert unused(build_config("quickstart", engine="allreduce", servers=2), servers_given=True) == [
         "servers has no effect on --engine allreduce; only ps-sync, ps-async, ps-ssp read it"]
+
+
+def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_carry(tmp_path):
+    cfg = build_config("quickstart", ["compress.method=bf16"], engine="ps-sync")
+    assert (cfg.compress.method, cfg.allreduce.compression, cfg.ps.compression) == ("bf16",) * 3
+    config_mod.save(cfg, tmp_path / "config.json")
+    assert config_mod.load(tmp_path / "config.json") == cfg
+    for overrides, message in [
+        (["compress.method=topk"], "compress.method=topk: the engines carry none, fp16, bf16 so far"),
+        (["compress.method=fp16", "ps.compression=bf16"], "compress.method=fp16 and ps.compression=bf16 disagree"),
+        (["compress.method=fp16", "compress.error_feedback=true"], "without error feedback so far"),
+        (["compress.ratio=0.5"], "compress.ratio=0.5: compress.method=none does not read it"),
+        (["compress.method=zip"], "compress.method='zip': expected one of none, fp16"),
+    ]:
+        with pytest.raises(OverrideError, match=re.escape(message)):
+            build_config("quickstart", overrides)
