@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -14,13 +16,43 @@ from .group import init_process_group, shutdown
 from .liveness import Liveness
 
 
+@dataclass(frozen=True)
+class PowerSGD:
+    """torch's PowerSGDState settings, for its own powerSGD_hook (warm start on, as its default)."""
+
+    rank: int = 1
+    start_step: int = 10
+    error_feedback: bool = True
+    seed: int = 0
+    min_compression_rate: float = 2.0
+
+    def compressed(self, shape: torch.Size) -> bool:
+        """Whether the hook sends this gradient as P and Q (torch's rule: a matrix, and
+        (n + m) * r * min_compression_rate < n * m), not whole."""
+        if len(shape) < 2 or shape.numel() == 0:
+            return False
+        n, m = shape[0], shape.numel() // shape[0]
+        return (n + m) * min(n, m, self.rank) * self.min_compression_rate < n * m
+
+    def elements(self, shape: torch.Size) -> int:
+        """Elements one worker all-reduces for a gradient of this shape after start_step."""
+        if not self.compressed(shape):
+            return shape.numel()
+        n, m = shape[0], shape.numel() // shape[0]
+        return (n + m) * min(n, m, self.rank)
+
+
 class DDPEngine:
     """DDP's reducer waits for its buckets inside backward, so its exposed communication is
-    counted in compute time and `comm_s` is 0."""
+    counted in compute time and `comm_s` is 0. powersgd: compress with torch's own
+    powerSGD_hook (the reference psar's PowerSGD is tested against)."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, powersgd: PowerSGD | None = None) -> None:
+        if powersgd is not None and config.compression != "none":
+            raise ValueError(f"PowerSGD and allreduce.compression={config.compression}: one compression at a time")
         self.rank, self.world, self.device, self.config = rank, world, device, config
+        self.powersgd, self._steps = powersgd, 0
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
@@ -38,6 +70,16 @@ class DDPEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         itemsize = 2 if wire is not None else params[0].element_size()
         self._grad_bytes = bus_bytes(sum(p.numel() for p in params) * itemsize, self.world)
+        if self.powersgd is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hooks
+
+            p = self.powersgd
+            state = hooks.PowerSGDState(process_group=None, matrix_approximation_rank=p.rank,
+                                        start_powerSGD_iter=p.start_step, use_error_feedback=p.error_feedback,
+                                        warm_start=True, random_seed=p.seed,
+                                        min_compression_rate=p.min_compression_rate)
+            self._ddp.register_comm_hook(state, hooks.powerSGD_hook)
+            self._compressed_bytes = bus_bytes(sum(p.elements(q.shape) for q in params) * itemsize, self.world)
         self.optimizer = make_optimizer(params)
         return _NamingLostRanks(self._ddp, self._liveness)
 
@@ -52,7 +94,12 @@ class DDPEngine:
     def step(self) -> dict[str, float]:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        return {"comm_s": 0.0, "bytes_sent": self._grad_bytes, "bytes_recv": self._grad_bytes}
+        # torch's hook sends whole gradients for its first start_step iterations (one per step
+        # here, outside no_sync), then P and Q for the matrices it compresses.
+        compressing = self.powersgd is not None and self._steps >= self.powersgd.start_step
+        self._steps += 1
+        nbytes = self._compressed_bytes if compressing else self._grad_bytes
+        return {"comm_s": 0.0, "bytes_sent": nbytes, "bytes_recv": nbytes}
 
     def report(self) -> dict:
         return {}

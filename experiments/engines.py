@@ -93,6 +93,8 @@ class EngineSpec:
     own: tuple[str, ...] = ()
     """Settings among those it reads that each process may choose for itself; the others
     every process of a run must agree on (experiments.settings.agreement)."""
+    compressions: tuple[str, ...] = ("none", "fp16", "bf16")
+    """The compress.method values it carries (where it reads compress.method)."""
     row_sparse: Callable[[Any, str | None], tuple[str, bool]] | None = None
     """(cfg, why the optimizer cannot update rows sparsely or None) -> (the setting that asks
     for row-sparse tables, whether cfg moves them row-sparse); None: always dense."""
@@ -214,7 +216,9 @@ for _spec in [
                "experiments.harness.builders:local", "local", "#7f7f7f",  # grey: the numerical reference
                processes_per_worker=False),
     EngineSpec("ddp", "torch DistributedDataParallel", "experiments.harness.builders:ddp", "ring", "#8c564b",
-               comm_in_backward=True, reads=("allreduce.bucket_cap_mb", "allreduce.compression", "compress.method")),
+               comm_in_backward=True, compressions=("none", "fp16", "bf16", "powersgd"),  # torch's own hooks
+               reads=("allreduce.bucket_cap_mb", "allreduce.compression", "compress.method", "compress.rank",
+                      "compress.start_step", "compress.error_feedback", "compress.seed")),
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                "experiments.harness.builders:allreduce", "ring", "#1f77b4",
                reads=("allreduce.", "compress.method", "fault.delay_ms"), row_sparse=_allreduce_rows, label_of=_allreduce_label,

@@ -24,12 +24,14 @@ def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace |
 
 
 def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from allreduce.ddp import DDPEngine
+    from allreduce.ddp import DDPEngine, PowerSGD
 
     if cfg.fault.delay_ms:
         raise ValueError("fault.delay_ms cannot be applied to ddp: its messages are inside torch; "
                          "use --engine allreduce to study a slow link")
-    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s)
+    c = cfg.compress
+    powersgd = PowerSGD(c.rank, c.start_step, c.error_feedback is not False, c.seed) if c.method == "powersgd" else None
+    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, powersgd=powersgd)
 
 
 def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

@@ -18,14 +18,15 @@ from experiments.rundir import files
 
 from experiments.workloads import models
 from experiments.rundir.checkpoint import CheckpointConfig
-from experiments.engines import get_engine
+from experiments.engines import engines, get_engine
 from experiments.settings.faults import FaultConfig
 from experiments.settings.net import NetConfig, parse_rate
 from experiments.settings.overrides import OverrideError, apply_overrides, dumps, from_dict
 from experiments.workloads.sparsity import embedding_tables, sparse_update_problem
 
-CARRIED = ("none", "fp16", "bf16")
-"""The compress.method values the engines carry (their wire casts)."""
+CASTS = ("fp16", "bf16")
+"""The compress.method values that are the engines' own wire casts (allreduce.compression,
+ps.compression)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DEVICES = ("cpu", "cuda")
 
@@ -113,9 +114,10 @@ class RunConfig:
     ps: PSConfig = field(default_factory=PSConfig)
     """Parameter-server section."""
     compress: CompressConfig = field(default_factory=CompressConfig)
-    """Gradient compression, one setting for every engine. The engines carry its casts today:
-    compress.method=fp16 or bf16 sets allreduce.compression (allreduce, ddp) and
-    ps.compression (ps-*) alike, which remain as each family's own name for it."""
+    """Gradient compression, one setting for every engine. compress.method=fp16 or bf16 sets
+    allreduce.compression (allreduce, ddp) and ps.compression (ps-*) alike, which remain as
+    each family's own name for it; powersgd runs on ddp through torch's own powerSGD_hook.
+    `psar list` and docs/engines.md say which engine carries which method."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults (a slow worker, a slow link)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -136,18 +138,28 @@ class RunConfig:
         self._alias_compression()
 
     def _alias_compression(self) -> None:
-        """compress.method's casts set the engines' own compression settings, which must agree."""
+        """compress.method's casts set the engines' own compression settings, which must agree;
+        a method the engine does not carry is refused, naming the engines that do."""
         import dataclasses
 
-        method = self.compress.method
-        if method not in CARRIED:
-            raise ValueError(f"compress.method={method}: the engines carry {', '.join(CARRIED)} so far; "
-                             f"{method} is not wired to them")
+        method, spec = self.compress.method, get_engine(self.engine)
         if method == "none":
+            return
+        if spec.reads_setting("compress.method") and method not in spec.compressions:
+            carriers = [name for name, other in engines().items()
+                        if other.reads_setting("compress.method") and method in other.compressions]
+            raise ValueError(f"compress.method={method}: engine {self.engine} carries "
+                             f"{', '.join(spec.compressions)}; "
+                             + (f"{method} runs on {', '.join(carriers)}" if carriers else
+                                f"no engine carries {method} yet"))
+        if method not in CASTS:
+            if method == "powersgd" and self.compress.start_step <= 1:  # torch's PowerSGDState refuses it
+                raise ValueError(f"compress.start_step={self.compress.start_step}: PowerSGD with error "
+                                 "feedback or warm start needs it > 1 (torch's start_powerSGD_iter)")
             return
         if self.compress.error_feedback:
             raise ValueError(f"compress.error_feedback=true: the engines send compress.method={method} "
-                             "without error feedback so far")
+                             "without error feedback")
         for name in ("allreduce", "ps"):
             section = getattr(self, name)
             if section.compression not in ("none", method):

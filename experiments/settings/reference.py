@@ -116,10 +116,8 @@ def fields(module: str, name: str, prefix: str = "") -> list[Field]:
 def _readers(key: str) -> str:
     """Which of psar's own engines read `key` ("every engine" where none lists it)."""
     own = [s for s in engines().values() if s.build.startswith("experiments.harness.builders:")]
-    if key.startswith("compress.") and key != "compress.method":
-        return "none yet"  # the engines carry compress.method's casts only (settings.config.CARRIED)
     if not any(matches(key, s.reads) for s in own):
-        return "all"
+        return "none yet" if key.startswith("compress.") else "all"  # compress.*: methods to come
     return ", ".join(s.name for s in own if s.reads_setting(key))
 
 

@@ -56,6 +56,8 @@ def POOL_JOBS() -> dict[str, dict]:
     # compress.method is the one setting; each family's own name for its casts stays.
     jobs["fp16-library-compress"] = dict(experiment="quickstart", engine="allreduce",
                                          overrides=F32 + ("compress.method=fp16",))
+    jobs["powersgd-ddp"] = dict(experiment="quickstart", engine="ddp",
+                                overrides=F64 + ("compress.method=powersgd", f"compress.start_step={POWERSGD_START}"))
     for name, setting in (("own", "ps.compression=bf16"), ("compress", "compress.method=bf16")):
         jobs[f"bf16-ps-{name}"] = dict(experiment="quickstart", engine="ps-sync", overrides=F32 + (setting,))
     return jobs
@@ -93,6 +95,25 @@ def test_ring_with_three_workers_matches_local(results):
 def test_compressed_wire_is_close_but_not_exact(results, algorithm):
     diff = max_rel_diff(results["quickstart-local-f32"][1], results[f"fp16-{algorithm}"][1])
     assert 0 < diff < 1e-2
+
+
+POWERSGD_START = 3
+
+
+def test_ddp_runs_powersgd_through_torchs_hook(results, pool):
+    """Whole gradients for start_step steps, then rank-1 P and Q for quickstart's two weight
+    matrices (its biases go whole), as torch's powerSGD_hook decides; the parameters leave the
+    uncompressed run's."""
+    summary, state = results["powersgd-ddp"]
+    _, dense = results["quickstart-ddp-f64"]
+    assert 1e-6 < max_param_diff(dense, state) and summary["final_loss"] < 2.2
+    sent = [json.loads(line)["bytes_sent"] for line in
+            (pool.folder(__name__) / "powersgd-ddp" / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    shapes = [t.shape for t in state.values()]
+    whole = sum(s.numel() for s in shapes) * 8  # float64, 2 workers: the ring's 2(N-1)/N is 1
+    low_rank = sum((s[0] + s[1]) if len(s) == 2 else s.numel() for s in shapes) * 8
+    assert sent[:POWERSGD_START] == [whole] * POWERSGD_START
+    assert set(sent[POWERSGD_START:]) == {low_rank} and low_rank < whole / 5
 
 
 def test_compress_method_is_the_engines_own_compression(results, pool):

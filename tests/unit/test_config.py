@@ -123,11 +123,16 @@ def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_c
     config_mod.save(cfg, tmp_path / "config.json")
     assert config_mod.load(tmp_path / "config.json") == cfg
     for overrides, message in [
-        (["compress.method=topk"], "compress.method=topk: the engines carry none, fp16, bf16 so far"),
+        (["compress.method=topk"], "compress.method=topk: engine allreduce carries none, fp16, bf16; no engine carries topk yet"),
+        (["compress.method=powersgd"], "compress.method=powersgd: engine allreduce carries none, fp16, bf16; powersgd runs on ddp"),
         (["compress.method=fp16", "ps.compression=bf16"], "compress.method=fp16 and ps.compression=bf16 disagree"),
-        (["compress.method=fp16", "compress.error_feedback=true"], "without error feedback so far"),
+        (["compress.method=fp16", "compress.error_feedback=true"], "send compress.method=fp16 without error feedback"),
         (["compress.ratio=0.5"], "compress.ratio=0.5: compress.method=none does not read it"),
         (["compress.method=zip"], "compress.method='zip': expected one of none, fp16"),
     ]:
         with pytest.raises(OverrideError, match=re.escape(message)):
             build_config("quickstart", overrides)
+    powersgd = build_config("quickstart", ["compress.method=powersgd", "compress.rank=2"], engine="ddp")
+    assert powersgd.compress.rank == 2 and powersgd.allreduce.compression == "none"
+    with pytest.raises(OverrideError, match=re.escape("compress.start_step=1: PowerSGD with error feedback")):
+        build_config("quickstart", ["compress.method=powersgd", "compress.start_step=1"], engine="ddp")
