@@ -18,6 +18,7 @@ import torch
 
 from .backward_state import BackwardStates
 from .collective import make_collective
+from .compressed import CompressedExchange
 from .compression import wire_dtype
 from .config import AllReduceConfig
 from .group import broadcast_tensors, init_process_group, shutdown
@@ -33,14 +34,28 @@ class AllReduceEngine:
 
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
                  timeout_s: float = 60.0, trace=None, delay_s: float = 0.0,
-                 sparse_tables: SparseTables | None = None) -> None:
+                 sparse_tables: SparseTables | None = None, compression=None) -> None:
         """trace: optional callable(name, start, end, thread=...) for each bucket's all-reduce;
         delay_s: injected latency of every message (a slow link); sparse_tables: callable(model)
         -> {parameter name: nn.Embedding/EmbeddingBag} of the tables to all-gather row-sparse,
-        asked at attach (default None: every table is all-reduced dense in the buckets)."""
+        asked at attach (default None: every table is all-reduced dense in the buckets);
+        compression: (compressor, error-feedback memory or None), experiments/compression's,
+        for the buckets (allreduce/compressed.py)."""
         if config.sparse == "allgather" and sparse_tables is None:
             raise ValueError("allreduce.sparse=allgather needs sparse_tables, the callable that "
                              "names the model's row-sparse tables")
+        if compression is not None:
+            compressor = compression[0]
+            if config.compression != "none":
+                raise ValueError(f"compress.method={compressor.name} and allreduce.compression="
+                                 f"{config.compression}: one compression at a time")
+            if not compressor.adds_up and (config.algorithm != "library" or delay_s):
+                raise ValueError(f"compress.method={compressor.name} is all-gathered, through the "
+                                 "library's all_gather: it needs allreduce.algorithm=library and no fault.delay_ms")
+            if config.sparse == "allgather":
+                raise ValueError(f"compress.method={compressor.name} with allreduce.sparse=allgather: "
+                                 "the tables' rows would travel uncompressed; choose one")
+        self._compression = compression
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.trace, self.delay_s = trace, delay_s
         self._sparse_tables = sparse_tables
@@ -62,11 +77,13 @@ class AllReduceEngine:
                                            self.trace, self.delay_s)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
+        exchange = (CompressedExchange(*self._compression, self.rank, self.world, self._collective)
+                    if self._compression is not None else None)
         self._reducer = Reducer(
             bucketed, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,
             first_cap_mb=self.config.first_bucket_mb,
             wire_dtype=wire_dtype(self.config.compression, params[0][1].dtype),
-            unused=self.config.unused,
+            unused=self.config.unused, exchange=exchange,
         )
         self.optimizer = make_optimizer([p for _, p in params if p.requires_grad])
         return model

@@ -41,14 +41,17 @@ class Reducer:
         cap_mb / first_cap_mb: bucket caps in MiB (default 25 and 1).
         wire_dtype: dtype the buckets travel in, or None to send as they are.
         unused: 'error' raises naming parameters that got no gradient; 'zero' reduces zeros.
+        exchange: a CompressedExchange (allreduce/compressed.py): each bucket is compressed,
+            with its error feedback, and combined by it in place of the plain all-reduce.
     """
 
     def __init__(self, named_params, collective, world: int, cap_mb: float = 25.0,
                  first_cap_mb: float = 1.0, wire_dtype: torch.dtype | None = None,
-                 unused: str = "error") -> None:
+                 unused: str = "error", exchange=None) -> None:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.collective, self.world = collective, world
-        self.wire_dtype, self.unused = wire_dtype, unused
+        self.wire_dtype, self.unused, self.exchange = wire_dtype, unused, exchange
+        self._steps = 0  # reductions finished: the compressors' step
         order = assign_buckets(
             [p.numel() * p.element_size() for _, p in named],
             cap_bytes=int(cap_mb * 2**20),
@@ -97,9 +100,13 @@ class Reducer:
             self._next += 1
 
     def _start(self, bucket: Bucket) -> None:
+        name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
+        if self.exchange is not None:  # it averages once the messages are in
+            bucket.handle, nbytes = self.exchange.start(f"bucket{self._next}", bucket.flat, self._steps, name)
+            self.bytes_sent += nbytes
+            return
         # Average before the cast so that fp16 cannot overflow on the sum.
         bucket.flat.div_(self.world)
-        name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
         bucket.handle, nbytes = self.collective.start(bucket.flat, self.wire_dtype, name)
         self.bytes_sent += nbytes
 
@@ -124,6 +131,7 @@ class Reducer:
         for bucket in self.buckets:
             bucket.ready = set()
         self._next = 0
+        self._steps += 1
         return waited
 
     def zero_grad(self) -> None:

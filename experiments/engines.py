@@ -221,7 +221,10 @@ for _spec in [
                       "compress.start_step", "compress.error_feedback", "compress.seed")),
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                "experiments.harness.builders:allreduce", "ring", "#1f77b4",
-               reads=("allreduce.", "compress.method", "fault.delay_ms"), row_sparse=_allreduce_rows, label_of=_allreduce_label,
+               compressions=("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"),
+               reads=("allreduce.", "compress.method", "compress.ratio", "compress.levels", "compress.error_feedback",
+                      "compress.seed", "fault.delay_ms"),
+               row_sparse=_allreduce_rows, label_of=_allreduce_label,
                variants=(Label("allreduce/library", "#1f77b4", "library"),          # blue
                          Label("allreduce/ring", "#17becf", "ring"),                # cyan
                          Label("allreduce/library+allgather", "#9467bd", "library", gathers_rows=True),

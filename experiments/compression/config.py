@@ -50,6 +50,10 @@ class CompressConfig:
             raise ValueError(f"compress.rank={self.rank}: must be >= 1")
         if self.start_step < 0:
             raise ValueError(f"compress.start_step={self.start_step}: must be >= 0")
+
+    def check(self) -> None:
+        """Refuse a setting given a value that the method does not read (after every override
+        is applied: they come one at a time, in any order)."""
         for f in fields(self):
             if f.name != "method" and f.name not in READS[self.method] \
                     and getattr(self, f.name) != f.default:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from experiments.settings.config import RunConfig
+from experiments.settings.config import CASTS, RunConfig
 from experiments.harness.distenv import DistEnv
 from experiments.engines import Engine, Trace, get_engine
 
@@ -19,8 +19,9 @@ def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace |
     from allreduce.engine import AllReduceEngine
 
     # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
+    compression = cfg.compress.build() if cfg.compress.method not in ("none", *CASTS) else None
     return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
-                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables)
+                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=compression)
 
 
 def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

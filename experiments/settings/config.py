@@ -241,6 +241,7 @@ def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
         check = getattr(config.model, "check_data", None)  # after every override: they come one by one
         if check is not None:
             check(config.data)
+        config.compress.check()
         return config
     except (TypeError, ValueError) as err:
         raise OverrideError(str(err)) from None

@@ -56,6 +56,11 @@ def POOL_JOBS() -> dict[str, dict]:
     # compress.method is the one setting; each family's own name for its casts stays.
     jobs["fp16-library-compress"] = dict(experiment="quickstart", engine="allreduce",
                                          overrides=F32 + ("compress.method=fp16",))
+    for method in ("topk", "randomk"):  # every entry sent: the uncompressed run, up to the sum's order
+        jobs[f"{method}-whole-allreduce"] = dict(experiment="quickstart", engine="allreduce",
+                                                 overrides=F64 + (f"compress.method={method}", "compress.ratio=1.0"))
+    jobs["topk-allreduce"] = dict(experiment="quickstart", engine="allreduce",
+                                  overrides=F64 + ("compress.method=topk", "compress.ratio=0.05"))
     jobs["powersgd-ddp"] = dict(experiment="quickstart", engine="ddp",
                                 overrides=F64 + ("compress.method=powersgd", f"compress.start_step={POWERSGD_START}"))
     for name, setting in (("own", "ps.compression=bf16"), ("compress", "compress.method=bf16")):
@@ -114,6 +119,21 @@ def test_ddp_runs_powersgd_through_torchs_hook(results, pool):
     low_rank = sum((s[0] + s[1]) if len(s) == 2 else s.numel() for s in shapes) * 8
     assert sent[:POWERSGD_START] == [whole] * POWERSGD_START
     assert set(sent[POWERSGD_START:]) == {low_rank} and low_rank < whole / 5
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk"])
+def test_top_k_and_random_k_of_every_entry_train_as_uncompressed(results, method):
+    assert max_param_diff(results["quickstart-library-f64"][1], results[f"{method}-whole-allreduce"][1]) < 1e-12
+
+
+def test_top_k_is_all_gathered_with_its_indices(results, pool):
+    """quickstart's one bucket of 9610 float64 gradients: 481 values and their int32 indices,
+    sent to the other worker; error feedback keeps what is left for later steps."""
+    summary, state = results["topk-allreduce"]
+    assert 1e-3 < max_param_diff(results["quickstart-library-f64"][1], state) and summary["final_loss"] < 2.2
+    sent = {json.loads(line)["bytes_sent"] for line in
+            (pool.folder(__name__) / "topk-allreduce" / "metrics" / "rank0.jsonl").read_text().splitlines()}
+    assert sent == {481 * (8 + 4)}
 
 
 def test_compress_method_is_the_engines_own_compression(results, pool):

@@ -123,8 +123,8 @@ def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_c
     config_mod.save(cfg, tmp_path / "config.json")
     assert config_mod.load(tmp_path / "config.json") == cfg
     for overrides, message in [
-        (["compress.method=topk"], "compress.method=topk: engine allreduce carries none, fp16, bf16; no engine carries topk yet"),
-        (["compress.method=powersgd"], "compress.method=powersgd: engine allreduce carries none, fp16, bf16; powersgd runs on ddp"),
+        (["compress.method=powersgd"], "compress.method=powersgd: engine allreduce carries none, fp16, bf16, topk, "
+                                       "randomk, sign, qsgd; powersgd runs on ddp"),
         (["compress.method=fp16", "ps.compression=bf16"], "compress.method=fp16 and ps.compression=bf16 disagree"),
         (["compress.method=fp16", "compress.error_feedback=true"], "send compress.method=fp16 without error feedback"),
         (["compress.ratio=0.5"], "compress.ratio=0.5: compress.method=none does not read it"),
@@ -132,6 +132,10 @@ def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_c
     ]:
         with pytest.raises(OverrideError, match=re.escape(message)):
             build_config("quickstart", overrides)
+    with pytest.raises(OverrideError, match="compress.method=topk: engine ps-sync carries none, fp16, bf16; topk runs on allreduce"):
+        build_config("quickstart", ["compress.method=topk"], engine="ps-sync")
+    # Overrides come one at a time, in any order: a setting may come before its method.
+    assert build_config("quickstart", ["compress.ratio=0.05", "compress.method=topk"]).compress.ratio == 0.05
     powersgd = build_config("quickstart", ["compress.method=powersgd", "compress.rank=2"], engine="ddp")
     assert powersgd.compress.rank == 2 and powersgd.allreduce.compression == "none"
     with pytest.raises(OverrideError, match=re.escape("compress.start_step=1: PowerSGD with error feedback")):
