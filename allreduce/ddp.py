@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .backward_state import BackwardStates
@@ -65,8 +64,11 @@ class DDPEngine:
                 model, device_ids=ids, bucket_cap_mb=self.config.bucket_cap_mb,
             )  # buffers: rank 0's at every forward, DDP's default (torch 2.13 warns when it is named)
         wire = WIRE_DTYPES[self.config.compression]
-        if wire is not None:  # the same wire compression as the allreduce engine
-            self._ddp.register_comm_hook(self.world, _cast_hook(wire))
+        if wire is not None:  # torch's own hooks, the reference for the allreduce engine's casts
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.fp16_compress_hook if wire == torch.float16 else default_hooks.bf16_compress_hook
+            self._ddp.register_comm_hook(None, hook)
         params = [p for p in model.parameters() if p.requires_grad]
         itemsize = 2 if wire is not None else params[0].element_size()
         self._grad_bytes = bus_bytes(sum(p.numel() for p in params) * itemsize, self.world)
@@ -136,21 +138,3 @@ class _NamingLostRanks(torch.nn.Module):
         self._model.train(mode)  # the model's own flag too: its forward may read self.training
         self.training = mode
         return self
-
-
-def _cast_hook(wire: torch.dtype):
-    """DDP comm hook: average, cast to `wire` for the all-reduce, cast back (any backend)."""
-
-    # No annotations: DDP inspects them, and this module's are strings.
-    def hook(world, bucket):
-        buffer = bucket.buffer()
-        compressed = buffer.div(world).to(wire)
-        future = dist.all_reduce(compressed, async_op=True).get_future()
-
-        def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            buffer.copy_(fut.value()[0])
-            return buffer
-
-        return future.then(decompress)
-
-    return hook
