@@ -43,6 +43,31 @@ class Run:
         return spec.label(self.config)
 
     @property
+    def compression(self) -> str:
+        """How the run compressed its gradients, "" for not at all: "topk 0.05", "fp16",
+        "powersgd r1" ("no EF" where error feedback was turned off). Runs that differ here
+        are different cells of a comparison, never repeats of one."""
+        section = self.config.get("compress", {})
+        method = section.get("method", "none")
+        if method == "none":  # the families' own names for the casts
+            family = self.spec.family if self.engine_known else ""
+            cast = self.config.get({"ring": "allreduce", "ps": "ps"}.get(family, ""), {}).get("compression", "none")
+            return "" if cast in ("none", None) else cast
+        detail = {"topk": "ratio", "randomk": "ratio", "qsgd": "levels"}.get(method)
+        text = f"{method} {section.get(detail)}" if detail and section.get(detail) is not None else method
+        if method == "powersgd":
+            text = f"powersgd r{section.get('rank', 1)}"
+        return text + (" no EF" if section.get("error_feedback") is False else "")
+
+    @property
+    def engine_known(self) -> bool:
+        try:
+            self.spec
+        except ValueError:
+            return False
+        return True
+
+    @property
     def placement(self) -> str | None:
         """Where a ps-* run's shards were on an emulated network ("colocated", "separate"),
         with ", phased" under ps.exchange=phased; None for other engines and on loopback."""

@@ -41,9 +41,9 @@ def colours(runs: list[Run]) -> dict[str, str]:
 
 
 def label_of(run: Run, workers: bool = False) -> str:
-    """run.label, then " xN" (N workers) when `workers`, then " (S shards)" for a
+    """run.label (with " +COMPRESSION" where it compressed), then " xN" (N workers) when `workers`, then " (S shards)" for a
     parameter-server run on more than one server: "ps-sync x4 (2 shards)"."""
-    text = run.label
+    text = f"{run.label} +{run.compression}" if run.compression else run.label
     if workers:
         text += f" x{run.summary['workers']}"
     servers = run.summary.get("servers", 1)

@@ -95,12 +95,14 @@ def _speedup_note(speedup: float | None, workers: int) -> str:
 
 
 def cell_of(run: Run) -> tuple:
-    """The grid cell a run belongs to: repeats of one cell are summarised in one row. On an
+    """The grid cell a run belongs to: repeats of one cell are summarised in one row. The
+    name is the engine's label, with its compression ("allreduce/library +topk 0.01"). On an
     emulated network a ps-* run's servers say where the shards were: "2 separate"."""
+    name = f"{run.label} +{run.compression}" if run.compression else run.label
     if not run.spec.uses_servers:
-        return run.label, run.summary["workers"], ""
+        return name, run.summary["workers"], ""
     servers = run.summary.get("servers", 1)
-    return run.label, run.summary["workers"], f"{servers} {run.placement}" if run.placement else servers
+    return name, run.summary["workers"], f"{servers} {run.placement}" if run.placement else servers
 
 
 def failed_rows(failures: list[dict]) -> list[dict]:

@@ -94,8 +94,25 @@ def run_traffic(run: Run) -> Traffic:
         if records:
             return Traffic(median([r["bytes_sent"] for r in records]), median([r.get("bytes_recv", 0) for r in records]))
         return Traffic(float(wire_bytes(run)))
+    method = run.config.get("compress", {}).get("method", "none")
+    if kind == "ring" and method not in ("none", "fp16", "bf16"):  # the casts are priced by wire_bytes
+        records = [r for r in run.steady_records() if r.get("bytes_sent")]
+        if records:
+            return compressed_traffic(method, median([r["bytes_sent"] for r in records]), run.summary["workers"])
     records = [r for r in run.steady_records() if "gathered_bytes" in r] if kind == "ring" else []
     if records:  # the tables are gathered, not all-reduced: M is what the buckets carried
         return Traffic(median([r["bytes_sent"] - r["gathered_bytes"] for r in records]),
                        gathered=median([r["gathered_bytes"] for r in records]))
     return Traffic(float(wire_bytes(run)))
+
+
+def compressed_traffic(method: str, sent: float, workers: int) -> Traffic:
+    """What a compressed ring run moved, from the bytes each worker sent per step: messages
+    that add up (random-k, PowerSGD's P and Q) are all-reduced, so M is sent / (2(N-1)/N);
+    the others (top-k, sign, QSGD) are all-gathered, each host sending N-1 messages."""
+    from experiments.compression import CompressConfig
+
+    compressor, _ = CompressConfig(method=method).build()
+    if compressor.adds_up:
+        return Traffic(sent * workers / (2 * (workers - 1)) if workers > 1 else 0.0)
+    return Traffic(0.0, gathered=sent)

@@ -11,7 +11,7 @@ import torch
 from analysis.costmodel import (CostModel, Fit, bucket_count, compute_time, fit_allreduce, fit_ps,
                                 fit_summary, format_validation, measured_step,
                                 plot_scaling, scaling, shard_count, validate)
-from analysis.traffic import gradient_bytes, push_messages, wire_bytes
+from analysis.traffic import gradient_bytes, push_messages, run_traffic, wire_bytes
 from analysis.results import load_run
 
 MIB = 2**20
@@ -190,18 +190,21 @@ COMPUTE = ([9.0, 0.10, 0.12, 0.11], [9.0, 0.11, 0.13, 0.12])  # median after ste
 STEP = ([9.0, 0.20, 0.22, 0.21], [9.0, 0.21, 0.23, 0.22])  # median after step 0: 0.215
 
 
-def write_run(path, engine, workers=2, servers=1, algorithm="library", compression="none"):
+def write_run(path, engine, workers=2, servers=1, algorithm="library", compression="none", method="none",
+              sent=None):
     (path / "metrics").mkdir(parents=True)
     config = {"experiment": "toy", "engine": engine, "workers": workers, "servers": servers,
               "batch_size": 32, "dtype": "float32",
               "allreduce": {"algorithm": algorithm, "bucket_cap_mb": 1.0, "first_bucket_mb": 0.5,
-                            "compression": compression}}
+                            "compression": compression},
+              "compress": {"method": method}}
     summary = {"experiment": "toy", "engine": engine, "workers": workers, "servers": servers,
                "steps": 4, "samples_per_sec": 100.0, "final_loss": 1.0, "bytes_per_worker_per_step": 0}
     (path / "config.json").write_text(json.dumps(config))
     (path / "summary.json").write_text(json.dumps(summary))
     for rank in range(2):
-        lines = [json.dumps({"step": i, "compute_s": c, "comm_s": s - c, "step_s": s, "samples": 32})
+        lines = [json.dumps({"step": i, "compute_s": c, "comm_s": s - c, "step_s": s, "samples": 32,
+                             **({"bytes_sent": sent} if sent else {})})
                  for i, (c, s) in enumerate(zip(COMPUTE[rank], STEP[rank]))]
         (path / "metrics" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     state = {"w": torch.zeros(512, 1024), "bn.running_mean": torch.zeros(16),
@@ -209,6 +212,15 @@ def write_run(path, engine, workers=2, servers=1, algorithm="library", compressi
              "b": torch.zeros(8, dtype=torch.float64)}
     torch.save(state, path / "model.pt")
     return load_run(path)
+
+
+def test_compressed_ring_runs_are_priced_by_what_they_sent(tmp_path):
+    # top-k is all-gathered: each host sent its N-1 = 3 messages of 1000 bytes.
+    gathered = run_traffic(write_run(tmp_path / "t", "allreduce", workers=4, method="topk", sent=3000))
+    assert (gathered.push, gathered.gathered) == (0.0, 3000)
+    # random-k adds up and is all-reduced: 2(N-1)/N of M = 1000 bytes is 1500.
+    reduced = run_traffic(write_run(tmp_path / "r", "allreduce", workers=4, method="randomk", sent=1500))
+    assert (reduced.push, reduced.gathered) == (1000, 0.0)
 
 
 def test_run_quantities(tmp_path):

@@ -73,6 +73,21 @@ def test_where_the_shards_were_and_how_they_answered_tell_cells_apart():
     assert _run("allreduce", 2, 1.0).placement is None
 
 
+def test_runs_that_compress_differently_are_different_cells_never_repeats():
+    def run(config: dict, rate: float, engine: str = "allreduce") -> Run:
+        plain = _run(engine, 2, rate)
+        return Run(plain.path, config, plain.summary, plain.metrics)
+
+    table = rows([run({}, 100.0), run({"compress": {"method": "topk", "ratio": 0.01}}, 300.0),
+                  run({"allreduce": {"compression": "fp16"}}, 200.0),
+                  run({"compress": {"method": "qsgd", "levels": 4, "error_feedback": False}}, 150.0),
+                  run({"ps": {"compression": "bf16"}}, 50.0, engine="ps-sync")])
+    assert [(r["engine"], r["samples_per_sec"]) for r in table] == [
+        ("allreduce/library", 100.0), ("allreduce/library +fp16", 200.0),
+        ("allreduce/library +qsgd 4 no EF", 150.0), ("allreduce/library +topk 0.01", 300.0),
+        ("ps-sync +bf16", 50.0)]
+
+
 def test_the_verdict_names_the_fastest_engine_and_whether_repeats_tell_them_apart():
     from analysis.verdict import verdicts
 
