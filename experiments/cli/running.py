@@ -31,7 +31,9 @@ def list_cmd() -> None:
         click.echo(f"  {grid.name:15s} {grid.experiment}{net}: {grid.claim}")
     click.echo("engines:")
     for spec in ENGINES.values():
-        click.echo(f"  {spec.name:15s} {spec.summary}")
+        carries = (f" [compress.method: {', '.join(m for m in spec.compressions if m != 'none')}]"
+                   if spec.reads_setting("compress.method") else "")
+        click.echo(f"  {spec.name:15s} {spec.summary}{carries}")
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -33,6 +33,9 @@ def test_list_names_every_experiment_and_engine():
     assert result.exit_code == 0
     for name in list(PRESETS) + ["local", "ddp", "allreduce"]:
         assert name in result.output
+    # Which compressions each engine carries, from the registry.
+    assert "ddp             torch DistributedDataParallel [compress.method: fp16, bf16, powersgd]" in result.output
+    assert "[compress.method: fp16, bf16, topk, randomk, sign, qsgd]" in result.output
 
 
 @pytest.mark.parametrize("args,message", [
