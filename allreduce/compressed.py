@@ -43,7 +43,7 @@ class CompressedExchange:
         self.compressor, self.memory = compressor, memory
         self.rank, self.world, self.collective = rank, world, collective
 
-    def start(self, key: str, flat: torch.Tensor, step: int, name: str):
+    def start(self, key: str, flat: torch.Tensor, step: int, name: str, params=()):
         compensated = self.memory.compensate(key, flat) if self.memory is not None else flat
         message = self.compressor.compress(compensated, _Context(step, key, self.rank))
         if self.memory is not None:
@@ -82,3 +82,98 @@ class _Gathered:
             frames = [out[w] for out in self._gathered]
             self._flat.add_(self._x.compressor.decompress(_Message(frames, self._message)).view_as(self._flat))
         self._flat.div_(self._x.world)
+
+
+class PowerSGDExchange:
+    """PowerSGD per bucket, as torch's powerSGD_hook runs it (compressor: experiments'
+    PowerSGD, by shape: compresses / project / finish / reconstruct and its Q memory).
+
+    The bucket plus its error-feedback residual is cut into its parameters; the matrices the
+    compressor compresses at this step send P (all-reduced, summed), then Q (all-reduced,
+    divided by N), the others go whole in one all-reduce (divided by N). Q's first values are
+    torch's: one seed per bucket from numpy's RandomState(seed), drawn in the bucket's
+    shape-grouped order at its first compressed step, so that a bucket laid out as DDP's
+    ends as torch's hook does. The residual is what this worker had minus what the step
+    applies (the mean for whole tensors, the approximation for the others), as torch keeps it.
+    """
+
+    def __init__(self, compressor, memory, rank: int, world: int, collective, seed: int) -> None:
+        import numpy as np
+
+        self.compressor, self.memory = compressor, memory
+        self.rank, self.world, self.collective = rank, world, collective
+        self._rng = np.random.RandomState(seed)
+        self._drawn: set[str] = set()
+
+    def start(self, key: str, flat: torch.Tensor, step: int, name: str, params=()):
+        """params: (name, shape) of the bucket's parameters, in its order."""
+        compensated = self.memory.compensate(key, flat) if self.memory is not None else flat
+        parts, offset = [], 0
+        for pname, shape in params:
+            n = torch.Size(shape).numel()
+            parts.append((pname, shape, compensated[offset: offset + n].view(shape)))
+            offset += n
+        squeezed = [p for p in parts if self.compressor.compresses(tuple(p[1]), step)]
+        whole = [p for p in parts if p not in squeezed]
+        if squeezed and key not in self._drawn:
+            self._draw_first_q(squeezed, flat.dtype)
+            self._drawn.add(key)
+        ctx = {pname: _Context(step, pname, self.rank) for pname, _, _ in parts}
+        dense = torch.cat([t.reshape(-1) for _, _, t in whole]) if whole else flat.new_zeros(0)
+        ps = torch.cat([self.compressor.project(t, ctx[pname]).reshape(-1) for pname, _, t in squeezed]) \
+            if squeezed else flat.new_zeros(0)
+        handles = [self.collective.start(t, None, f"{name} {what}")[0]
+                   for t, what in ((dense, "whole"), (ps, "P")) if t.numel()]
+        nbytes = (dense.numel() + ps.numel()) * flat.element_size()
+        nbytes += sum(self.compressor.matrix_rank(tuple(s)) * (torch.Size(s).numel() // s[0])
+                      for _, s, _ in squeezed) * flat.element_size()  # Q, sent at wait()
+        order = [pname for pname, _, _ in parts]
+        return _PowerSGDStep(self, key, flat, compensated, order, whole, squeezed, ctx, dense, ps, handles), \
+            bus_bytes(nbytes, self.world)
+
+    def _draw_first_q(self, squeezed, dtype: torch.dtype) -> None:
+        groups: dict[torch.Size, list] = {}
+        for pname, shape, _ in squeezed:
+            groups.setdefault(torch.Size((shape[0], torch.Size(shape).numel() // shape[0])), []).append((pname, shape))
+        generator = torch.Generator().manual_seed(int(self._rng.randint(1_000_000_000)))
+        for (n, m), members in groups.items():
+            for pname, shape in members:
+                r = self.compressor.matrix_rank(tuple(shape))
+                self.compressor.q[pname] = torch.randn(1, m, r, generator=generator, dtype=dtype)[0]
+
+
+class _PowerSGDStep:
+    def __init__(self, x, key, flat, compensated, order, whole, squeezed, ctx, dense, ps, handles) -> None:
+        self._x, self._key, self._flat, self._compensated, self._order = x, key, flat, compensated, order
+        self._whole, self._squeezed, self._ctx = whole, squeezed, ctx
+        self._dense, self._ps, self._handles = dense, ps, handles
+
+    def wait(self) -> None:
+        x = self._x
+        for handle in self._handles:
+            handle.wait()
+        result = {}
+        offset = 0
+        for pname, shape, _ in self._whole:
+            n = torch.Size(shape).numel()
+            result[pname] = self._dense[offset: offset + n].view(shape) / x.world
+            offset += n
+        finished, offset = [], 0
+        for pname, shape, matrix in self._squeezed:
+            n, r = shape[0], x.compressor.matrix_rank(tuple(shape))
+            p_sum = self._ps[offset: offset + n * r].view(n, r)
+            offset += n * r
+            finished.append(x.compressor.finish(matrix, p_sum, self._ctx[pname]))
+        if finished:
+            qs = torch.cat([q.reshape(-1) for _, q in finished])
+            handle, _ = x.collective.start(qs, None, "Q")
+            handle.wait()
+            offset = 0
+            for (pname, shape, _), (p, q) in zip(self._squeezed, finished):
+                q_mean = qs[offset: offset + q.numel()].view_as(q) / x.world
+                offset += q.numel()
+                result[pname] = x.compressor.reconstruct(p, q_mean, self._ctx[pname], tuple(shape))
+        applied = torch.cat([result[pname].reshape(-1) for pname in self._order])  # the bucket's order
+        if x.memory is not None:
+            x.memory.remember(self._key, self._compensated, applied)
+        self._flat.copy_(applied)

@@ -18,7 +18,7 @@ import torch
 
 from .backward_state import BackwardStates
 from .collective import make_collective
-from .compressed import CompressedExchange
+from .compressed import CompressedExchange, PowerSGDExchange
 from .compression import wire_dtype
 from .config import AllReduceConfig
 from .group import broadcast_tensors, init_process_group, shutdown
@@ -77,8 +77,12 @@ class AllReduceEngine:
                                            self.trace, self.delay_s)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
-        exchange = (CompressedExchange(*self._compression, self.rank, self.world, self._collective)
-                    if self._compression is not None else None)
+        exchange = None
+        if self._compression is not None:
+            compressor, memory = self._compression
+            exchange = (PowerSGDExchange(compressor, memory, self.rank, self.world, self._collective, compressor.seed)
+                        if compressor.name == "powersgd" else
+                        CompressedExchange(compressor, memory, self.rank, self.world, self._collective))
         self._reducer = Reducer(
             bucketed, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,
             first_cap_mb=self.config.first_bucket_mb,

@@ -221,9 +221,8 @@ for _spec in [
                       "compress.start_step", "compress.error_feedback", "compress.seed")),
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                "experiments.harness.builders:allreduce", "ring", "#1f77b4",
-               compressions=("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"),
-               reads=("allreduce.", "compress.method", "compress.ratio", "compress.levels", "compress.error_feedback",
-                      "compress.seed", "fault.delay_ms"),
+               compressions=("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "powersgd"),
+               reads=("allreduce.", "compress.", "fault.delay_ms"),
                row_sparse=_allreduce_rows, label_of=_allreduce_label,
                variants=(Label("allreduce/library", "#1f77b4", "library"),          # blue
                          Label("allreduce/ring", "#17becf", "ring"),                # cyan

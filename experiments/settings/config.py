@@ -116,7 +116,8 @@ class RunConfig:
     compress: CompressConfig = field(default_factory=CompressConfig)
     """Gradient compression, one setting for every engine. compress.method=fp16 or bf16 sets
     allreduce.compression (allreduce, ddp) and ps.compression (ps-*) alike, which remain as
-    each family's own name for it; powersgd runs on ddp through torch's own powerSGD_hook.
+    each family's own name for it; powersgd runs on ddp (torch's own powerSGD_hook) and
+    allreduce, topk, randomk, sign and qsgd on allreduce.
     `psar list` and docs/engines.md say which engine carries which method."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults (a slow worker, a slow link)."""

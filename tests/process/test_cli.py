@@ -35,7 +35,7 @@ def test_list_names_every_experiment_and_engine():
         assert name in result.output
     # Which compressions each engine carries, from the registry.
     assert "ddp             torch DistributedDataParallel [compress.method: fp16, bf16, powersgd]" in result.output
-    assert "[compress.method: fp16, bf16, topk, randomk, sign, qsgd]" in result.output
+    assert "[compress.method: fp16, bf16, topk, randomk, sign, qsgd, powersgd]" in result.output
 
 
 @pytest.mark.parametrize("args,message", [

@@ -61,8 +61,9 @@ def POOL_JOBS() -> dict[str, dict]:
                                                  overrides=F64 + (f"compress.method={method}", "compress.ratio=1.0"))
     jobs["topk-allreduce"] = dict(experiment="quickstart", engine="allreduce",
                                   overrides=F64 + ("compress.method=topk", "compress.ratio=0.05"))
-    jobs["powersgd-ddp"] = dict(experiment="quickstart", engine="ddp",
-                                overrides=F64 + ("compress.method=powersgd", f"compress.start_step={POWERSGD_START}"))
+    for engine in ("ddp", "allreduce"):
+        jobs[f"powersgd-{engine}"] = dict(experiment="quickstart", engine=engine, overrides=F64 + (
+            "compress.method=powersgd", f"compress.start_step={POWERSGD_START}"))
     for name, setting in (("own", "ps.compression=bf16"), ("compress", "compress.method=bf16")):
         jobs[f"bf16-ps-{name}"] = dict(experiment="quickstart", engine="ps-sync", overrides=F32 + (setting,))
     return jobs
@@ -134,6 +135,19 @@ def test_top_k_is_all_gathered_with_its_indices(results, pool):
     sent = {json.loads(line)["bytes_sent"] for line in
             (pool.folder(__name__) / "topk-allreduce" / "metrics" / "rank0.jsonl").read_text().splitlines()}
     assert sent == {481 * (8 + 4)}
+
+
+def test_allreduce_powersgd_ends_as_torchs_hook_under_ddp(results, pool):
+    """Same rank, start step, warm start and seed; quickstart's one bucket is laid out as DDP's,
+    and the engine draws Q's first values as torch does, so the two end equal."""
+    (_, ddp), (_, ours) = results["powersgd-ddp"], results["powersgd-allreduce"]
+    assert max_param_diff(ddp, ours) < 1e-10 and max_param_diff(results["quickstart-library-f64"][1], ours) > 1e-6
+
+    def sent(name):
+        lines = (pool.folder(__name__) / name / "metrics" / "rank0.jsonl").read_text().splitlines()
+        return [json.loads(line)["bytes_sent"] for line in lines]
+
+    assert sent("powersgd-allreduce") == sent("powersgd-ddp")
 
 
 def test_compress_method_is_the_engines_own_compression(results, pool):
