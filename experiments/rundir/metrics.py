@@ -76,7 +76,9 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
 
     samples_per_sec: see `throughput`; over the steps from first_step on (a resumed run's).
     final_loss: mean training loss of the last 10% of steps (at least one) over every rank.
-    bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged.
+    bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged;
+    sent_bytes_per_worker_per_step and recv_bytes_per_worker_per_step: each direction apart
+    (a compressed push and its pull, or an all-gather, differ).
     peak_rss_mb: each rank's peak resident memory (MiB) as of its last step.
     """
     per_rank = read_metrics(run_dir)
@@ -86,7 +88,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     # A resumed run's throughput is its own segment's: earlier records are another session's.
     samples_per_sec = throughput({r: [x for x in recs if x["step"] >= first_step]
                                   for r, recs in per_rank.items()})
-    traffic = [r["bytes_sent"] + r["bytes_recv"] for recs in per_rank.values() for r in recs]
+    records = [r for recs in per_rank.values() for r in recs]
+    traffic = [r["bytes_sent"] + r["bytes_recv"] for r in records]
     return {
         "experiment": config["experiment"],
         "engine": config["engine"],
@@ -99,6 +102,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
         "samples_per_sec": samples_per_sec,
         "wall_s": wall_s,
         "bytes_per_worker_per_step": sum(traffic) / len(traffic) if traffic else 0,
+        "sent_bytes_per_worker_per_step": sum(r["bytes_sent"] for r in records) / len(records) if records else 0,
+        "recv_bytes_per_worker_per_step": sum(r["bytes_recv"] for r in records) / len(records) if records else 0,
         "param_sha256": sha,
         "peak_rss_mb": {f"rank{r}": recs[-1]["peak_rss_mb"] for r, recs in sorted(per_rank.items())
                         if recs and "peak_rss_mb" in recs[-1]},

@@ -135,6 +135,9 @@ def test_top_k_is_all_gathered_with_its_indices(results, pool):
     sent = {json.loads(line)["bytes_sent"] for line in
             (pool.folder(__name__) / "topk-allreduce" / "metrics" / "rank0.jsonl").read_text().splitlines()}
     assert sent == {481 * (8 + 4)}
+    # summary.json: each direction apart (an all-gather receives as many bytes as it sends).
+    assert summary["sent_bytes_per_worker_per_step"] == summary["recv_bytes_per_worker_per_step"] == 481 * 12
+    assert summary["bytes_per_worker_per_step"] == 2 * 481 * 12
 
 
 def test_allreduce_powersgd_ends_as_torchs_hook_under_ddp(results, pool):
