@@ -113,8 +113,9 @@ class PowerSGDExchange:
             n = torch.Size(shape).numel()
             parts.append((pname, shape, compensated[offset: offset + n].view(shape)))
             offset += n
-        squeezed = [p for p in parts if self.compressor.compresses(tuple(p[1]), step)]
-        whole = [p for p in parts if p not in squeezed]
+        squeezed, whole = [], []
+        for part in parts:
+            (squeezed if self.compressor.compresses(tuple(part[1]), step) else whole).append(part)
         if squeezed and key not in self._drawn:
             self._draw_first_q(squeezed, flat.dtype)
             self._drawn.add(key)
@@ -124,9 +125,8 @@ class PowerSGDExchange:
             if squeezed else flat.new_zeros(0)
         handles = [self.collective.start(t, None, f"{name} {what}")[0]
                    for t, what in ((dense, "whole"), (ps, "P")) if t.numel()]
-        nbytes = (dense.numel() + ps.numel()) * flat.element_size()
-        nbytes += sum(self.compressor.matrix_rank(tuple(s)) * (torch.Size(s).numel() // s[0])
-                      for _, s, _ in squeezed) * flat.element_size()  # Q, sent at wait()
+        nbytes = dense.numel() * flat.element_size()  # and P now, Q at wait():
+        nbytes += sum(self.compressor.compressed_nbytes(tuple(s), flat.dtype) for _, s, _ in squeezed)
         order = [pname for pname, _, _ in parts]
         return _PowerSGDStep(self, key, flat, compensated, order, whole, squeezed, ctx, dense, ps, handles), \
             bus_bytes(nbytes, self.world)
@@ -136,7 +136,7 @@ class PowerSGDExchange:
         for pname, shape, _ in squeezed:
             groups.setdefault(torch.Size((shape[0], torch.Size(shape).numel() // shape[0])), []).append((pname, shape))
         generator = torch.Generator().manual_seed(int(self._rng.randint(1_000_000_000)))
-        for (n, m), members in groups.items():
+        for (_, m), members in groups.items():
             for pname, shape in members:
                 r = self.compressor.matrix_rank(tuple(shape))
                 self.compressor.q[pname] = torch.randn(1, m, r, generator=generator, dtype=dtype)[0]

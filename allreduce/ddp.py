@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -15,43 +13,22 @@ from .group import init_process_group, shutdown
 from .liveness import Liveness
 
 
-@dataclass(frozen=True)
-class PowerSGD:
-    """torch's PowerSGDState settings, for its own powerSGD_hook (warm start on, as its default)."""
-
-    rank: int = 1
-    start_step: int = 10
-    error_feedback: bool = True
-    seed: int = 0
-    min_compression_rate: float = 2.0
-
-    def compressed(self, shape: torch.Size) -> bool:
-        """Whether the hook sends this gradient as P and Q (torch's rule: a matrix, and
-        (n + m) * r * min_compression_rate < n * m), not whole."""
-        if len(shape) < 2 or shape.numel() == 0:
-            return False
-        n, m = shape[0], shape.numel() // shape[0]
-        return (n + m) * min(n, m, self.rank) * self.min_compression_rate < n * m
-
-    def elements(self, shape: torch.Size) -> int:
-        """Elements one worker all-reduces for a gradient of this shape after start_step."""
-        if not self.compressed(shape):
-            return shape.numel()
-        n, m = shape[0], shape.numel() // shape[0]
-        return (n + m) * min(n, m, self.rank)
-
-
 class DDPEngine:
     """DDP's reducer waits for its buckets inside backward, so its exposed communication is
-    counted in compute time and `comm_s` is 0. powersgd: compress with torch's own
-    powerSGD_hook (the reference psar's PowerSGD is tested against)."""
+    counted in compute time and `comm_s` is 0. compression: (PowerSGD compressor, its
+    error-feedback memory or None), experiments/compression's: its settings go to torch's own
+    powerSGD_hook (the reference psar's PowerSGD is tested against), and its rule of which
+    gradients travel as P and Q counts the bytes."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
-                 timeout_s: float = 60.0, powersgd: PowerSGD | None = None) -> None:
-        if powersgd is not None and config.compression != "none":
+                 timeout_s: float = 60.0, compression=None) -> None:
+        if compression is not None and compression[0].name != "powersgd":
+            raise ValueError(f"compress.method={compression[0].name}: ddp runs powersgd through torch's hook, "
+                             "and the casts as allreduce.compression")
+        if compression is not None and config.compression != "none":
             raise ValueError(f"PowerSGD and allreduce.compression={config.compression}: one compression at a time")
         self.rank, self.world, self.device, self.config = rank, world, device, config
-        self.powersgd, self._steps = powersgd, 0
+        self._compression, self._steps = compression, 0
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
@@ -72,16 +49,18 @@ class DDPEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         itemsize = 2 if wire is not None else params[0].element_size()
         self._grad_bytes = bus_bytes(sum(p.numel() for p in params) * itemsize, self.world)
-        if self.powersgd is not None:
+        if self._compression is not None:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hooks
 
-            p = self.powersgd
-            state = hooks.PowerSGDState(process_group=None, matrix_approximation_rank=p.rank,
-                                        start_powerSGD_iter=p.start_step, use_error_feedback=p.error_feedback,
-                                        warm_start=True, random_seed=p.seed,
-                                        min_compression_rate=p.min_compression_rate)
+            c, memory = self._compression
+            state = hooks.PowerSGDState(process_group=None, matrix_approximation_rank=c.rank,
+                                        start_powerSGD_iter=c.start_step, use_error_feedback=memory is not None,
+                                        warm_start=True, random_seed=c.seed,
+                                        min_compression_rate=c.min_compression_rate)
             self._ddp.register_comm_hook(state, hooks.powerSGD_hook)
-            self._compressed_bytes = bus_bytes(sum(p.elements(q.shape) for q in params) * itemsize, self.world)
+            sent = sum(c.compressed_nbytes(tuple(q.shape), q.dtype) if c.compresses(tuple(q.shape), c.start_step)
+                       else q.numel() * itemsize for q in params)
+            self._compressed_bytes = bus_bytes(sent, self.world)
         self.optimizer = make_optimizer(params)
         return _NamingLostRanks(self._ddp, self._liveness)
 
@@ -98,7 +77,7 @@ class DDPEngine:
         self.optimizer.zero_grad(set_to_none=False)
         # torch's hook sends whole gradients for its first start_step iterations (one per step
         # here, outside no_sync), then P and Q for the matrices it compresses.
-        compressing = self.powersgd is not None and self._steps >= self.powersgd.start_step
+        compressing = self._compression is not None and self._steps >= self._compression[0].start_step
         self._steps += 1
         nbytes = self._compressed_bytes if compressing else self._grad_bytes
         return {"comm_s": 0.0, "bytes_sent": nbytes, "bytes_recv": nbytes}

@@ -28,6 +28,8 @@ class Bucket:
     flat: torch.Tensor
     ready: set[int] = field(default_factory=set)
     handle: Handle | None = None
+    layout: list[tuple[str, torch.Size]] = field(default_factory=list)
+    """(name, shape) of its parameters, in its order (what a PowerSGD exchange cuts it into)."""
 
 
 class Reducer:
@@ -64,7 +66,8 @@ class Reducer:
             params = [named[i][1] for i in indices]
             flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                device=params[0].device)
-            self.buckets.append(Bucket([named[i][0] for i in indices], params, flat))
+            self.buckets.append(Bucket([named[i][0] for i in indices], params, flat,
+                                       layout=[(named[i][0], named[i][1].shape) for i in indices]))
             offset = 0
             for j, p in enumerate(params):
                 self._slot[p] = (b, j)
@@ -103,7 +106,7 @@ class Reducer:
         name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
         if self.exchange is not None:  # it averages once the messages are in
             bucket.handle, nbytes = self.exchange.start(f"bucket{self._next}", bucket.flat, self._steps, name,
-                                                        params=[(n, p.shape) for n, p in zip(bucket.names, bucket.params)])
+                                                        params=bucket.layout)
             self.bytes_sent += nbytes
             return
         # Average before the cast so that fp16 cannot overflow on the sum.

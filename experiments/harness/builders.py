@@ -19,20 +19,17 @@ def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace |
     from allreduce.engine import AllReduceEngine
 
     # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
-    compression = cfg.compress.build() if cfg.compress.method not in ("none", *CASTS) else None
     return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
-                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=compression)
+                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=_compression(cfg))
 
 
 def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from allreduce.ddp import DDPEngine, PowerSGD
+    from allreduce.ddp import DDPEngine
 
     if cfg.fault.delay_ms:
         raise ValueError("fault.delay_ms cannot be applied to ddp: its messages are inside torch; "
                          "use --engine allreduce to study a slow link")
-    c = cfg.compress
-    powersgd = PowerSGD(c.rank, c.start_step, c.error_feedback is not False, c.seed) if c.method == "powersgd" else None
-    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, powersgd=powersgd)
+    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, compression=_compression(cfg))
 
 
 def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
@@ -45,3 +42,9 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
     return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
                     trace, settings=settings(cfg),
                     initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
+
+
+def _compression(cfg: RunConfig):
+    """(compressor, error-feedback memory or None) of compress.method, for the engines that
+    carry it themselves; None for none and the casts (the engines' own wire dtypes)."""
+    return cfg.compress.build() if cfg.compress.method not in ("none", *CASTS) else None
