@@ -48,40 +48,38 @@ class CompressedExchange:
         message = self.compressor.compress(compensated, _Context(step, key, self.rank))
         if self.memory is not None:
             self.memory.remember(key, compensated, self.compressor.decompress(message))
-        nbytes = self.compressor.nbytes(message)
+        nbytes, decompress = self.compressor.nbytes(message), self.compressor.decompress
         if self.compressor.adds_up:
             frames = [frame.clone() for frame in message.frames]
             handles = [self.collective.start(frame, None, f"{name} frame {i}")[0] for i, frame in enumerate(frames)]
-            return _Reduced(self, flat, message, frames, handles), bus_bytes(nbytes, self.world)
+
+            def reduced() -> None:
+                flat.copy_(decompress(_Message(frames, message)).view_as(flat)).div_(self.world)
+
+            return _Pending(handles, reduced), bus_bytes(nbytes, self.world)
         gathered = [[torch.empty_like(frame) for _ in range(self.world)] for frame in message.frames]
         works = [dist.all_gather(out, frame.contiguous(), async_op=True)
                  for out, frame in zip(gathered, message.frames)]
-        return _Gathered(self, flat, message, gathered, works), nbytes * (self.world - 1)
+
+        def added() -> None:
+            flat.zero_()
+            for w in range(self.world):  # in rank order on every rank: the same sum everywhere
+                flat.add_(decompress(_Message([out[w] for out in gathered], message)).view_as(flat))
+            flat.div_(self.world)
+
+        return _Pending(works, added), nbytes * (self.world - 1)
 
 
-class _Reduced:
-    def __init__(self, exchange, flat, message, frames, handles) -> None:
-        self._x, self._flat, self._message, self._frames, self._handles = exchange, flat, message, frames, handles
+class _Pending:
+    """What start() returns: wait() waits for the collectives, then combines their results."""
 
-    def wait(self) -> None:
-        for handle in self._handles:
-            handle.wait()
-        total = self._x.compressor.decompress(_Message(self._frames, self._message))
-        self._flat.copy_(total.view_as(self._flat)).div_(self._x.world)
-
-
-class _Gathered:
-    def __init__(self, exchange, flat, message, gathered, works) -> None:
-        self._x, self._flat, self._message, self._gathered, self._works = exchange, flat, message, gathered, works
+    def __init__(self, waits, combine) -> None:
+        self._waits, self._combine = waits, combine
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._flat.zero_()
-        for w in range(self._x.world):  # in rank order on every rank: the same sum everywhere
-            frames = [out[w] for out in self._gathered]
-            self._flat.add_(self._x.compressor.decompress(_Message(frames, self._message)).view_as(self._flat))
-        self._flat.div_(self._x.world)
+        for w in self._waits:
+            w.wait()
+        self._combine()
 
 
 class PowerSGDExchange:

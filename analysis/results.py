@@ -36,11 +36,7 @@ class Run:
     def label(self) -> str:
         """Engine plus the setting that distinguishes variants of one engine; the engine's name
         when this process does not know the engine (its module not in $PSAR_ENGINES)."""
-        try:
-            spec = self.spec
-        except ValueError:
-            return self.engine
-        return spec.label(self.config)
+        return self.spec.label(self.config) if self.engine_known else self.engine
 
     @property
     def compression(self) -> str:
@@ -61,6 +57,7 @@ class Run:
 
     @property
     def engine_known(self) -> bool:
+        """Whether this process knows the run's engine (its module imported, see $PSAR_ENGINES)."""
         try:
             self.spec
         except ValueError:

@@ -9,7 +9,7 @@ from experiments.runtime import zygote
 # beside this process's own (below) rather than after it.
 if os.path.basename(sys.argv[0]) in ("psar", "-m", "__main__.py") and sys.argv[1:2] in (["run"], ["launch"], ["compare"]) \
         and "--help" not in sys.argv:
-    zygote.prestart()
+    zygote.shared()
 
 import click  # noqa: E402
 

@@ -20,8 +20,7 @@ from experiments.runtime.sites import free_port, sites_for
 from experiments.rundir.trace import merge as merge_trace
 from experiments.harness.loop import prepare_run_dir
 from experiments.runtime.worker import SERVERS_FILE
-from experiments.runtime.zygote import Forked, Zygote, can_fork
-from experiments.runtime.zygote import shared as shared_zygote
+from experiments.runtime.zygote import Forked, Zygote, can_fork, shared as shared_zygote
 
 RUN_DIR_ENV = "PSAR_RUN_DIR"
 """A script's workers find their run directory (config.json, servers.json) here."""

@@ -154,18 +154,14 @@ _shared_lock = threading.Lock()
 
 def shared(env: dict[str, str] | None = None) -> Zygote:
     """This process's zygote, started now (with env) unless one is already running: every run
-    this process launches forks from it."""
+    this process launches forks from it. Started early, without waiting, its imports run
+    beside the caller's."""
     global _shared
     with _shared_lock:
         if _shared is None or not _shared.alive():
             _shared = Zygote.start(env, wait=False)
             atexit.register(_shared.close)
         return _shared
-
-
-def prestart() -> None:
-    """Start this process's zygote now, without waiting: its imports run beside the caller's."""
-    shared()
 
 
 class Forked:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +141,6 @@ class RunConfig:
     def _alias_compression(self) -> None:
         """compress.method's casts set the engines' own compression settings, which must agree;
         a method the engine does not carry is refused, naming the engines that do."""
-        import dataclasses
-
         method, spec = self.compress.method, get_engine(self.engine)
         if method == "none":
             return
@@ -166,7 +164,7 @@ class RunConfig:
             if section.compression not in ("none", method):
                 raise ValueError(f"compress.method={method} and {name}.compression={section.compression} "
                                  f"disagree: give one (compress.method sets both engine families)")
-            object.__setattr__(self, name, dataclasses.replace(section, compression=method))
+            object.__setattr__(self, name, replace(section, compression=method))
 
     def sparse_tables(self, model: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """{name: module} of the embedding tables this run's engine moves row-sparse (none for
