@@ -26,7 +26,7 @@ from ps.transport import ClientTransport, PeerTimeout, TransportError, poll_many
 
 log = logging.getLogger("psar.ps.client")
 
-__all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "Result", "PullResult"]
+__all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "Result"]
 
 
 UNBLOCK_S = 0.5
@@ -83,10 +83,6 @@ class Result:
     """Of a norm: shard -> the sum of squares of its averaged gradient of the held step."""
     bodies: dict[int, Any] = field(default_factory=dict)
     """shard -> the body its reply carries (stats: its counters)."""
-
-
-PullResult = Result
-"""The former name of the result of a pull."""
 
 
 class PSClient:
