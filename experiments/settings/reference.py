@@ -117,7 +117,7 @@ def _readers(key: str) -> str:
     """Which of psar's own engines read `key` ("every engine" where none lists it)."""
     own = [s for s in engines().values() if s.build.startswith("experiments.harness.builders:")]
     if not any(matches(key, s.reads) for s in own):
-        return "none yet" if key.startswith("compress.") else "all"  # compress.*: methods to come
+        return "all"
     return ", ".join(s.name for s in own if s.reads_setting(key))
 
 
