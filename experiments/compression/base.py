@@ -56,6 +56,17 @@ class Compressor:
     def decompress(self, message: Message) -> torch.Tensor:
         raise NotImplementedError
 
+    def forms(self, shape: tuple[int, ...], dtype: torch.dtype, header: tuple[int, ...]) -> list[tuple]:
+        """The (dtype, shape) of every frame of a message of a tensor of `shape` and `dtype`
+        with this header, so that a receiver checks what a peer sent before it reads it.
+        ValueError names a header this method would never send."""
+        raise NotImplementedError
+
+    def check(self, message: Message) -> None:
+        """ValueError if the frames' contents could not have come from compress (an index out
+        of range, a level above the method's): a peer's message is checked before decompress.
+        The frames' dtypes and shapes are forms'; checked already."""
+
     def nbytes(self, message: Message) -> int:
         """Bytes on the wire: every frame's bytes (values, indices, scales, packed bits)."""
         return sum(t.numel() * t.element_size() for t in message.frames)
@@ -73,6 +84,14 @@ def sum_messages(compressor: Compressor, messages: list[Message]) -> Message:
     frames = tuple(torch.stack([m.frames[i] for m in messages]).sum(0)
                    for i in range(len(first.frames)))
     return Message(frames, first.shape, first.dtype, first.header)
+
+
+def expect_header(method: str, header: tuple[int, ...], expected: tuple[int, ...] | int) -> None:
+    """ValueError unless header is `expected` (a tuple), or holds `expected` ints (an int)."""
+    ok = len(header) == expected if isinstance(expected, int) else tuple(header) == expected
+    if not ok or any(type(h) is not int for h in header):
+        raise ValueError(f"{method}: message header {list(header)}; expected "
+                         + (f"{expected} ints" if isinstance(expected, int) else f"{list(expected)}"))
 
 
 def seed_for(*parts: object) -> int:

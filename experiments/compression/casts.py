@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from experiments.compression.base import Compressor, Context, Message
+from experiments.compression.base import Compressor, Context, Message, expect_header
 
 
 class Cast(Compressor):
@@ -18,6 +18,10 @@ class Cast(Compressor):
     def compress(self, tensor: torch.Tensor, ctx: Context) -> Message:
         frame = tensor if self.wire is None else tensor.to(self.wire)
         return Message((frame,), tuple(tensor.shape), tensor.dtype)
+
+    def forms(self, shape, dtype, header):
+        expect_header(self.name, header, ())
+        return [(self.wire or dtype, tuple(shape))]
 
     def decompress(self, message: Message) -> torch.Tensor:
         return message.frames[0].to(message.dtype).view(message.shape)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from experiments.compression.bits import pack, unpack
-from experiments.compression.base import Compressor, Context, Message, generator
+from experiments.compression.base import Compressor, Context, Message, expect_header, generator
 
 
 def level_dtype(levels: int) -> torch.dtype:
@@ -42,6 +42,16 @@ class QSGD(Compressor):
         level = torch.floor(scaled * self.levels + u).clamp_(0, self.levels)
         return Message((norm, level.to(level_dtype(self.levels)), pack(flat >= 0)),
                        tuple(tensor.shape), tensor.dtype, (self.levels,))
+
+    def forms(self, shape, dtype, header):
+        expect_header(self.name, header, (self.levels,))
+        n = torch.Size(shape).numel()
+        return [(dtype, (1,)), (level_dtype(self.levels), (n,)), (torch.uint8, (-(-n // 8),))]
+
+    def check(self, message: Message) -> None:
+        level = message.frames[1]
+        if level.numel() and not (int(level.min()) >= 0 and int(level.max()) <= self.levels):
+            raise ValueError(f"qsgd: levels must lie in 0..{self.levels}; got {int(level.min())}..{int(level.max())}")
 
     def decompress(self, message: Message) -> torch.Tensor:
         norm, level, packed = message.frames

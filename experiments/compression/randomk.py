@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from experiments.compression.base import Compressor, Context, Message, count, seed_for
+from experiments.compression.base import Compressor, Context, Message, count, expect_header, seed_for
 
 
 def indices(seed: int, n: int, k: int) -> torch.Tensor:
@@ -38,6 +38,14 @@ class RandomK(Compressor):
         index_seed = seed_for(self.seed, ctx.step, ctx.key)
         values = flat[indices(index_seed, flat.numel(), k)]
         return Message((values,), tuple(tensor.shape), tensor.dtype, (index_seed, k))
+
+    def forms(self, shape, dtype, header):
+        n = torch.Size(shape).numel()
+        expect_header(self.name, header, 2)
+        k = count(self.ratio, n)
+        if header[1] != k or not 0 <= header[0] < 2**63:
+            raise ValueError(f"randomk: message header {list(header)}; expected [index seed in 0..2**63-1, k={k}]")
+        return [(dtype, (k,))]
 
     def decompress(self, message: Message) -> torch.Tensor:
         index_seed, k = message.header

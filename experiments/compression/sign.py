@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from experiments.compression.bits import pack, unpack
-from experiments.compression.base import Compressor, Context, Message
+from experiments.compression.base import Compressor, Context, Message, expect_header
 
 
 class Sign(Compressor):
@@ -22,6 +22,10 @@ class Sign(Compressor):
         flat = tensor.reshape(-1)
         scale = flat.abs().mean().reshape(1)
         return Message((scale, pack(flat >= 0)), tuple(tensor.shape), tensor.dtype)
+
+    def forms(self, shape, dtype, header):
+        expect_header(self.name, header, ())
+        return [(dtype, (1,)), (torch.uint8, (-(-torch.Size(shape).numel() // 8),))]
 
     def decompress(self, message: Message) -> torch.Tensor:
         scale, packed = message.frames

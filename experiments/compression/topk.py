@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from experiments.compression.base import Compressor, Context, Message, count, index_dtype
+from experiments.compression.base import Compressor, Context, Message, count, expect_header, index_dtype
 
 
 class TopK(Compressor):
@@ -26,6 +26,17 @@ class TopK(Compressor):
         indices = torch.topk(flat.abs(), k, sorted=False).indices
         return Message((flat[indices], indices.to(index_dtype(flat.numel()))),
                        tuple(tensor.shape), tensor.dtype)
+
+    def forms(self, shape, dtype, header):
+        expect_header(self.name, header, ())
+        n = torch.Size(shape).numel()
+        k = count(self.ratio, n)
+        return [(dtype, (k,)), (index_dtype(n), (k,))]
+
+    def check(self, message: Message) -> None:
+        indices, n = message.frames[1], torch.Size(message.shape).numel()
+        if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < n):
+            raise ValueError(f"topk: indices must lie in 0..{n - 1}; got {int(indices.min())}..{int(indices.max())}")
 
     def decompress(self, message: Message) -> torch.Tensor:
         values, indices = message.frames

@@ -5,6 +5,7 @@ settings it refuses. float64 wherever equality is claimed."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -300,3 +301,41 @@ def test_every_setting_has_a_docstring_and_good_settings_build():
                      {"method": "powersgd", "rank": 4, "start_step": 0, "error_feedback": False}):
         compressor, _ = CompressConfig(**settings).build()
         assert compressor.name == settings["method"]
+
+
+# --- what a receiver checks of a peer's message (the parameter server's shards) -------------
+
+@pytest.mark.parametrize("method,settings,shape,expected", [t for t in TABLE])
+def test_forms_describe_the_frames(method, settings, shape, expected):
+    c, _ = build(method, **settings)
+    m = c.compress(grad(*shape, dtype=torch.float32), Context(step=2, key="w", rank=0))
+    assert c.forms(shape, torch.float32, m.header) == [(f.dtype, tuple(f.shape)) for f in m.frames]
+    c.check(m)
+
+
+@pytest.mark.parametrize("method,settings,header,needle", [
+    ("topk", {"ratio": 0.1}, (3,), "expected []"),
+    ("randomk", {"ratio": 0.1}, (5, 4), "k=3"),
+    ("randomk", {"ratio": 0.1}, (5,), "expected 2 ints"),
+    ("randomk", {"ratio": 0.1}, (-1, 3), "index seed"),
+    ("qsgd", {"levels": 16}, (8,), "expected [16]"),
+    ("sign", {}, (1, 2), "expected []"),
+])
+def test_forms_refuse_a_header_the_method_never_sends(method, settings, header, needle):
+    c, _ = build(method, **settings)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        c.forms((6, 5), torch.float32, header)
+
+
+def test_check_refuses_indices_and_levels_out_of_range():
+    topk, _ = build("topk", ratio=0.1)
+    m = topk.compress(grad(6, 5), Context())
+    bad = type(m)((m.frames[0], torch.tensor([0, 1, 30], dtype=torch.int32)), m.shape, m.dtype)
+    with pytest.raises(ValueError, match=r"topk: indices must lie in 0\.\.29"):
+        topk.check(bad)
+    qsgd, _ = build("qsgd", levels=4)
+    m = qsgd.compress(grad(6, 5), Context())
+    levels = m.frames[1].clone()
+    levels[3] = 5
+    with pytest.raises(ValueError, match=r"qsgd: levels must lie in 0\.\.4"):
+        qsgd.check(type(m)((m.frames[0], levels, m.frames[2]), m.shape, m.dtype, m.header))
