@@ -105,7 +105,7 @@ class Reducer:
     def _start(self, bucket: Bucket) -> None:
         name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
         if self.exchange is not None:  # it averages once the messages are in
-            bucket.handle, nbytes = self.exchange.start(f"bucket{self._next}", bucket.flat, self._steps, name,
+            bucket.handle, nbytes = self.exchange.start("+".join(bucket.names), bucket.flat, self._steps, name,
                                                         params=bucket.layout)
             self.bytes_sent += nbytes
             return

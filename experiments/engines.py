@@ -209,7 +209,9 @@ def _ps_rows(cfg: Any, problem: str | None) -> tuple[str, bool]:
 
 _PS_OWN = ("ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
            "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb")
-_PS_READS = ("ps.", "compress.method", "servers", "fault.delay_ms")
+_PS_READS = ("ps.", "compress.method", "compress.ratio", "compress.levels", "compress.seed",
+             "compress.error_feedback", "compress.pull", "servers", "fault.delay_ms")
+_PS_COMPRESSIONS = ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd")
 
 for _spec in [
     EngineSpec("local", "one process accumulates every shard's gradient: the reference",
@@ -222,7 +224,7 @@ for _spec in [
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                "experiments.harness.builders:allreduce", "ring", "#1f77b4",
                compressions=("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "powersgd"),
-               reads=("allreduce.", "compress.", "fault.delay_ms"),
+               reads=("allreduce.", "compress.", "fault.delay_ms"), skips=("compress.pull",),
                row_sparse=_allreduce_rows, label_of=_allreduce_label,
                variants=(Label("allreduce/library", "#1f77b4", "library"),          # blue
                          Label("allreduce/ring", "#17becf", "ring"),                # cyan
@@ -230,14 +232,16 @@ for _spec in [
                          Label("allreduce/ring+allgather", "#c5b0d5", "ring", gathers_rows=True))),
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
-               reads=_PS_READS, skips=("ps.staleness", "ps.async_scale"), own=_PS_OWN, row_sparse=_ps_rows),
+               reads=_PS_READS, skips=("ps.staleness", "ps.async_scale"), own=_PS_OWN, row_sparse=_ps_rows,
+               compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
                "experiments.harness.builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
-               synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange"),
-               own=_PS_OWN, row_sparse=_ps_rows),
+               synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange",
+                                                          "compress.pull"),
+               own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
                "experiments.harness.builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
-               synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange"), own=_PS_OWN,
-               row_sparse=_ps_rows),
+               synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange", "compress.pull"),
+               own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
 ]:
     register(_spec)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ps.codec import Codec, Packed
 from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import Limits, Message, ProtocolError, decode, encode
@@ -83,6 +84,9 @@ class Result:
     """Of a norm: shard -> the sum of squares of its averaged gradient of the held step."""
     bodies: dict[int, Any] = field(default_factory=dict)
     """shard -> the body its reply carries (stats: its counters)."""
+    changes: dict[int, torch.Tensor] = field(default_factory=dict)
+    """key id -> under compressed pulls, the change of its values since the last pull
+    (decompressed, flat), to add to what this worker holds (ps.codec)."""
 
 
 class PSClient:
@@ -103,11 +107,15 @@ class PSClient:
             come in it (ps.compression; the shards must have the same).
         window_mb: most bytes of push+pull messages a shard may hold unanswered from this
             client (ps.window_mb); later ones wait here until replies come. 0 (default): none.
+        compressor: compress.method's compressor (experiments.compression, by shape): pushes
+            may carry ps.codec.Packed messages, and pull replies compressed changes (checked
+            against it once the layout is known). None: neither.
     """
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float = 60.0, heartbeat_s: float = 1.0,
                  context: Any = None, max_message_mb: float = 1024.0, curve_dir: str = "",
-                 curve_name: str = "worker", compression: str = "none", window_mb: float = 0.0):
+                 curve_name: str = "worker", compression: str = "none", window_mb: float = 0.0,
+                 compressor: Any = None):
         if not addresses:
             raise ValueError("PSClient needs at least one server address")
         self.addresses, self.worker = list(addresses), worker
@@ -127,6 +135,8 @@ class PSClient:
         self._counted: dict[int, tuple[int, int]] = {}  # req -> (shard, bytes), push+pulls in the window
         self._reqs = itertools.count(1)
         self.layout: Layout | None = None
+        self._compressor = compressor
+        self.codec: Codec | None = None  # once joined
         self.versions: dict[int, int] = {}
         self.clocks: dict[int, int] = {}  # shard -> this worker's clock there, as of join
         self.bytes_sent = self.bytes_recv = 0
@@ -184,6 +194,8 @@ class PSClient:
         if layout.num_shards != len(self.addresses):
             raise PSError(f"layout has {layout.num_shards} shards but {len(self.addresses)} addresses were given")
         self.layout = layout
+        if self._compressor is not None:
+            self.codec = Codec(self._compressor, layout)
         values = {}
         for s, msg in h.replies.items():
             expected = [k.id for k in layout.shard_keys(s)]
@@ -205,8 +217,8 @@ class PSClient:
     def push(self, step: int, version: int | None, grads: dict[int, Any], pull: bool = False,
              next_version: bool = False, clock: int | None = None, lr: float | None = None,
              hold: bool = False) -> Handle:
-        """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key}
-        computed for `step` on parameters of `version` (None: the version last received from
+        """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key, or
+        a ps.codec.Packed compressed chunk (then every key of the push is)} computed for `step` on parameters of `version` (None: the version last received from
         each shard). Row ids count from the key's first row, strictly increasing (int64); rows
         are (n, dim). Non-blocking; the tensors must not change until wait(handle) returns
         (they leave without a copy). wait's Result has the largest staleness the shards report.
@@ -224,10 +236,19 @@ class PSClient:
         if (next_version or clock is not None) and not pull:
             raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
         by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = defaultdict(lambda: ([], [], []))
+        packed = [isinstance(g, Packed) for g in grads.values()]
+        if any(packed) and not (all(packed) and self.codec is not None):
+            raise ValueError("push: compressed (Packed) keys need a client with a compressor, and "
+                             "every key of the push compressed")
         for k, g in grads.items():
             if not (type(k) is int and 0 <= k < len(layout.keys)):
                 raise ValueError(f"push: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
             key = layout.keys[k]
+            if isinstance(g, Packed):
+                keys, tensors, _ = by_shard[key.shard]
+                keys.append(k)
+                tensors.append(g)
+                continue
             ids, g = (self._row_ids(k, g[0]), g[1]) if isinstance(g, tuple) else (None, g)
             g = g.detach()
             if g.device.type != "cpu":
@@ -255,7 +276,8 @@ class PSClient:
                 header["pull"] = 1
                 header.update({n: c for n, c in (("min_version", self.versions.get(s, 0) + 1 if next_version else None),
                                                  ("clock", clock)) if c is not None})
-            per_shard[s] = (header, tensors, row_ids if sparse else None)
+            per_shard[s] = (header, tensors, row_ids if sparse else None) if not any(packed) else \
+                (header, None, None, [(p.frames, p.meta) for p in tensors])
         return self._start("push+pull" if pull else "push", per_shard, conditional=next_version or clock is not None)
 
     def _row_ids(self, k: int, ids: torch.Tensor) -> torch.Tensor:
@@ -330,9 +352,17 @@ class PSClient:
         versions = {s: m.get("version") for s, m in handle.replies.items() if m.get("version") is not None}
         if handle.kind in ("pull", "push+pull"):
             self.versions.update(versions)
+        changes = {}
+        for s, m in handle.replies.items():
+            for k, p, meta in zip(m.keys, m.parts, m.get("meta") or ()):
+                try:
+                    changes[k] = self.codec.decompress(k, p, meta)
+                except ValueError as e:
+                    raise PSError(f"{self.addresses[s]} (shard {s}) sent key {k} compressed wrongly: {e}") from e
         return Result(
             handle.kind, min(versions.values(), default=0), versions,
-            values={k: t for m in replies for k, t in zip(m.keys, m.tensors)},
+            values={k: t for m in replies if not m.parts for k, t in zip(m.keys, m.tensors)},
+            changes=changes,
             waited_s=max((m.get("waited_us") or 0 for m in replies), default=0) / 1e6,
             ids={k: i for m in replies for k, i in zip(m.keys, m.ids) if i is not None},
             staleness=max((m.get("staleness") for m in replies if m.get("staleness") is not None), default=0),
@@ -400,11 +430,13 @@ class PSClient:
         return self.layout
 
     def _start(self, kind: str, per_shard: dict[int, tuple], conditional: bool = False) -> Handle:
-        """Send per_shard {shard: (header, tensors or None[, row ids per key or None])}."""
+        """Send per_shard {shard: (header, tensors or None[, row ids per key or None[, compressed
+        parts]])}."""
         h = Handle(kind, timeout_s=self.timeout_s + (min(self.timeout_s, 5.0) if conditional else 0.0))
         for s, (header, tensors, *ids) in per_shard.items():
             req = next(self._reqs)
-            frames = encode({**header, "worker": self.worker, "req": req}, tensors, ids[0] if ids else None)
+            frames = encode({**header, "worker": self.worker, "req": req}, tensors, ids[0] if ids else None,
+                            ids[1] if len(ids) > 1 else None)
             nbytes = sum(memoryview(f).nbytes for f in frames)
             if kind == "push+pull" and self._window and (self._held[s] or not self._fits(s, nbytes)):
                 self._held[s].append((req, frames, nbytes))
@@ -521,7 +553,7 @@ class PSClient:
     def _file(self, s: int, frames: list) -> None:
         self.bytes_recv += sum(f.nbytes for f in frames)
         try:
-            msg = decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire)
+            msg = decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire, codec=self.codec)
         except ProtocolError as e:
             raise PSError(f"malformed reply from {self.addresses[s]} (shard {s}): {e}") from e
         h = self._inflight.pop(msg.req, None)

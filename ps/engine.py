@@ -14,6 +14,11 @@ while later pieces leave. `step()` waits for the pushes and the pulls and copies
 into the model. The optimizer runs on the servers, so the `make_optimizer` given to attach is
 not used here.
 
+Under compress.method (ps.codec) each dense key's gradient leaves compressed, with this
+worker's error feedback (compensate, compress, remember what the message carried), and under
+sync the replies may carry the compressed change of the values instead of the values, which
+step() adds to the model.
+
 Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
 evaluated, follow shard 0 as in every other engine.
 
@@ -37,6 +42,7 @@ import time
 import torch
 
 from .client import PeerTimeout, PSClient, PSError
+from .codec import Packed
 from .config import PSConfig
 from .layout import ROW_MODULES, ParamSpec
 from .protocol import MODES
@@ -49,12 +55,14 @@ class PSEngine:
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
                  mode: str, config: PSConfig, trace=None, settings: dict | None = None,
-                 initializer=None) -> None:
+                 initializer=None, compression=None) -> None:
         """trace: optional callable(name, start, end, thread=...) for every push and pull;
         settings: the run settings the shards compare with theirs at join;
         initializer: for shards started without a model (a user's script): a callable
         (model, make_optimizer) -> (layout, {key: initial values}, optimizer settings) that
-        worker 0 sends them (init) before anyone joins."""
+        worker 0 sends them (init) before anyone joins;
+        compression: (compressor, error-feedback memory or None) of compress.method, whose
+        messages the pushes carry (ps.codec); None: pushes leave whole."""
         if mode not in MODES:
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
@@ -62,6 +70,8 @@ class PSEngine:
         self.rank, self.world, self.device, self.mode, self.config = rank, world, device, mode, config
         self.addresses = list(addresses)
         self.trace, self.settings, self.initializer = trace, settings, initializer
+        self.compressor, self.memory = compression if compression is not None else (None, None)
+        self.compress_s = 0.0  # this step's time compressing pushes (error feedback included)
         self.shards = [rank]
         self._phased = self.mode == "sync" and config.exchange == "phased"  # pull once every shard is done
         self._server_stats: list[dict] = []
@@ -82,7 +92,8 @@ class PSEngine:
                                max_message_mb=self.config.max_message_mb,
                                curve_dir=self.config.curve_dir, curve_name=self.config.curve_name,
                                compression=self.config.compression,
-                               window_mb=self.config.window_mb if self.mode == "sync" else 0.0)
+                               window_mb=self.config.window_mb if self.mode == "sync" else 0.0,
+                               compressor=self.compressor)
         if self.initializer is not None and self.rank == 0:
             self.client.init(*self.initializer(model, make_optimizer))
         layout, version, values = self._join()
@@ -95,6 +106,9 @@ class PSEngine:
         self.layout = layout
         self._load(values)
         self._tables = {i: self._table_module(model, i) for i in sorted(layout.sparse)}
+        if self.compressor is not None and self._tables:
+            raise RuntimeError(f"compress.method={self.compressor.name} compresses whole keys; the shards hold "
+                               f"{', '.join(self._named[i][0] for i in self._tables)} by rows: set ps.sparse=dense")
         self._dense_keys = [k.id for k in layout.keys if k.param not in layout.sparse]
         self._want = dict(self.client.versions)  # sync: the version each shard's next values have
         self._prefetched: dict[int, tuple] = {}  # table -> (ids, spans, handle, sent at) asked early
@@ -164,6 +178,8 @@ class PSEngine:
         else:
             flat = param.grad.detach().reshape(-1)
             grads = {k.id: flat[k.offset: k.offset + k.numel] for k in keys}
+            if self.compressor is not None:
+                grads = {k: self._compress(k, g) for k, g in grads.items()}
         # The chunks leave without a copy: param.grad stays untouched until step() waits.
         if self.mode == "sync":
             for k in keys:
@@ -177,12 +193,25 @@ class PSEngine:
             self._bucket[k] = g
             if dense:
                 self._bucket_dense.append(k)
-            self._bucket_bytes += g[0].nbytes + g[1].nbytes if isinstance(g, tuple) else g.nbytes
+            self._bucket_bytes += g[0].nbytes + g[1].nbytes if isinstance(g, tuple) else \
+                sum(f.nbytes for f in g.frames) if isinstance(g, Packed) else g.nbytes
             if self._bucket_bytes >= cap:
                 self._flush(step)
         self._ready += 1
         if self._ready == len(self._named):  # backward is done: what is left leaves
             self._flush(step)
+
+    def _compress(self, k: int, grad: torch.Tensor):
+        """Key k's gradient plus this worker's residual, compressed; the residual becomes
+        what the message left out."""
+        start = time.perf_counter()
+        codec, grad = self.client.codec, grad.cpu()
+        compensated = self.memory.compensate(k, grad) if self.memory is not None else grad
+        packed = codec.compress(k, compensated, self._step, self.rank)
+        if self.memory is not None:
+            self.memory.remember(k, compensated, codec.decompress(k, packed.frames, packed.meta))
+        self.compress_s += time.perf_counter() - start
+        return packed
 
     def _flush(self, step: int | None) -> None:
         """Push the bucket (one message per shard); under sync the same message asks for its
@@ -347,6 +376,13 @@ class PSEngine:
                 key = self.layout.keys[kid]
                 self._named[key.param][1].view(-1)[key.offset: key.offset + key.numel].copy_(value)
 
+    def _add(self, changes: dict[int, torch.Tensor]) -> None:
+        """Add {key id: flat change} (compressed pulls) to the parameters."""
+        with torch.no_grad():
+            for kid, change in changes.items():
+                key = self.layout.keys[kid]
+                self._named[key.param][1].view(-1)[key.offset: key.offset + key.numel].add_(change)
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -395,6 +431,7 @@ class PSEngine:
                 self.trace(f"pull {name}", sent_at, h.done_at, thread="pull", waited_on_server_s=result.waited_s)
         self._pushes, self._pulls = [], []
         self._load({k: v for result in results for k, v in result.values.items()})
+        self._add({k: v for result in results for k, v in result.changes.items()})
         for _, p in self._named:
             p.grad = None
         if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
@@ -403,8 +440,11 @@ class PSEngine:
         # Pushes left during backward: count traffic from the end of the last step to now.
         sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
-        return {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
-                "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
+        out = {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
+               "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
+        if self.compressor is not None:
+            out["compress_s"], self.compress_s = self.compress_s, 0.0
+        return out
 
     def _phase(self) -> float:
         """ps.exchange=phased: wait until every shard has finished the step, then pull the

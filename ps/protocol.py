@@ -24,6 +24,13 @@ key is in, with 'sq', the sum of squares of this shard's averaged gradient; ever
 adds the shards' sums, and its pull of the step's values carries 'scale', the clip
 coefficient, with which the first such pull makes the update (later ones must agree).
 
+Compressed keys (compress.method, see ps.codec): a push's gradients, or a pull's reply's
+change of the values since the version before, may travel compressed. Header field 'parts'
+then gives, per key, how many frames its message has, and 'meta' the small ints of its header
+(random-k's index seed and k); 'dtypes' and 'shapes' describe every frame, in key order. The
+receiver's codec says which frames a key's message must have; anything else is refused
+before a tensor is built. Whole keys only: a message has 'rows' or 'parts', never both.
+
 A 'wait' carries no keys: the shard answers it ('ok' with its version, no values) once it has
 finished the sync step to 'min_version', every key updated. A worker that pulls only after
 every shard answered its wait never has a pull's reply compete with a push for a link.
@@ -50,7 +57,7 @@ _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "init": ({"body"} | _TENSORS, set()),
     "join": (set(), {"settings"}),
-    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock", "lr", "hold"}),
+    "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock", "lr", "hold", "parts", "meta"}),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows", "scale"}),
     "wait": ({"min_version"}, set()),
     "norm": ({"step"}, set()),
@@ -59,7 +66,7 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "checkpoint": (set(), set()),
     "shutdown": (set(), set()),
     "leave": (set(), set()),
-    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows", "sq"} | _TENSORS),
+    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows", "sq", "parts", "meta"} | _TENSORS),
     "error": ({"error"}, {"code"}),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
@@ -68,6 +75,16 @@ _INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "stal
 _FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
 
+
+FRAME_DTYPES = {**TORCH_DTYPES, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+                "uint8": torch.uint8}
+"""What a frame may hold: the parameters' dtypes, and a compressed message's indices, levels
+and packed bits."""
+FRAME_ITEMSIZE = {name: torch.empty(0, dtype=d).element_size() for name, d in FRAME_DTYPES.items()}
+_FRAME_NAMES = {d: name for name, d in FRAME_DTYPES.items()}
+
+MAX_PARTS = 8
+"""Most frames one compressed key's message may have (and ints in its 'meta')."""
 
 MODES = ("sync", "async", "ssp")
 """The shards' consistency rules (ps.shard.consistency), as a join's reply names them."""
@@ -100,6 +117,9 @@ class Message:
     tensors: list[torch.Tensor] = field(default_factory=list)
     ids: list[torch.Tensor | None] = field(default_factory=list)
     """Per key: the row ids it names (int64) or None for the whole key; empty without 'rows'."""
+    parts: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    """Per key of a compressed message: its frames (checked against the codec); empty
+    without 'parts' ('tensors' then holds every frame in order)."""
 
     @property
     def op(self) -> str:
@@ -127,7 +147,8 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
         raise ValueError(f"tensor on {t.device} must be moved to the CPU before it is sent")
     if not t.is_contiguous():
         raise ValueError(f"tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous() first")
-    dtype_name(t.dtype)
+    if t.dtype not in _FRAME_NAMES:
+        raise ValueError(f"dtype {t.dtype} cannot travel; expected one of {sorted(FRAME_DTYPES)}")
     t = t.detach().reshape(-1)
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
         t = t.view(torch.int16)
@@ -135,12 +156,23 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 
 
 def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None,
-           ids: Sequence[torch.Tensor | None] | None = None) -> list[bytes | memoryview]:
+           ids: Sequence[torch.Tensor | None] | None = None,
+           parts: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]] | None = None) -> list[bytes | memoryview]:
     """[msgpack header, raw tensor frames...]. With tensors (even none), header['keys'] must
     name one key per tensor; 'dtypes' and 'shapes' are filled in from the tensors. ids: per
-    key, the int64 row ids it names, or None for the whole key ('rows' is filled in)."""
+    key, the int64 row ids it names, or None for the whole key ('rows' is filled in).
+    parts, instead of tensors: per key, a compressed message's (frames, header ints)."""
     header = {"v": PROTOCOL_VERSION, **header}
     n = len(header.get("keys", ()))
+    if parts is not None:
+        if n != len(parts) or tensors is not None or ids is not None:
+            raise ValueError(f"header names {n} keys for {len(parts)} compressed messages (and no tensors or ids)")
+        header["parts"] = [len(frames) for frames, _ in parts]
+        header["meta"] = [[int(i) for i in meta] for _, meta in parts]
+        tensors = [f for frames, _ in parts for f in frames]
+        header["dtypes"] = [_FRAME_NAMES[t.dtype] for t in tensors]
+        header["shapes"] = [list(t.shape) for t in tensors]
+        return [msgpack.packb(header, use_bin_type=True), *(tensor_frame(t) for t in tensors)]
     if tensors is not None:
         if n != len(tensors):
             raise ValueError(f"header names {n} keys for {len(tensors)} tensors")
@@ -205,7 +237,8 @@ def _frame_view(f: Any) -> memoryview:
 
 
 def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: Collection[int] | None = None,
-           limits: Limits = Limits(), *, shard: int | None = None, wire: str | None = None) -> Message:
+           limits: Limits = Limits(), *, shard: int | None = None, wire: str | None = None,
+           codec: Any = None) -> Message:
     """Validate a message completely, then build its tensors on the frames (zero copy).
 
     Args:
@@ -216,6 +249,9 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         limits: size bounds.
         shard: if given, every key must belong to this shard.
         wire: a dtype name accepted for every key besides the layout's (ps.compression).
+        codec: what a compressed key's frames must be: codec.forms(key, meta) -> [(dtype
+            name, shape list)], ValueError for a meta it refuses (ps.codec); None: compressed
+            messages are refused.
     Raises ProtocolError naming the field, its value and what was expected.
     """
     if not frames:
@@ -299,6 +335,8 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         return Message(h, [], _row_ids(keys, rows, views[1:], layout) if "rows" in h else [])
 
     dtypes, shapes = _check_int_list(h, "dtypes", limits.max_keys), _check_int_list(h, "shapes", limits.max_keys)
+    if "parts" in h or "meta" in h:
+        return _decode_parts(h, keys, dtypes, shapes, views[1:], layout, limits, codec)
     if not len(keys) == len(dtypes) == len(shapes):
         _fail(f"header has {len(keys)} keys, {len(dtypes)} dtypes, {len(shapes)} shapes; expected equal counts")
     if len(frames) - 1 != len(keys) + n_ids:
@@ -336,6 +374,45 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     ids = _row_ids(keys, rows, id_views, layout) if "rows" in h else []
     tensors = [_tensor(v, TORCH_DTYPES[d], s) for v, d, s in zip(views, dtypes, shapes)]
     return Message(h, tensors, ids)
+
+
+def _decode_parts(h: dict, keys: list[int], dtypes: list, shapes: list, views: list[memoryview],
+                  layout: Layout | None, limits: Limits, codec: Any) -> Message:
+    """A compressed message: each key's frames must be exactly what the codec expects."""
+    if codec is None or layout is None:
+        _fail("a compressed message ('parts'), but this peer runs without compress.method")
+    if not {"parts", "meta"} <= set(h) or "rows" in h:
+        _fail("a compressed message needs header fields 'parts' and 'meta' together, and no 'rows'")
+    parts, meta = _check_int_list(h, "parts", limits.max_keys), _check_int_list(h, "meta", limits.max_keys)
+    if not len(keys) == len(parts) == len(meta):
+        _fail(f"header has {len(keys)} keys, {len(parts)} parts, {len(meta)} metas; expected equal counts")
+    for k, n, m in zip(keys, parts, meta):
+        if type(n) is not int or not 1 <= n <= MAX_PARTS:
+            _fail(f"key {k}: parts entry {n!r}; expected 1..{MAX_PARTS} frames")
+        if not isinstance(m, list) or len(m) > MAX_PARTS or any(type(i) is not int or abs(i) >= 1 << 63 for i in m):
+            _fail(f"key {k}: meta {str(m)[:80]}; expected a list of at most {MAX_PARTS} 64-bit ints")
+    total = sum(parts)
+    if not len(dtypes) == len(shapes) == total == len(views):
+        _fail(f"a compressed message of {total} frame(s) has {len(dtypes)} dtypes, {len(shapes)} shapes and "
+              f"{len(views)} tensor frame(s); expected equal counts")
+    out, at = [], 0
+    for k, n, m in zip(keys, parts, meta):
+        try:
+            expected = [(d, list(s)) for d, s in codec.forms(k, tuple(m))]
+        except ValueError as e:
+            _fail(f"key {k}: {e}")
+        got = [(dtypes[at + j], shapes[at + j]) for j in range(n)]
+        if got != expected:
+            _fail(f"key {k}: compressed frames {got}; expected {expected}")
+        tensors = []
+        for (dtype, shape), view in zip(expected, views[at: at + n]):
+            nbytes = math.prod(shape) * FRAME_ITEMSIZE[dtype]
+            if view.nbytes != nbytes:
+                _fail(f"key {k}: compressed frame is {view.nbytes} bytes; expected {nbytes}")
+            tensors.append(_tensor(view, FRAME_DTYPES[dtype], shape))
+        out.append(tuple(tensors))
+        at += n
+    return Message(h, [t for p in out for t in p], [], out)
 
 
 def _check_rows(h: dict, keys: list[int], layout: Layout | None, limits: Limits) -> list[int]:

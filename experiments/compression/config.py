@@ -15,8 +15,8 @@ from experiments.compression.topk import TopK
 
 # The settings each method reads (error_feedback: every method but none).
 READS = {"none": (), "fp16": ("error_feedback",), "bf16": ("error_feedback",),
-         "topk": ("ratio", "error_feedback"), "randomk": ("ratio", "seed", "error_feedback"),
-         "sign": ("error_feedback",), "qsgd": ("levels", "seed", "error_feedback"),
+         "topk": ("ratio", "error_feedback", "pull"), "randomk": ("ratio", "seed", "error_feedback", "pull"),
+         "sign": ("error_feedback", "pull"), "qsgd": ("levels", "seed", "error_feedback", "pull"),
          "powersgd": ("rank", "start_step", "seed", "error_feedback")}
 
 
@@ -38,6 +38,10 @@ class CompressConfig:
     """None: on for the biased methods (topk, randomk, sign, qsgd, powersgd), off for the casts."""
     seed: int = 0
     """randomk, qsgd, powersgd: the seed of their shared (or per-worker) randomness."""
+    pull: bool = True
+    """ps-sync: pulls carry the values' change since the last pull compressed by the same
+    method, with the shard's error feedback (one more copy of its parameters); false: pulls
+    carry the values whole. Pushes are compressed either way."""
 
     def __post_init__(self) -> None:
         if self.method not in READS:

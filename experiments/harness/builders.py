@@ -20,7 +20,7 @@ def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace |
 
     # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
     return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
-                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=_compression(cfg))
+                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=compression(cfg))
 
 
 def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
@@ -29,7 +29,7 @@ def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
     if cfg.fault.delay_ms:
         raise ValueError("fault.delay_ms cannot be applied to ddp: its messages are inside torch; "
                          "use --engine allreduce to study a slow link")
-    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, compression=_compression(cfg))
+    return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, compression=compression(cfg))
 
 
 def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
@@ -41,10 +41,16 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
     # fault.delay_ms is applied by the servers, which hold every reply back.
     return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
                     trace, settings=settings(cfg),
-                    initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
+                    initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None,
+                    compression=compression(cfg))
 
 
-def _compression(cfg: RunConfig):
+def compression(cfg: RunConfig):
     """(compressor, error-feedback memory or None) of compress.method, for the engines that
     carry it themselves; None for none and the casts (the engines' own wire dtypes)."""
     return cfg.compress.build() if cfg.compress.method not in ("none", *CASTS) else None
+
+
+def compresses_pulls(cfg: RunConfig) -> bool:
+    """Whether the shards send pulls as compressed changes (ps-sync, compress.pull)."""
+    return compression(cfg) is not None and cfg.compress.pull and get_engine(cfg.engine).consistency == "sync"

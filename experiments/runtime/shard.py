@@ -36,6 +36,7 @@ from experiments.rundir.tensorboard_log import ShardBoard
 from experiments.settings.overrides import to_dict
 from experiments.rundir.trace import Tracer
 from experiments.runtime.worker import SERVERS_FILE
+from experiments.harness.builders import compresses_pulls, compression
 
 
 def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
@@ -55,13 +56,17 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None
 
+    compressed = compression(cfg)
+
     def make(layout, values, optim: OptimConfig) -> ShardServer:
         return ShardServer(shard, layout, values, optim.build, spec.consistency, cfg.workers,
                            cfg.ps, trace=tracer.record if tracer.enabled else None,
                            reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
                            checkpoint_every=cfg.checkpoint.every if path else 0,
                            save=lambda state: save_atomic(state, path),
-                           settings=agreement.settings(cfg, for_server=True))
+                           settings=agreement.settings(cfg, for_server=True),
+                           compressor=compressed[0] if compressed else None,
+                           compress_pulls=compresses_pulls(cfg))
 
     curve = load_server_keys(cfg.ps.curve_dir) if cfg.ps.curve_dir else None
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s, curve=curve)

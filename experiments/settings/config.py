@@ -152,6 +152,10 @@ class RunConfig:
                              + (f"{method} runs on {', '.join(carriers)}" if carriers else
                                 f"no engine carries {method} yet"))
         if method not in CASTS:
+            wires = [f"{name}.compression={getattr(self, name).compression}" for name in ("allreduce", "ps")
+                     if getattr(self, name).compression != "none"]
+            if wires:
+                raise ValueError(f"compress.method={method} and {', '.join(wires)}: give one compression")
             if method == "powersgd" and self.compress.start_step <= 1:  # torch's PowerSGDState refuses it
                 raise ValueError(f"compress.start_step={self.compress.start_step}: PowerSGD with error "
                                  "feedback or warm start needs it > 1 (torch's start_powerSGD_iter)")

@@ -37,10 +37,11 @@ class Dispatcher:
     lost and has joined (or is joining); after it, then(): replies it made possible (pulls
     that waited). counters: "bytes_in", "bytes_out", "malformed", "rejected" are counted here."""
 
-    def __init__(self, shard: int, layout: Any, workers: Any, wire: str | None, limits: Limits,
+    def __init__(self, shard: int, layout: Any, workers: Any, wire: str | None, codec: Any, limits: Limits,
                  handlers: dict[str, Callable[[bytes, Message], list[Reply]]], then: Callable[[], list[Reply]],
                  counters: dict[str, int], clock: Callable[[], float]) -> None:
         self.shard, self.layout, self.workers, self.wire, self.limits = shard, layout, workers, wire, limits
+        self.codec = codec
         self.handlers, self.then, self.counters, self.clock = handlers, then, counters, clock
         self._last_malformed_log = float("-inf")
 
@@ -50,7 +51,8 @@ class Dispatcher:
         if aborted:
             return [self.error(peer, *peek_ids(frames), aborted)]
         try:
-            msg = decode(frames, self.layout, self.workers.ids, self.limits, shard=self.shard, wire=self.wire)
+            msg = decode(frames, self.layout, self.workers.ids, self.limits, shard=self.shard, wire=self.wire,
+                         codec=self.codec)
         except Exception as e:  # ProtocolError; anything else is a decoder bug, still not fatal
             text = str(e) if isinstance(e, ProtocolError) else f"undecodable message: {type(e).__name__}: {e}"
             self.counters["malformed"] += 1

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ps.codec import Codec, DeltaPulls
 from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import REQUESTS, Limits, Message, encode
@@ -60,6 +61,10 @@ class ShardServer:
         settings: {name: scalar} this shard runs with and every worker must share; a join
             whose settings differ is refused, naming each. A setting the shard does not have
             (one only workers use) must equal the first joined worker's. None: not checked.
+        compressor: compress.method's compressor (experiments.compression, by shape), whose
+            pushes this shard decompresses (ps.codec); None: pushes come whole.
+        compress_pulls: under sync, pulls carry the compressed change since the last one
+            (ps.codec.DeltaPulls) instead of the values.
     """
 
     def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
@@ -67,7 +72,7 @@ class ShardServer:
                  num_workers: int, config: PSConfig = PSConfig(), clock: Callable[[], float] = time.monotonic,
                  trace: Callable[..., None] | None = None, reply_delay_s: float = 0.0,
                  checkpoint_every: int = 0, save: Callable[[dict], None] | None = None,
-                 settings: dict[str, Any] | None = None):
+                 settings: dict[str, Any] | None = None, compressor: Any = None, compress_pulls: bool = False):
         rule = rule_for(mode)
         if not 0 <= shard < layout.num_shards:
             raise ValueError(f"shard {shard} out of range for a layout of {layout.num_shards} shards")
@@ -99,9 +104,14 @@ class ShardServer:
         # An update of a few keys costs what those keys cost, in one optimizer call.
         self.optimizer = ShardOptimizer(make_optimizer, self.chunks)
         self.snapshots = SnapshotPool(self.chunks, TORCH_DTYPES[config.wire_dtype] if config.wire_dtype else None)
+        self.codec = Codec(compressor, layout) if compressor is not None else None
+        if compress_pulls and (self.codec is None or self.mode != "sync"):
+            raise ValueError("compressed pulls need a compressor and sync: under async and ssp each worker "
+                             "reads other versions, so one replica of what workers hold would not do")
+        self.pulls = DeltaPulls(self.codec, self.chunks) if compress_pulls else None
         self.settings = SettingsCheck(shard, settings)
         self.waiting = Waiting()
-        self._dispatch = Dispatcher(shard, layout, self.workers, config.wire_dtype,
+        self._dispatch = Dispatcher(shard, layout, self.workers, config.wire_dtype, self.codec,
                                     Limits(max_tensor_bytes=config.max_message_bytes),
                                     {op: getattr(self, f"_on_{op}") for op in REQUESTS}, self._release,
                                     self.counters, clock)
@@ -217,6 +227,14 @@ class ShardServer:
         if twice:
             raise Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
         self.rule.check_push(w, step, msg)
+        if msg.parts:  # compressed: rebuilt whole (contents checked) before anything is applied
+            try:
+                msg.tensors[:] = [self.codec.decompress(k, p, m) for k, p, m in zip(msg.keys, msg.parts, msg.get("meta"))]
+            except ValueError as e:
+                raise Reject(f"push of step {step}: {e}") from e
+        elif self.codec is not None:
+            raise Reject(f"this run compresses pushes (compress.method={self.codec.name}); worker {w} "
+                         "pushed whole values")
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
             msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
@@ -312,6 +330,11 @@ class ShardServer:
                   "keys": list(keys)}
         if msg.op == "pull":
             self.rule.read(msg.worker)
+        if exact and self.pulls is not None and msg.op == "join":  # what every other worker holds
+            return self._dispatch.send(peer, encode({**header, **fields}, [self.pulls.replica[k] for k in keys]))
+        if self.pulls is not None and not exact and msg.op == "pull":  # the change since the last pull
+            parts = [self.pulls.message(k, header["version"]) for k in keys]
+            return self._dispatch.send(peer, encode({**header, **fields}, parts=[(p.frames, p.meta) for p in parts]))
         if msg.op != "pull" or not msg.ids:
             return self._dispatch.send(peer, encode({**header, **fields}, [self.snapshots.snapshot(k, exact) for k in keys]))
         wire = self.snapshots.wire if not exact else None
@@ -341,6 +364,8 @@ class ShardServer:
         for k in keys:
             self.chunks[k].grad = None
             self.snapshots.updated(k)
+            if self.pulls is not None:
+                self.pulls.updated(k)
         self.counters["updates"] += int(count)
         if self.trace is not None:
             self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
@@ -372,6 +397,8 @@ class ShardServer:
         self.workers.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
         self.counters.update(state["counters"])
         self.snapshots.clear()
+        if self.pulls is not None:
+            self.pulls.reset()
 
     def stats(self) -> dict[str, Any]:
         """Counters as a plain dict (str keys, msgpack-able)."""
