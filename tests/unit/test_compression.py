@@ -296,7 +296,7 @@ def test_every_setting_has_a_docstring_and_good_settings_build():
     body = tree.body[0].body
     documented = {body[i].target.id for i in range(len(body) - 1)
                   if isinstance(body[i], ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)}
-    assert documented == {"method", "ratio", "levels", "rank", "start_step", "error_feedback", "seed"}
+    assert documented == {"method", "ratio", "levels", "rank", "start_step", "error_feedback", "seed", "pull"}
     for settings in ({"method": "qsgd", "levels": 4, "seed": 2}, {"method": "randomk", "ratio": 1.0},
                      {"method": "powersgd", "rank": 4, "start_step": 0, "error_feedback": False}):
         compressor, _ = CompressConfig(**settings).build()

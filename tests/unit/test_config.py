@@ -131,11 +131,16 @@ def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_c
     ]:
         with pytest.raises(OverrideError, match=re.escape(message)):
             build_config("quickstart", overrides)
-    with pytest.raises(OverrideError, match="compress.method=topk: engine ps-sync carries none, fp16, bf16; topk runs on allreduce"):
-        build_config("quickstart", ["compress.method=topk"], engine="ps-sync")
-    with pytest.raises(OverrideError, match="compress.method=powersgd: engine ps-async carries none, fp16, bf16; "
-                                            "powersgd runs on ddp, allreduce"):
+    with pytest.raises(OverrideError, match="compress.method=topk: engine ddp carries none, fp16, bf16, powersgd; "
+                                            "topk runs on allreduce, ps-sync, ps-async, ps-ssp"):
+        build_config("quickstart", ["compress.method=topk"], engine="ddp")
+    with pytest.raises(OverrideError, match="compress.method=powersgd: engine ps-async carries none, fp16, bf16, "
+                                            "topk, randomk, sign, qsgd; powersgd runs on ddp, allreduce"):
         build_config("quickstart", ["compress.method=powersgd"], engine="ps-async")
+    with pytest.raises(OverrideError, match=re.escape("compress.method=topk and ps.compression=fp16: give one")):
+        build_config("quickstart", ["compress.method=topk", "ps.compression=fp16"], engine="ps-sync")
+    with pytest.raises(OverrideError, match=re.escape("compress.pull=False: compress.method=fp16 does not read it")):
+        build_config("quickstart", ["compress.method=fp16", "compress.pull=false"], engine="ps-sync")
     # Overrides come one at a time, in any order: a setting may come before its method.
     assert build_config("quickstart", ["compress.ratio=0.05", "compress.method=topk"]).compress.ratio == 0.05
     powersgd = build_config("quickstart", ["compress.method=powersgd", "compress.rank=2"], engine="ddp")
