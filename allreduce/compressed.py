@@ -14,10 +14,32 @@ N-1 messages (they grow with N, which is why a ring prefers methods that add up)
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 import torch.distributed as dist
 
 from .collective import bus_bytes
+
+
+class Timed:
+    """The seconds an exchange spends compressing, decompressing and on error feedback (not
+    waiting for collectives): what a step pays for its compression on the CPU."""
+
+    seconds = 0.0
+
+    @contextlib.contextmanager
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def take_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 class _Context:
@@ -34,7 +56,7 @@ class _Message:
         self.frames, self.shape, self.dtype, self.header = tuple(frames), like.shape, like.dtype, like.header
 
 
-class CompressedExchange:
+class CompressedExchange(Timed):
     """Starts one bucket's compressed exchange; `wait()` on what start returns writes the
     workers' mean into the bucket. collective: the reducer's (its start(flat, None, name)
     all-reduces a frame in place); all-gathers go through torch.distributed."""
@@ -44,17 +66,19 @@ class CompressedExchange:
         self.rank, self.world, self.collective = rank, world, collective
 
     def start(self, key: str, flat: torch.Tensor, step: int, name: str, params=()):
-        compensated = self.memory.compensate(key, flat) if self.memory is not None else flat
-        message = self.compressor.compress(compensated, _Context(step, key, self.rank))
-        if self.memory is not None:
-            self.memory.remember(key, compensated, self.compressor.decompress(message))
+        with self.timed():
+            compensated = self.memory.compensate(key, flat) if self.memory is not None else flat
+            message = self.compressor.compress(compensated, _Context(step, key, self.rank))
+            if self.memory is not None:
+                self.memory.remember(key, compensated, self.compressor.decompress(message))
         nbytes, decompress = self.compressor.nbytes(message), self.compressor.decompress
         if self.compressor.adds_up:
             frames = [frame.clone() for frame in message.frames]
             handles = [self.collective.start(frame, None, f"{name} frame {i}")[0] for i, frame in enumerate(frames)]
 
             def reduced() -> None:
-                flat.copy_(decompress(_Message(frames, message)).view_as(flat)).div_(self.world)
+                with self.timed():
+                    flat.copy_(decompress(_Message(frames, message)).view_as(flat)).div_(self.world)
 
             return _Pending(handles, reduced), bus_bytes(nbytes, self.world)
         gathered = [[torch.empty_like(frame) for _ in range(self.world)] for frame in message.frames]
@@ -62,10 +86,11 @@ class CompressedExchange:
                  for out, frame in zip(gathered, message.frames)]
 
         def added() -> None:
-            flat.zero_()
-            for w in range(self.world):  # in rank order on every rank: the same sum everywhere
-                flat.add_(decompress(_Message([out[w] for out in gathered], message)).view_as(flat))
-            flat.div_(self.world)
+            with self.timed():
+                flat.zero_()
+                for w in range(self.world):  # in rank order on every rank: the same sum everywhere
+                    flat.add_(decompress(_Message([out[w] for out in gathered], message)).view_as(flat))
+                flat.div_(self.world)
 
         return _Pending(works, added), nbytes * (self.world - 1)
 
@@ -82,7 +107,7 @@ class _Pending:
         self._combine()
 
 
-class PowerSGDExchange:
+class PowerSGDExchange(Timed):
     """PowerSGD per bucket, as torch's powerSGD_hook runs it (compressor: experiments'
     PowerSGD, by shape: compresses / project / finish / reconstruct and its Q memory).
 
@@ -105,6 +130,10 @@ class PowerSGDExchange:
 
     def start(self, key: str, flat: torch.Tensor, step: int, name: str, params=()):
         """params: (name, shape) of the bucket's parameters, in its order."""
+        with self.timed():
+            return self._start(key, flat, step, name, params)
+
+    def _start(self, key: str, flat: torch.Tensor, step: int, name: str, params):
         compensated = self.memory.compensate(key, flat) if self.memory is not None else flat
         parts, offset = [], 0
         for pname, shape in params:
@@ -161,7 +190,8 @@ class _PowerSGDStep:
             n, r = shape[0], x.compressor.matrix_rank(tuple(shape))
             p_sum = self._ps[offset: offset + n * r].view(n, r)
             offset += n * r
-            finished.append(x.compressor.finish(matrix, p_sum, self._ctx[pname]))
+            with x.timed():
+                finished.append(x.compressor.finish(matrix, p_sum, self._ctx[pname]))
         if finished:
             qs = torch.cat([q.reshape(-1) for _, q in finished])
             handle, _ = x.collective.start(qs, None, "Q")
@@ -170,7 +200,8 @@ class _PowerSGDStep:
             for (pname, shape, _), (p, q) in zip(self._squeezed, finished):
                 q_mean = qs[offset: offset + q.numel()].view_as(q) / x.world
                 offset += q.numel()
-                result[pname] = x.compressor.reconstruct(p, q_mean, self._ctx[pname], tuple(shape))
+                with x.timed():
+                    result[pname] = x.compressor.reconstruct(p, q_mean, self._ctx[pname], tuple(shape))
         applied = torch.cat([result[pname].reshape(-1) for pname in self._order])  # the bucket's order
         if x.memory is not None:
             x.memory.remember(self._key, self._compensated, applied)

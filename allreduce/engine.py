@@ -56,6 +56,7 @@ class AllReduceEngine:
                 raise ValueError(f"compress.method={compressor.name} with allreduce.sparse=allgather: "
                                  "the tables' rows would travel uncompressed; choose one")
         self._compression = compression
+        self._exchange = None  # the compressed exchange, once attached
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.trace, self.delay_s = trace, delay_s
         self._sparse_tables = sparse_tables
@@ -77,12 +78,13 @@ class AllReduceEngine:
                                            self.trace, self.delay_s)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
-        exchange = None
+        exchange = self._exchange = None
         if self._compression is not None:
             compressor, memory = self._compression
             exchange = (PowerSGDExchange(compressor, memory, self.rank, self.world, self._collective, compressor.seed)
                         if compressor.name == "powersgd" else
                         CompressedExchange(compressor, memory, self.rank, self.world, self._collective))
+            self._exchange = exchange
         self._reducer = Reducer(
             bucketed, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,
             first_cap_mb=self.config.first_bucket_mb,
@@ -127,6 +129,8 @@ class AllReduceEngine:
         self._reducer.zero_grad()
         self._sparse.zero_grad()
         stats = {"comm_s": comm_s, "in_backward_s": in_backward, "bytes_sent": nbytes, "bytes_recv": nbytes}
+        if self._exchange is not None:
+            stats["compress_s"] = self._exchange.take_seconds()
         if self._sparse.params:  # what the all-gather of the tables' rows sent, apart (analysis models it)
             stats["gathered_bytes"] = gathered
         return stats

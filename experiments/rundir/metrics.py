@@ -79,6 +79,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged;
     sent_bytes_per_worker_per_step and recv_bytes_per_worker_per_step: each direction apart
     (a compressed push and its pull, or an all-gather, differ).
+    compress_s_per_step: seconds a worker spent per step compressing, decompressing and on
+    error feedback (compress.method on allreduce and ps-*), None where not measured.
     peak_rss_mb: each rank's peak resident memory (MiB) as of its last step.
     """
     per_rank = read_metrics(run_dir)
@@ -104,6 +106,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
         "bytes_per_worker_per_step": sum(traffic) / len(traffic) if traffic else 0,
         "sent_bytes_per_worker_per_step": sum(r["bytes_sent"] for r in records) / len(records) if records else 0,
         "recv_bytes_per_worker_per_step": sum(r["bytes_recv"] for r in records) / len(records) if records else 0,
+        "compress_s_per_step": (sum(r["compress_s"] for r in records) / len(records)
+                                if records and all("compress_s" in r for r in records) else None),
         "param_sha256": sha,
         "peak_rss_mb": {f"rank{r}": recs[-1]["peak_rss_mb"] for r, recs in sorted(per_rank.items())
                         if recs and "peak_rss_mb" in recs[-1]},
