@@ -94,11 +94,19 @@ def _speedup_note(speedup: float | None, workers: int) -> str:
             f"(threads per worker, a busy machine), not this one fast")
 
 
-def cell_of(run: Run) -> tuple:
+def rate_of(run: Run) -> str:
+    """The emulated links' rate a run had ("100mbit"), "" on loopback."""
+    return (run.summary.get("network") or {}).get("rate", "")
+
+
+def cell_of(run: Run, rated: bool = False) -> tuple:
     """The grid cell a run belongs to: repeats of one cell are summarised in one row. The
     name is the engine's label, with its compression ("allreduce/library +topk 0.01"). On an
-    emulated network a ps-* run's servers say where the shards were: "2 separate"."""
+    emulated network a ps-* run's servers say where the shards were: "2 separate", and runs
+    of one grid on links of several rates name theirs ("ps-sync +topk 0.01 @100mbit")."""
     name = f"{run.label} +{run.compression}" if run.compression else run.label
+    if rated:
+        name += f" @{rate_of(run) or 'loopback'}"
     if not run.spec.uses_servers:
         return name, run.summary["workers"], ""
     servers = run.summary.get("servers", 1)
@@ -117,8 +125,9 @@ def rows(runs: list[Run]) -> list[dict]:
     (--repeats) shows the median samples/s and final loss and the samples/s range; the
     other columns pool the records of its runs."""
     cells: dict[tuple, list[Run]] = {}
-    for run in sorted(runs, key=lambda r: (*cell_of(r)[:2], str(cell_of(r)[2]))):
-        cells.setdefault(cell_of(run), []).append(run)
+    rated = len({rate_of(r) for r in runs}) > 1  # runs on links of several rates: each its own cell
+    for run in sorted(runs, key=lambda r: (*cell_of(r, rated)[:2], str(cell_of(r, rated)[2]))):
+        cells.setdefault(cell_of(run, rated), []).append(run)
     rates = {cell: [r.summary["samples_per_sec"] for r in group if r.summary.get("samples_per_sec")]
              for cell, group in cells.items()}
     one_worker = {cell[0]: median(rates[cell]) for cell in cells if cell[1] == 1 and rates[cell]}

@@ -5,7 +5,7 @@ comparison gives, where the table gives the figures."""
 from __future__ import annotations
 
 from .results import Run, median
-from .table import cell_of
+from .table import cell_of, rate_of
 
 
 def _name(label: str, servers) -> str:
@@ -14,6 +14,12 @@ def _name(label: str, servers) -> str:
 
 
 def verdicts(runs: list[Run]) -> list[str]:
+    """_verdicts for the runs of each link rate apart (a comparison may span several)."""
+    return [line for rate in sorted({rate_of(r) for r in runs})
+            for line in _verdicts([r for r in runs if rate_of(r) == rate])]
+
+
+def _verdicts(runs: list[Run]) -> list[str]:
     """For each worker count above 1: the fastest cell by median samples/s, every other cell
     as a ratio of it, and whether their ranges over repeats overlap (then the difference is
     within the run-to-run noise of this machine). local is left out: one process, the

@@ -98,11 +98,11 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
                           if not (script and not ENGINES[e].processes_per_worker)]
     worker_counts = worker_counts or list(grid.workers if grid else (1, 2))
     if grid and grid.variants:  # --engines and --servers choose among the comparison's lines
-        variants = [v for v in grid.variants if v.engine in engines
+        variants = [v for v in grid.variants_at(net) if v.engine in engines
                     and (not server_counts or v.servers == "N" or v.servers in server_counts)]
     else:
         variants = variants_of(engines, server_counts or list(grid.servers if grid else (1,)))
-    net = net or (grid.net if grid else None)
+    net = net or (grid.net if grid else None) or None
     overrides = with_net((grid.overrides if grid else ()) + tuple(overrides), net)
     from experiments.settings.readers import setting_key
 
@@ -131,9 +131,17 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
     said = verdicts(runs)
     for line in said:
         click.echo(line)
-    if said and not net:
+    if said and not net and not (grid and grid.rates):
         click.echo("next: on a machine's loopback the cores decide, not the network; as root, "
                    "`psar compare link-scaling` runs allreduce and ps-sync on emulated 200mbit links")
+    if grid and grid.report == "compression" and runs:
+        from analysis.compression import report
+
+        text, paths = report(runs, out)
+        click.echo("")
+        click.echo(text)
+        for path in paths:
+            click.echo(f"compression: {path}")
     if plots and runs:
         from analysis.plots import plot_all
 

@@ -43,6 +43,30 @@ class Comparison:
     """The link rate the comparison is about (--net; the command line's wins); "": loopback."""
     claim: str = ""
     """The result the comparison reproduces, in one sentence."""
+    rates: tuple[str, ...] = ()
+    """Link rates every variant runs at, one grid after the other (--net gives one instead)."""
+    report: str = ""
+    """A report beside the table: "compression" (analysis.compression)."""
+
+    def variants_at(self, net: str | None) -> tuple[Variant, ...]:
+        """The variants, at every rate of `rates` unless a --net rate was given."""
+        if not self.rates or net:
+            return self.variants
+        return tuple(Variant(v.engine, v.servers, v.overrides + (f"net.rate={rate}",))
+                     for rate in self.rates for v in self.variants)
+
+
+def _compression_variants() -> tuple[Variant, ...]:
+    """Every method on allreduce and ps-sync (one shard per worker, on the workers' hosts),
+    and torch's own hooks under ddp; top-k and random-k at 1%."""
+    settings = {"none": (), "fp16": (), "bf16": (), "topk": ("compress.ratio=0.01",),
+                "randomk": ("compress.ratio=0.01",), "sign": (), "qsgd": (), "powersgd": ()}
+    carried = {"allreduce": ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "powersgd"),
+               "ps-sync": ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"),
+               "ddp": ("fp16", "powersgd")}
+    return tuple(Variant(engine, "N" if engine == "ps-sync" else 1,
+                         ((f"compress.method={m}",) if m != "none" else ()) + settings[m])
+                 for engine, methods in carried.items() for m in methods)
 
 
 COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
@@ -79,6 +103,14 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
         claim="An embedding model (DLRM, 67 MB of tables, 128 examples a step): the parameter "
               "server pushes and pulls only the rows a batch touches and updates only those, "
               "all-reduce densifies every table every step; all-gathering the rows sits between."),
+    Comparison(
+        "compression", "mlp-mid", ("allreduce", "ps-sync", "ddp"), (2,), steps=40,
+        overrides=("model.hidden=[512,512]",), variants=_compression_variants(), rates=("100mbit", "1gbit"),
+        report="compression",
+        claim="Compression pays where the link is slow: each method's bytes per step against the "
+              "compute it adds, on a ring (all-reduce for messages that add up, all-gather else) and "
+              "on a parameter server (decompressed and summed by the shards, pulls compressed back); "
+              "above the rate where its saved link time equals its compute, it no longer pays."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,

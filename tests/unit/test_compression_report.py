@@ -1,0 +1,79 @@
+"""The compression comparison's report on hand-written runs: each method against its engine's
+uncompressed run at the same rate, and the crossover rates (predicted from bytes and
+compression compute, measured from step times at two rates) where the arithmetic is known."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from analysis.compression import markdown, measured_crossover, predicted_crossover, report, rows
+from analysis.results import Run
+
+COMPUTE = 0.05
+
+
+def _run(method: str, rate: str, sent: float, compress_s: float | None, accuracy: float = 0.9,
+         steps: int = 12) -> Run:
+    bits = {"100mbit": 100e6, "1gbit": 1e9}[rate]
+    step = COMPUTE + (compress_s or 0) + 8 * sent / bits  # the cost model, exactly
+    summary = dict(experiment="mlp-mid", engine="allreduce", workers=2, servers=1, samples_per_sec=1.0,
+                   final_loss=0.5, eval={"accuracy": accuracy}, bytes_per_worker_per_step=2 * sent,
+                   sent_bytes_per_worker_per_step=sent, recv_bytes_per_worker_per_step=sent,
+                   compress_s_per_step=compress_s, network={"rate": rate, "placement": "colocated"})
+    config = {"target_loss": 1.0, "compress": {"method": method, "ratio": 0.01} if method != "none" else {}}
+    records = [dict(step=s, loss=2.0 - s * 0.2, time=(s + 1) * step, comm_s=step - COMPUTE, step_s=step)
+               for s in range(steps)]
+    return Run(Path(f"/runs/{method}-{rate}"), config, summary, {0: records, 1: records})
+
+
+def test_crossover_where_saved_link_time_equals_compression_compute(tmp_path):
+    # 2.5 MB dense, 50 KB top-k with 10 ms of compression: (2.5e6 - 5e4) * 8 / 0.01 = 1.96 Gbit/s
+    runs = [_run("none", r, 2.5e6, None) for r in ("100mbit", "1gbit")] + \
+           [_run("topk", r, 5e4, 0.01, accuracy=0.88) for r in ("100mbit", "1gbit")]
+    dense = {r.summary["network"]["rate"]: r for r in runs[:2]}
+    topk = {r.summary["network"]["rate"]: r for r in runs[2:]}
+    assert predicted_crossover(dense["1gbit"], topk["1gbit"]) == pytest.approx(1.96e9)
+    # step times made by the model itself: the measured crossover is the same rate
+    assert measured_crossover(dense, topk) == pytest.approx(1.96e9, rel=1e-9)
+    table = rows(runs)
+    top = [row for row in table if row["method"] == "topk 0.01"]
+    assert [row["rate"] for row in top] == ["100mbit", "1gbit"]
+    slow = top[0]
+    assert slow["step_speedup"] == pytest.approx((COMPUTE + 0.2) / (COMPUTE + 0.01 + 0.004))
+    assert slow["metric_delta"] == pytest.approx(-2.0) and slow["crossover_mbit"] == pytest.approx(1960)
+    assert top[1]["measured_crossover_mbit"] == pytest.approx(1960) and slow["measured_crossover_mbit"] is None
+    assert slow["target_speedup"] == pytest.approx(slow["step_speedup"])
+    text, paths = report(runs, tmp_path)
+    assert "| 100mbit | allreduce/library | topk 0.01 |" in text and text == markdown(table)
+    assert {p.name for p in paths} == {"compression.md", "compression.csv", "compression_loss_vs_time.png",
+                                       "compression_speedup_vs_rate.png"}
+
+
+def test_no_crossover_without_a_saving_or_a_measured_compute():
+    dense, cast = _run("none", "1gbit", 2.5e6, None), _run("fp16", "1gbit", 1.25e6, None)
+    assert predicted_crossover(dense, cast) is None
+    assert predicted_crossover(dense, _run("sign", "1gbit", 3e6, 0.01)) is None  # sends more
+    assert measured_crossover({"1gbit": dense}, {"1gbit": cast}) is None  # one rate only
+
+
+def test_the_compression_grid_builds_every_cell_at_both_rates():
+    """Every method on allreduce and ps-sync and torch's hooks under ddp, at 100mbit and 1gbit;
+    --net gives one rate instead. Each cell's settings are accepted as they stand."""
+    from experiments.comparisons.grids import get_comparison
+    from experiments.settings.presets import build_config
+
+    grid = get_comparison("compression")
+    cells = grid.variants_at(None)
+    assert len(cells) == 2 * len(grid.variants) == 34
+    methods = {(v.engine, next((o.split("=")[1] for o in v.overrides if o.startswith("compress.method=")), "none"))
+               for v in cells}
+    assert {m for e, m in methods if e == "ps-sync"} == {"none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"}
+    assert {m for e, m in methods if e == "allreduce"} == {"none", "fp16", "bf16", "topk", "randomk", "sign",
+                                                           "qsgd", "powersgd"}
+    assert grid.variants_at("200mbit") == grid.variants
+    for v in cells:
+        cfg = build_config(grid.experiment, grid.overrides + v.overrides, engine=v.engine, workers=2,
+                           servers=v.shards(2), steps=grid.steps)
+        assert cfg.net.rate in ("100mbit", "1gbit")
