@@ -43,7 +43,8 @@ TABLE = [
     ("sign", {}, (6, 5), lambda n, e: e + 4),                          # scale + ceil(30/8)
     ("sign", {}, (16,), lambda n, e: e + 2),
     ("sign", {}, (1,), lambda n, e: e + 1),
-    ("qsgd", {"levels": 16}, (6, 5), lambda n, e: e + n * 1 + 4),     # norm + uint8 + bits
+    ("qsgd", {"levels": 16}, (6, 5), lambda n, e: e + n * 1 + 4),     # norm (one bucket) + uint8 + bits
+    ("qsgd", {"levels": 16}, (1100,), lambda n, e: 3 * e + n + 138),  # 3 buckets of 512
     ("qsgd", {"levels": 300}, (6, 5), lambda n, e: e + n * 2 + 4),    # int16 levels
     ("qsgd", {"levels": 40000}, (9,), lambda n, e: e + n * 4 + 2),    # int32 levels
 ]
@@ -178,8 +179,8 @@ def test_powersgd_projections_add_up():
 # --- error feedback --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method,settings", [
-    ("topk", {"ratio": 0.1}), ("randomk", {"ratio": 0.1}), ("sign", {}), ("qsgd", {"levels": 4}),
-    ("fp16", {"error_feedback": True})])
+    ("topk", {"ratio": 0.1}), ("randomk", {"ratio": 0.1}), ("sign", {}),
+    ("qsgd", {"levels": 4, "error_feedback": True}), ("fp16", {"error_feedback": True})])
 def test_error_feedback_identity(method, settings):
     c, memory = build(method, **settings)
     assert isinstance(memory, ErrorFeedback)
@@ -199,12 +200,22 @@ def test_error_feedback_defaults():
     assert {m: build(m)[1] is not None for m in
             ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "powersgd")} == \
         {"none": False, "fp16": False, "bf16": False, "topk": True, "randomk": True,
-         "sign": True, "qsgd": True, "powersgd": True}
+         "sign": True, "qsgd": False, "powersgd": True}
     assert build("topk", error_feedback=False)[1] is None
     assert build("bf16", error_feedback=True)[1] is not None
 
 
 # --- QSGD ------------------------------------------------------------------------------------
+
+def test_qsgd_takes_a_norm_per_bucket_of_512():
+    c, _ = build("qsgd", levels=4)
+    g = grad(1100)
+    g[:512] *= 1000  # a loud first bucket must not drown the others' levels
+    m = c.compress(g, Context())
+    norms = m.frames[0]
+    assert norms.shape == (3,) and torch.allclose(norms, torch.stack([g[:512].norm(), g[512:1024].norm(),
+                                                                       g[1024:].norm()]))
+    assert m.frames[1][512:].double().mean() > 0.05  # ~4 * 0.8 / sqrt(512); one norm of all: ~1e-4
 
 def test_qsgd_is_unbiased_and_bounded():
     c, _ = build("qsgd", levels=2)
