@@ -2,8 +2,9 @@
 links of the same rate, and the rate above which it no longer pays.
 
 Cost model (the algorithm's, not a fit): a step costs its compute c, its compression compute
-k (compress_s_per_step, measured) and its bytes on the busiest direction of a worker's link
-b over the link rate R: t(R) = c + k + b / R. A method with bytes b_m and compute k_m beats
+k (measured: a worker's compress_s, plus under ps-sync a shard's decompression of the pushes
+and compression of the pull, per step) and its bytes on the busier direction of a worker's
+link b over the link rate R (medians over the steps after the first): t(R) = c + k + b / R. A method with bytes b_m and compute k_m beats
 the uncompressed run (b_0, k_0 = 0) while (b_0 - b_m) / R > k_m, so its predicted crossover
 is R* = (b_0 - b_m) / k_m: below R* it pays, above it does not. The measured crossover puts a
 line t = a + b / R through each series' step times at two rates (the slowest and fastest
@@ -18,7 +19,7 @@ from experiments.settings.net import parse_rate
 
 from . import style  # first: selects the Agg backend before pyplot loads
 from .costmodel import compute_time, measured_step
-from .results import Run, time_to_target
+from .results import Run, median, time_to_target
 from .table import rate_of
 
 import matplotlib.pyplot as plt
@@ -26,7 +27,7 @@ import matplotlib.pyplot as plt
 COLUMNS = [
     ("rate", "link"), ("engine", "engine"), ("method", "method"),
     ("sent_kb", "sent KB/step"), ("recv_kb", "recv KB/step"), ("step_ms", "step ms"),
-    ("compress_ms", "compress ms"), ("step_speedup", "step speed-up"),
+    ("compress_ms", "compress ms"), ("shard_codec_ms", "shard codec ms"), ("step_speedup", "step speed-up"),
     ("time_to_target_s", "s to target"), ("target_speedup", "speed-up to target"),
     ("metric", "final metric"), ("metric_delta", "vs none (points)"),
     ("crossover_mbit", "predicted crossover Mbit/s"), ("measured_crossover_mbit", "measured crossover Mbit/s"),
@@ -34,9 +35,28 @@ COLUMNS = [
 
 
 def _bytes(run: Run) -> float:
-    """Bytes per step on the busier direction of a worker's link."""
-    s = run.summary
-    return max(s.get("sent_bytes_per_worker_per_step") or 0, s.get("recv_bytes_per_worker_per_step") or 0)
+    """Bytes per step on the busier direction of a worker's link (median over steps: PowerSGD's
+    first steps go whole)."""
+    return median([max(r["bytes_sent"], r["bytes_recv"]) for r in run.steady_records()]) or 0.0
+
+
+def worker_codec_s(run: Run) -> float | None:
+    """A worker's compression compute per step (median), None where not measured."""
+    values = [r["compress_s"] for r in run.steady_records() if "compress_s" in r]
+    return median(values) if values else None
+
+
+def shard_codec_s(run: Run) -> float | None:
+    """The busiest shard's decompression and compression per step (ps-*), None elsewhere."""
+    stats = [s for s in run.summary.get("server_stats") or [] if s.get("codec_us") and s.get("version")]
+    return max(s["codec_us"] / 1e6 / s["version"] for s in stats) if stats else None
+
+
+def codec_s(run: Run) -> float | None:
+    """k: what compression adds to a step, a worker's and a shard's (which run one after the
+    other: the shard answers once it has decompressed every push and compressed the pull)."""
+    parts = [x for x in (worker_codec_s(run), shard_codec_s(run)) if x is not None]
+    return sum(parts) if parts else None
 
 
 def _metric(run: Run) -> float | None:
@@ -55,7 +75,7 @@ def _series(runs: list[Run]) -> dict[tuple[str, str], dict[str, Run]]:
 
 def predicted_crossover(base: Run, run: Run) -> float | None:
     """R* = (b_0 - b_m) / k_m in bit/s; None without a measured compression time or a saving."""
-    k = run.summary.get("compress_s_per_step")
+    k = codec_s(run)
     saved = 8 * (_bytes(base) - _bytes(run))
     return saved / k if k and k > 0 and saved > 0 else None
 
@@ -91,7 +111,7 @@ def rows(runs: list[Run]) -> list[dict]:
             run, base = by_rate[rate], base_series.get(rate)
             reached, base_reached = time_to_target(run), base and time_to_target(base)
             step = measured_step(run)
-            k = run.summary.get("compress_s_per_step")
+            k, shard = worker_codec_s(run), shard_codec_s(run)
             metric, base_metric = _metric(run), base and _metric(base)
             crossover = predicted_crossover(base, run) if base is not None and method != "none" else None
             measured = measured_crossover(base_series, by_rate) if method != "none" and rate == max(
@@ -101,6 +121,7 @@ def rows(runs: list[Run]) -> list[dict]:
                 "sent_kb": run.summary.get("sent_bytes_per_worker_per_step", 0) / 1e3,
                 "recv_kb": run.summary.get("recv_bytes_per_worker_per_step", 0) / 1e3,
                 "step_ms": 1e3 * step, "compress_ms": None if k is None else 1e3 * k,
+                "shard_codec_ms": None if shard is None else 1e3 * shard,
                 "step_speedup": measured_step(base) / step if base is not None else None,
                 "time_to_target_s": reached[1] if reached else None,
                 "target_speedup": base_reached[1] / reached[1] if reached and base_reached else None,
@@ -190,7 +211,7 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
                 ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], "o-", color=colour, label=method)
                 one = next(iter(series[(label, method)].values()))
                 b0 = next(iter(base.values()))
-                k, c = one.summary.get("compress_s_per_step"), compute_time(b0)
+                k, c = codec_s(one), compute_time(b0)
                 if k:
                     bm, bb = 8 * _bytes(one), 8 * _bytes(b0)
                     ax.plot([g / 1e6 for g in grid], [(c + bb / g) / (c + k + bm / g) for g in grid], ":",

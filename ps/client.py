@@ -137,6 +137,7 @@ class PSClient:
         self.layout: Layout | None = None
         self._compressor = compressor
         self.codec: Codec | None = None  # once joined
+        self.codec_s = 0.0  # seconds spent decompressing pulled changes
         self.versions: dict[int, int] = {}
         self.clocks: dict[int, int] = {}  # shard -> this worker's clock there, as of join
         self.bytes_sent = self.bytes_recv = 0
@@ -352,13 +353,15 @@ class PSClient:
         versions = {s: m.get("version") for s, m in handle.replies.items() if m.get("version") is not None}
         if handle.kind in ("pull", "push+pull"):
             self.versions.update(versions)
-        changes = {}
+        changes, start = {}, time.perf_counter()
         for s, m in handle.replies.items():
             for k, p, meta in zip(m.keys, m.parts, m.get("meta") or ()):
                 try:
                     changes[k] = self.codec.decompress(k, p, meta)
                 except ValueError as e:
                     raise PSError(f"{self.addresses[s]} (shard {s}) sent key {k} compressed wrongly: {e}") from e
+        if changes:
+            self.codec_s += time.perf_counter() - start
         return Result(
             handle.kind, min(versions.values(), default=0), versions,
             values={k: t for m in replies if not m.parts for k, t in zip(m.keys, m.tensors)},

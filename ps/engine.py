@@ -442,8 +442,9 @@ class PSEngine:
         self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
         out = {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
                "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
-        if self.compressor is not None:
-            out["compress_s"], self.compress_s = self.compress_s, 0.0
+        if self.compressor is not None:  # pushes compressed, and pulled changes decompressed
+            out["compress_s"], self.compress_s = self.compress_s + self.client.codec_s, 0.0
+            self.client.codec_s = 0.0
         return out
 
     def _phase(self) -> float:

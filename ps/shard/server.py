@@ -97,7 +97,7 @@ class ShardServer:
         self.version = 0
         self.workers = Workers(num_workers, len(self.keys))
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
-                             rows_pushed=0, rows_pulled=0, row_collisions=0)
+                             rows_pushed=0, rows_pulled=0, row_collisions=0, codec_us=0)
         self.rule = rule(self)
         self.mode = self.rule.name
         self.checkpoint_every = checkpoint_every * self.rule.versions_per_step
@@ -228,10 +228,12 @@ class ShardServer:
             raise Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
         self.rule.check_push(w, step, msg)
         if msg.parts:  # compressed: rebuilt whole (contents checked) before anything is applied
+            start = time.perf_counter()
             try:
                 msg.tensors[:] = [self.codec.decompress(k, p, m) for k, p, m in zip(msg.keys, msg.parts, msg.get("meta"))]
             except ValueError as e:
                 raise Reject(f"push of step {step}: {e}") from e
+            self.counters["codec_us"] += int(1e6 * (time.perf_counter() - start))
         elif self.codec is not None:
             raise Reject(f"this run compresses pushes (compress.method={self.codec.name}); worker {w} "
                          "pushed whole values")
@@ -333,7 +335,9 @@ class ShardServer:
         if exact and self.pulls is not None and msg.op == "join":  # what every other worker holds
             return self._dispatch.send(peer, encode({**header, **fields}, [self.pulls.replica[k] for k in keys]))
         if self.pulls is not None and not exact and msg.op == "pull":  # the change since the last pull
+            start = time.perf_counter()
             parts = [self.pulls.message(k, header["version"]) for k in keys]
+            self.counters["codec_us"] += int(1e6 * (time.perf_counter() - start))
             return self._dispatch.send(peer, encode({**header, **fields}, parts=[(p.frames, p.meta) for p in parts]))
         if msg.op != "pull" or not msg.ids:
             return self._dispatch.send(peer, encode({**header, **fields}, [self.snapshots.snapshot(k, exact) for k in keys]))

@@ -23,7 +23,8 @@ def _run(method: str, rate: str, sent: float, compress_s: float | None, accuracy
                    sent_bytes_per_worker_per_step=sent, recv_bytes_per_worker_per_step=sent,
                    compress_s_per_step=compress_s, network={"rate": rate, "placement": "colocated"})
     config = {"target_loss": 1.0, "compress": {"method": method, "ratio": 0.01} if method != "none" else {}}
-    records = [dict(step=s, loss=2.0 - s * 0.2, time=(s + 1) * step, comm_s=step - COMPUTE, step_s=step)
+    records = [dict(step=s, loss=2.0 - s * 0.2, time=(s + 1) * step, comm_s=step - COMPUTE, step_s=step,
+                    bytes_sent=sent, bytes_recv=sent, **({"compress_s": compress_s} if compress_s else {}))
                for s in range(steps)]
     return Run(Path(f"/runs/{method}-{rate}"), config, summary, {0: records, 1: records})
 

@@ -1,0 +1,82 @@
+"""`psar bench`'s compression goals, on emulated links (root only): top-k at 1% with error
+feedback against the uncompressed run of the same engine, and the cost model's crossover rate
+against the one measured.
+
+1. At 100mbit, mlp-mid 784-512-512-10 for STEPS steps, 2 workers: top-k 1% reaches the
+   target loss at least 3x sooner than uncompressed on the same engine (allreduce, ps-sync),
+   its final accuracy within one point.
+2. ps-sync with top-k 1% moves at most 5% of the dense bytes per worker per step each way.
+3. The predicted crossover (bytes saved over compression compute) within 25% of the measured
+   one (step-time lines through two rates that bracket it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from analysis.compression import measured_crossover, predicted_crossover
+from analysis.costmodel import measured_step
+from analysis.results import load_run, time_to_target
+from experiments.runtime.launcher import launch_batch
+from experiments.settings.presets import build_config
+
+MODEL = ("model.hidden=[512,512]",)
+STEPS = 120
+TOPK = ("compress.method=topk", "compress.ratio=0.01")
+CROSSOVER_RATES = ("1gbit", "4gbit")
+CROSSOVER_STEPS = 15
+
+
+def _run(out: Path, name: str, engine: str, rate: str, steps: int, extra=()):
+    servers = 2 if engine == "ps-sync" else 1
+    cfg = build_config("mlp-mid", MODEL + (f"net.rate={rate}",) + tuple(extra), engine=engine, workers=2,
+                       servers=servers, steps=steps)
+    run_dir = out / name
+    launch_batch([(cfg, run_dir)], quiet=True)
+    return load_run(run_dir)
+
+
+def _accuracy(run) -> float:
+    return 100 * run.summary["eval"]["accuracy"]
+
+
+def compression_goals(out: Path, echo: Callable[[str], None] = print) -> dict:
+    if os.geteuid() != 0:
+        echo("compression goals: skipped (emulated links need root)")
+        return {}
+    out = Path(out) / "compression"
+    report: dict = {}
+    echo(f"compression goals: mlp-mid 784-512-512-10, 2 workers, ps-sync with a shard per worker host")
+    for engine in ("allreduce", "ps-sync"):
+        dense = _run(out, f"{engine}-none", engine, "100mbit", STEPS)
+        topk = _run(out, f"{engine}-topk", engine, "100mbit", STEPS, TOPK)
+        hit_d, hit_t = time_to_target(dense), time_to_target(topk)
+        sooner = hit_d[1] / hit_t[1] if hit_d and hit_t else None
+        points = _accuracy(topk) - _accuracy(dense)
+        report[engine] = {"sooner": sooner, "points": points, "time_to_target_s": [hit_d and hit_d[1], hit_t and hit_t[1]]}
+        echo(f"  {engine} at 100mbit, {STEPS} steps: target loss in "
+             f"{hit_d[1] if hit_d else float('nan'):.2f} s uncompressed, {hit_t[1] if hit_t else float('nan'):.2f} s "
+             f"top-k 1% = {sooner or float('nan'):.2f}x sooner (goal >= 3); accuracy "
+             f"{_accuracy(dense):.1f}% and {_accuracy(topk):.1f}% = {points:+.1f} points (goal within 1)")
+        if engine == "ps-sync":
+            for way in ("sent", "recv"):
+                key = f"{way}_bytes_per_worker_per_step"
+                ratio = topk.summary[key] / dense.summary[key]
+                report[engine][f"{way}_ratio"] = ratio
+                echo(f"  ps-sync top-k 1% {way}: {topk.summary[key]:.0f} of {dense.summary[key]:.0f} bytes per "
+                     f"worker per step = {100 * ratio:.2f}% (goal <= 5%)")
+    for engine in ("allreduce", "ps-sync"):
+        base = {r: _run(out, f"{engine}-none-{r}", engine, r, CROSSOVER_STEPS) for r in CROSSOVER_RATES}
+        topk = {r: _run(out, f"{engine}-topk-{r}", engine, r, CROSSOVER_STEPS, TOPK) for r in CROSSOVER_RATES}
+        predicted = predicted_crossover(base[CROSSOVER_RATES[0]], topk[CROSSOVER_RATES[0]])
+        measured = measured_crossover(base, topk)
+        off = predicted / measured - 1 if predicted and measured else None
+        report[f"{engine}_crossover"] = {"predicted_bits": predicted, "measured_bits": measured, "off": off}
+        steps = ", ".join(f"{r}: {1e3 * measured_step(base[r]):.1f} ms uncompressed, "
+                          f"{1e3 * measured_step(topk[r]):.1f} ms top-k" for r in CROSSOVER_RATES)
+        echo(f"  {engine} crossover of top-k 1%: predicted {predicted and predicted / 1e6 or float('nan'):.0f} "
+             f"Mbit/s, measured {measured and measured / 1e6 or float('nan'):.0f} Mbit/s"
+             + (f" = {100 * off:+.0f}% (goal within 25%)" if off is not None else "") + f" ({steps})")
+    return report
