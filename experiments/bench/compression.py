@@ -48,7 +48,7 @@ def compression_goals(out: Path, echo: Callable[[str], None] = print) -> dict:
         return {}
     out = Path(out) / "compression"
     report: dict = {}
-    echo(f"compression goals: mlp-mid 784-512-512-10, 2 workers, ps-sync with a shard per worker host")
+    echo("compression goals: mlp-mid 784-512-512-10, 2 workers, ps-sync with a shard per worker host")
     for engine in ("allreduce", "ps-sync"):
         dense = _run(out, f"{engine}-none", engine, "100mbit", STEPS)
         topk = _run(out, f"{engine}-topk", engine, "100mbit", STEPS, TOPK)
