@@ -1,14 +1,17 @@
 """The compression comparison: each method against the uncompressed run of its engine on
 links of the same rate, and the rate above which it no longer pays.
 
-Cost model (the algorithm's, not a fit): a step costs its compute c, its compression compute
-k (measured: a worker's compress_s, plus under ps-sync a shard's decompression of the pushes
-and compression of the pull, per step) and its bytes on the busier direction of a worker's
-link b over the link rate R (medians over the steps after the first): t(R) = c + k + b / R. A method with bytes b_m and compute k_m beats
-the uncompressed run (b_0, k_0 = 0) while (b_0 - b_m) / R > k_m, so its predicted crossover
-is R* = (b_0 - b_m) / k_m: below R* it pays, above it does not. The measured crossover puts a
-line t = a + b / R through each series' step times at two rates (the slowest and fastest
-measured) and solves t_m(R) = t_0(R).
+Cost model (the algorithm's, not a fit): a step costs its compute c (measured, of the
+uncompressed run), its compression compute k (measured: a worker's compress_s, plus under
+ps-sync a shard's decompression of the pushes and compression of the pull, per step) and its
+bytes b on the busier direction of a worker's link over the rate R (medians over the steps
+after the first). Uncompressed, the gradients leave during backward (bucketed, from hooks),
+so communication hides behind the backward pass, two thirds of c (a backward costs twice a
+forward): t_0(R) = c/3 + max(2c/3, b_0/R). Compressed, the hooks compress on the same cores
+and little is left to hide: t_m(R) = c + k + b_m/R. The method pays while t_m < t_0; on a
+link-bound step that is R < R* = (b_0 - b_m) / (2c/3 + k), its predicted crossover. The
+measured crossover puts a line t = a + b / R through each series' step times at two rates
+(the slowest and fastest measured) and solves t_m(R) = t_0(R).
 """
 
 from __future__ import annotations
@@ -73,11 +76,21 @@ def _series(runs: list[Run]) -> dict[tuple[str, str], dict[str, Run]]:
     return out
 
 
+def step_model(base: Run, run: Run, rate_bits: float) -> tuple[float, float] | None:
+    """(t_0, t_m): the model's uncompressed and compressed step at rate_bits; None without k."""
+    k, c = codec_s(run), compute_time(base)
+    if k is None:
+        return None
+    return (c / 3 + max(2 * c / 3, 8 * _bytes(base) / rate_bits),
+            c + k + 8 * _bytes(run) / rate_bits)
+
+
 def predicted_crossover(base: Run, run: Run) -> float | None:
-    """R* = (b_0 - b_m) / k_m in bit/s; None without a measured compression time or a saving."""
+    """R* = (b_0 - b_m) / (2c/3 + k) in bit/s; None without a measured compression time or a
+    saving."""
     k = codec_s(run)
     saved = 8 * (_bytes(base) - _bytes(run))
-    return saved / k if k and k > 0 and saved > 0 else None
+    return saved / (2 * compute_time(base) / 3 + k) if k and k > 0 and saved > 0 else None
 
 
 def measured_crossover(base: dict[str, Run], series: dict[str, Run]) -> float | None:
@@ -211,11 +224,9 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
                 ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], "o-", color=colour, label=method)
                 one = next(iter(series[(label, method)].values()))
                 b0 = next(iter(base.values()))
-                k, c = codec_s(one), compute_time(b0)
-                if k:
-                    bm, bb = 8 * _bytes(one), 8 * _bytes(b0)
-                    ax.plot([g / 1e6 for g in grid], [(c + bb / g) / (c + k + bm / g) for g in grid], ":",
-                            color=colour, linewidth=1)
+                if codec_s(one):
+                    model = [step_model(b0, one, g) for g in grid]
+                    ax.plot([g / 1e6 for g in grid], [t0 / tm for t0, tm in model], ":", color=colour, linewidth=1)
                     crossover = predicted_crossover(b0, one)
                     if crossover and lo < crossover < hi:
                         ax.axvline(crossover / 1e6, color=colour, linestyle=":", linewidth=0.8)

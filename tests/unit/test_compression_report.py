@@ -11,13 +11,15 @@ import pytest
 from analysis.compression import markdown, measured_crossover, predicted_crossover, report, rows
 from analysis.results import Run
 
-COMPUTE = 0.05
+COMPUTE = 0.015
 
 
 def _run(method: str, rate: str, sent: float, compress_s: float | None, accuracy: float = 0.9,
          steps: int = 12) -> Run:
     bits = {"100mbit": 100e6, "1gbit": 1e9}[rate]
-    step = COMPUTE + (compress_s or 0) + 8 * sent / bits  # the cost model, exactly
+    # the cost model, exactly: uncompressed, the link hides the backward (2/3 of compute)
+    step = COMPUTE + compress_s + 8 * sent / bits if compress_s else \
+        COMPUTE / 3 + max(2 * COMPUTE / 3, 8 * sent / bits)
     summary = dict(experiment="mlp-mid", engine="allreduce", workers=2, servers=1, samples_per_sec=1.0,
                    final_loss=0.5, eval={"accuracy": accuracy}, bytes_per_worker_per_step=2 * sent,
                    sent_bytes_per_worker_per_step=sent, recv_bytes_per_worker_per_step=sent,
@@ -30,21 +32,22 @@ def _run(method: str, rate: str, sent: float, compress_s: float | None, accuracy
 
 
 def test_crossover_where_saved_link_time_equals_compression_compute(tmp_path):
-    # 2.5 MB dense, 50 KB top-k with 10 ms of compression: (2.5e6 - 5e4) * 8 / 0.01 = 1.96 Gbit/s
+    # 2.5 MB dense, 50 KB top-k with 10 ms of compression and 15 ms of compute:
+    # (2.5e6 - 5e4) * 8 / (0.010 + 0.010) = 980 Mbit/s
     runs = [_run("none", r, 2.5e6, None) for r in ("100mbit", "1gbit")] + \
            [_run("topk", r, 5e4, 0.01, accuracy=0.88) for r in ("100mbit", "1gbit")]
     dense = {r.summary["network"]["rate"]: r for r in runs[:2]}
     topk = {r.summary["network"]["rate"]: r for r in runs[2:]}
-    assert predicted_crossover(dense["1gbit"], topk["1gbit"]) == pytest.approx(1.96e9)
-    # step times made by the model itself: the measured crossover is the same rate
-    assert measured_crossover(dense, topk) == pytest.approx(1.96e9, rel=1e-9)
+    assert predicted_crossover(dense["1gbit"], topk["1gbit"]) == pytest.approx(0.98e9)
+    # step times made by the model itself (link-bound at both rates): the measured crossover is the same rate
+    assert measured_crossover(dense, topk) == pytest.approx(0.98e9, rel=1e-9)
     table = rows(runs)
     top = [row for row in table if row["method"] == "topk 0.01"]
     assert [row["rate"] for row in top] == ["100mbit", "1gbit"]
     slow = top[0]
-    assert slow["step_speedup"] == pytest.approx((COMPUTE + 0.2) / (COMPUTE + 0.01 + 0.004))
-    assert slow["metric_delta"] == pytest.approx(-2.0) and slow["crossover_mbit"] == pytest.approx(1960)
-    assert top[1]["measured_crossover_mbit"] == pytest.approx(1960) and slow["measured_crossover_mbit"] is None
+    assert slow["step_speedup"] == pytest.approx((COMPUTE / 3 + 0.2) / (COMPUTE + 0.01 + 0.004))
+    assert slow["metric_delta"] == pytest.approx(-2.0) and slow["crossover_mbit"] == pytest.approx(980)
+    assert top[1]["measured_crossover_mbit"] == pytest.approx(980) and slow["measured_crossover_mbit"] is None
     assert slow["target_speedup"] == pytest.approx(slow["step_speedup"])
     text, paths = report(runs, tmp_path)
     assert "| 100mbit | allreduce/library | topk 0.01 |" in text and text == markdown(table)
