@@ -85,8 +85,8 @@ class Result:
     bodies: dict[int, Any] = field(default_factory=dict)
     """shard -> the body its reply carries (stats: its counters)."""
     changes: dict[int, torch.Tensor] = field(default_factory=dict)
-    """key id -> under compressed pulls, the change of its values since the last pull
-    (decompressed, flat), to add to what this worker holds (ps.codec)."""
+    """key id -> under compressed pulls, the gradient the shard's update applied
+    (decompressed, flat), for this worker to apply the same optimizer step to (ps.codec)."""
 
 
 class PSClient:
@@ -137,7 +137,7 @@ class PSClient:
         self.layout: Layout | None = None
         self._compressor = compressor
         self.codec: Codec | None = None  # once joined
-        self.codec_s = 0.0  # seconds spent decompressing pulled changes
+        self.codec_s = 0.0  # seconds spent decompressing pulled gradients
         self.versions: dict[int, int] = {}
         self.clocks: dict[int, int] = {}  # shard -> this worker's clock there, as of join
         self.bytes_sent = self.bytes_recv = 0

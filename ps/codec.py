@@ -9,14 +9,14 @@ for the same parameter. Both ways:
   remembers what the message left out (ps.engine); the shard checks the frames against
   `forms` before a tensor is built (ps.protocol), then `check`s their contents and
   decompresses, summing in the parameters' dtype as for a dense push.
-- pulls (sync; compress.pull): the shard keeps `DeltaPulls.replica`, the values every worker
-  holds. A key's reply after an update is the compressed change `chunk - replica`, computed
-  once per update and shared by every worker's reply; the replica then adds what the message
-  carries, so that what compression left out stays in `chunk - replica` and leaves with the
-  next pull (the shard's error feedback, kept for free in the difference). A worker adds the
-  decompressed change to its copy, which therefore equals the replica bit for bit. A join
-  gets the replica, so a worker that joins late holds what the others hold; the final pull
-  and checkpoints get the exact values. Shard memory: one more copy of its parameters.
+- pulls (sync; compress.pull), as BytePS sends its way back: once a key's step is complete
+  the shard compresses the averaged gradient plus its own error-feedback residual, updates
+  the key with what the message carries (its optimizer, as ever) and keeps the rest as the
+  residual; every worker's reply is that one message, and each worker applies the same
+  optimizer step to it (ps.engine), so its copy follows the shard's values bit for bit
+  (tested). The final pull and checkpoints send the exact values. Memory: the residual, one
+  copy of the shard's parameters; each worker keeps its optimizer's state (SGD's momentum:
+  one copy of its model).
 """
 
 from __future__ import annotations
@@ -105,30 +105,34 @@ class Codec:
         return sum(f.numel() * f.element_size() for f in packed.frames)
 
 
-class DeltaPulls:
-    """A sync shard's compressed pulls: the replica of its chunks every worker holds, and the
-    compressed change since it, once per update of a key (see the module's docstring)."""
+class GradientPulls:
+    """A sync shard's compressed pulls: each update's averaged gradient, compressed with the
+    shard's error feedback (see the module's docstring)."""
 
-    def __init__(self, codec: Codec, chunks: dict[int, torch.Tensor]) -> None:
-        self.codec, self.chunks = codec, chunks
-        self.replica = {k: t.detach().reshape(-1).clone() for k, t in chunks.items()}
-        self._sent: dict[int, Packed] = {}  # key -> the change sent since its last update
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.residual: dict[int, torch.Tensor] = {}  # key -> what the messages left out so far
+        self._sent: dict[int, tuple[int, Packed]] = {}  # key -> (version it updated to, its message)
 
-    def message(self, k: int, step: int) -> Packed:
-        """Key k's change since what workers hold, compressed; the same for every reply
-        until its next update."""
-        packed = self._sent.get(k)
-        if packed is None:
-            replica = self.replica[k]
-            change = self.chunks[k].detach().reshape(-1) - replica
-            packed = self._sent[k] = self.codec.compress(k, change, step, SERVER_RANK)
-            replica.add_(self.codec.decompress(k, packed.frames, packed.meta))
+    def compress(self, k: int, grad: torch.Tensor, version: int) -> torch.Tensor:
+        """What the update of key k to `version` applies in place of `grad` (flat): the
+        compressed gradient plus residual; the rest becomes the residual."""
+        residual = self.residual.get(k)
+        compensated = grad if residual is None else grad + residual
+        packed = self.codec.compress(k, compensated, version, SERVER_RANK)
+        applied = self.codec.decompress(k, packed.frames, packed.meta)
+        self.residual[k] = compensated - applied
+        self._sent[k] = (version, packed)
+        return applied
+
+    def message(self, k: int, version: int) -> Packed:
+        """The message of key k's update to `version` (the one every reply of it carries)."""
+        made, packed = self._sent.get(k, (None, None))
+        if made != version:
+            raise RuntimeError(f"key {k}: a compressed pull of version {version}, but its last update "
+                               f"made version {made}")
         return packed
 
-    def updated(self, k: int) -> None:
-        self._sent.pop(k, None)
-
     def reset(self) -> None:
-        """The chunks were loaded (a checkpoint): every worker joins again and gets them."""
-        self.replica = {k: t.detach().reshape(-1).clone() for k, t in self.chunks.items()}
-        self._sent = {}
+        """The chunks were loaded (a checkpoint): what was left out belongs to another run."""
+        self.residual, self._sent = {}, {}

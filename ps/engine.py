@@ -16,8 +16,9 @@ not used here.
 
 Under compress.method (ps.codec) each dense key's gradient leaves compressed, with this
 worker's error feedback (compensate, compress, remember what the message carried), and under
-sync the replies may carry the compressed change of the values instead of the values, which
-step() adds to the model.
+sync the replies may carry the compressed gradient the shards' update applied instead of the
+values: step() then applies the same optimizer step to it, with an optimizer of its own
+(`make_optimizer`), and the model follows the shards' values bit for bit.
 
 Buffers (BatchNorm running statistics) stay with each worker: rank 0's, the ones saved and
 evaluated, follow shard 0 as in every other engine.
@@ -87,6 +88,8 @@ class PSEngine:
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # under compressed pulls this worker applies each update's gradient itself
+        self._optimizer = make_optimizer([p for _, p in self._named]) if self.compressor is not None else None
         self.client = PSClient(self.addresses, self.rank, timeout_s=self.config.timeout_s,
                                heartbeat_s=self.config.heartbeat_s,
                                max_message_mb=self.config.max_message_mb,
@@ -376,12 +379,24 @@ class PSEngine:
                 key = self.layout.keys[kid]
                 self._named[key.param][1].view(-1)[key.offset: key.offset + key.numel].copy_(value)
 
-    def _add(self, changes: dict[int, torch.Tensor]) -> None:
-        """Add {key id: flat change} (compressed pulls) to the parameters."""
-        with torch.no_grad():
-            for kid, change in changes.items():
-                key = self.layout.keys[kid]
-                self._named[key.param][1].view(-1)[key.offset: key.offset + key.numel].add_(change)
+    def _apply(self, grads: dict[int, torch.Tensor]) -> None:
+        """Compressed pulls: one optimizer step with {key id: the gradient the shards applied}
+        (every key of a parameter, or none), at the learning rate the pushes carried."""
+        if not grads:
+            return
+        for kid, grad in grads.items():
+            key = self.layout.keys[kid]
+            param = self._named[key.param][1]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            param.grad.view(-1)[key.offset: key.offset + key.numel].copy_(grad)
+        lr = self._lr()
+        if lr is not None:
+            for group in self._optimizer.param_groups:
+                group["lr"] = lr
+        self._optimizer.step()
+        for _, p in self._named:
+            p.grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -431,9 +446,9 @@ class PSEngine:
                 self.trace(f"pull {name}", sent_at, h.done_at, thread="pull", waited_on_server_s=result.waited_s)
         self._pushes, self._pulls = [], []
         self._load({k: v for result in results for k, v in result.values.items()})
-        self._add({k: v for result in results for k, v in result.changes.items()})
         for _, p in self._named:
             p.grad = None
+        self._apply({k: v for result in results for k, v in result.changes.items()})
         if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._step += 1

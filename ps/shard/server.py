@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ps.codec import Codec, DeltaPulls
+from ps.codec import Codec, GradientPulls
 from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import REQUESTS, Limits, Message, encode
@@ -63,8 +63,8 @@ class ShardServer:
             (one only workers use) must equal the first joined worker's. None: not checked.
         compressor: compress.method's compressor (experiments.compression, by shape), whose
             pushes this shard decompresses (ps.codec); None: pushes come whole.
-        compress_pulls: under sync, pulls carry the compressed change since the last one
-            (ps.codec.DeltaPulls) instead of the values.
+        compress_pulls: under sync, pulls carry each update's compressed gradient, which the
+            workers apply themselves (ps.codec.GradientPulls), instead of the values.
     """
 
     def __init__(self, shard: int, layout: Layout, values: dict[int, torch.Tensor],
@@ -107,8 +107,8 @@ class ShardServer:
         self.codec = Codec(compressor, layout) if compressor is not None else None
         if compress_pulls and (self.codec is None or self.mode != "sync"):
             raise ValueError("compressed pulls need a compressor and sync: under async and ssp each worker "
-                             "reads other versions, so one replica of what workers hold would not do")
-        self.pulls = DeltaPulls(self.codec, self.chunks) if compress_pulls else None
+                             "reads other versions, not one update's gradient")
+        self.pulls = GradientPulls(self.codec) if compress_pulls else None
         self.settings = SettingsCheck(shard, settings)
         self.waiting = Waiting()
         self._dispatch = Dispatcher(shard, layout, self.workers, config.wire_dtype, self.codec,
@@ -332,12 +332,8 @@ class ShardServer:
                   "keys": list(keys)}
         if msg.op == "pull":
             self.rule.read(msg.worker)
-        if exact and self.pulls is not None and msg.op == "join":  # what every other worker holds
-            return self._dispatch.send(peer, encode({**header, **fields}, [self.pulls.replica[k] for k in keys]))
-        if self.pulls is not None and not exact and msg.op == "pull":  # the change since the last pull
-            start = time.perf_counter()
-            parts = [self.pulls.message(k, header["version"]) for k in keys]
-            self.counters["codec_us"] += int(1e6 * (time.perf_counter() - start))
+        if self.pulls is not None and not exact and msg.op == "pull":  # the update's compressed gradient
+            parts = [self.pulls.message(k, self.rule.version_of([k])) for k in keys]
             return self._dispatch.send(peer, encode({**header, **fields}, parts=[(p.frames, p.meta) for p in parts]))
         if msg.op != "pull" or not msg.ids:
             return self._dispatch.send(peer, encode({**header, **fields}, [self.snapshots.snapshot(k, exact) for k in keys]))
@@ -359,6 +355,12 @@ class ShardServer:
         skip every chunk without one), at learning rate lr (None: the optimizer's). count: it
         is an update of the shard (the counter)."""
         start = time.time()
+        if self.pulls is not None:  # the update applies what its pull will carry
+            began = time.perf_counter()
+            for k in keys:
+                chunk = self.chunks[k]
+                chunk.grad = self.pulls.compress(k, chunk.grad.reshape(-1), self.version + 1).view_as(chunk)
+            self.counters["codec_us"] += int(1e6 * (time.perf_counter() - began))
         for k in keys:
             self.snapshots.own(k)
         # Row gradients are built from validated ids (ps.shard.rows), so torch's own checks of
@@ -368,8 +370,6 @@ class ShardServer:
         for k in keys:
             self.chunks[k].grad = None
             self.snapshots.updated(k)
-            if self.pulls is not None:
-                self.pulls.updated(k)
         self.counters["updates"] += int(count)
         if self.trace is not None:
             self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)

@@ -1,6 +1,7 @@
 """compress.method on a shard, without sockets: compressed frames checked before a tensor is
 built, pushes decompressed and averaged, bad contents refused with the parameters untouched,
-and compressed pulls whose sum is what the shard's replica holds (its error feedback)."""
+and compressed pulls (each update's gradient, with the shard's error feedback) with which a
+worker's own optimizer follows the shard's values bit for bit."""
 
 import pytest
 import torch
@@ -22,10 +23,14 @@ def compressor(method="topk", **kw):
     return CompressConfig(method=method, **kw).build()[0]
 
 
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
 def make(c, pulls=False, workers=2):
     torch.manual_seed(0)
     init = [torch.randn(s.shape, dtype=F64) for s in SPECS]
-    server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), lambda p: torch.optim.SGD(p, lr=0.5), "sync",
+    server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), sgd, "sync",
                          workers, PSConfig(), compressor=c, compress_pulls=pulls)
     codec = Codec(c, LAYOUT)
     joined = [decode(frames, LAYOUT, codec=codec) for w in range(workers)
@@ -104,36 +109,46 @@ def test_bad_compressed_push_is_refused_and_touches_nothing():
     assert server.version == 0 and server.counters["pushes"] == 0
 
 
-@pytest.mark.parametrize("method,kw", [("topk", {"ratio": 0.05}), ("sign", {}), ("qsgd", {"levels": 4})])
-def test_compressed_pulls_add_up_to_the_shards_replica(method, kw):
-    """Each step's reply is the compressed change since the last; a worker that adds them
-    holds the shard's replica bit for bit, and what is left out (chunk - replica) leaves with
-    later pulls rather than being lost."""
+@pytest.mark.parametrize("method,kw", [("topk", {"ratio": 0.05}), ("sign", {}), ("qsgd", {"levels": 4}),
+                                       ("randomk", {"ratio": 0.05})])
+def test_workers_applying_the_pulled_gradients_hold_the_shards_values(method, kw):
+    """Each step's reply is the update's compressed gradient; a worker whose own SGD with
+    momentum steps on it holds the shard's values bit for bit, and what the messages left
+    out waits in the shard's residual rather than being lost."""
     c = compressor(method, **kw)
     server, codec, held = make(c, pulls=True)
+    params = [torch.nn.Parameter(h.clone()) for h in held]
+    optimizers = [sgd([p]) for p in params]
     for step in range(6):
         for w in (0, 1):
             replies = packed_push(server, codec, w, step, grads(10 * step + w), pull=1, min_version=step + 1)
         assert server.version == step + 1
         assert len(replies) == 2  # worker 1's push completed the step: both push+pulls answered
         for w, reply in zip((1, 0), replies):
-            changes = [codec.decompress(k, p, m) for k, p, m in zip(reply.keys, reply.parts, reply.get("meta"))]
-            held[w] = held[w] + torch.cat(changes)
-    replica = torch.cat([server.pulls.replica[k] for k in KEYS])
+            assert reply.get("version") == step + 1
+            params[w].grad = torch.cat([codec.decompress(k, p, m) for k, p, m in
+                                        zip(reply.keys, reply.parts, reply.get("meta"))])
+            optimizers[w].step()
     chunk = torch.cat([server.chunks[k] for k in KEYS])
-    assert torch.equal(held[0], replica) and torch.equal(held[1], replica)
-    assert (chunk - replica).abs().max() > 0  # what compression left out waits in the difference
-    # a worker joining now gets the replica, what the others hold
-    (joined,) = [decode(f, LAYOUT, codec=codec) for _, f in
-                 server.handle(b"w0", encode({"op": "join", "worker": 0, "req": 9}))]
-    assert torch.equal(torch.cat([t.reshape(-1) for t in joined.tensors]), replica)
+    assert torch.equal(params[0].detach(), chunk) and torch.equal(params[1].detach(), chunk)
+    assert max(r.abs().max() for r in server.pulls.residual.values()) > 0
 
 
-def test_whole_compressed_pulls_are_the_values():
-    """top-k of every entry: the change is sent whole, so the replica is the chunk."""
-    server, codec, held = make(compressor(ratio=1.0), pulls=True)
+def test_a_pull_of_another_version_than_the_last_update_is_refused():
+    server, codec, _ = make(compressor(ratio=0.05), pulls=True)
     for w in (0, 1):
-        replies = packed_push(server, codec, w, 0, grads(w), pull=1, min_version=1)
+        packed_push(server, codec, w, 0, grads(w))
+    with pytest.raises(RuntimeError, match="a compressed pull of version 2, but its last update made version 1"):
+        server.pulls.message(KEYS[0], 2)
+
+
+def test_whole_compressed_pulls_are_the_averaged_gradient():
+    """top-k of every entry: the message is the averaged gradient itself, nothing left out."""
+    server, codec, _ = make(compressor(ratio=1.0), pulls=True)
+    g = [grads(w) for w in (0, 1)]
+    for w in (0, 1):
+        replies = packed_push(server, codec, w, 0, g[w], pull=1, min_version=1)
     reply = replies[0]
-    got = held[1] + torch.cat([codec.decompress(k, p, m) for k, p, m in zip(reply.keys, reply.parts, reply.get("meta"))])
-    assert torch.allclose(got, torch.cat([server.chunks[k] for k in KEYS]), rtol=0, atol=1e-15)
+    got = torch.cat([codec.decompress(k, p, m) for k, p, m in zip(reply.keys, reply.parts, reply.get("meta"))])
+    assert torch.equal(got, torch.cat([(g[0][k] + g[1][k]) / 2 for k in KEYS]))
+    assert all(r.abs().max() == 0 for r in server.pulls.residual.values())
