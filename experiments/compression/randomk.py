@@ -13,13 +13,19 @@ Scaling by n/k would make it unbiased, at n/k times the variance; psar does not 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from experiments.compression.base import Compressor, Context, Message, count, expect_header, seed_for
 
 
+@functools.lru_cache(maxsize=64)
 def indices(seed: int, n: int, k: int) -> torch.Tensor:
-    """The k indices of a tensor of n elements for a given index seed (sorted, int64)."""
+    """The k indices of a tensor of n elements for a given index seed (sorted, int64). A
+    step draws each tensor's indices three times (compress, error feedback, decompress of the
+    sum), each a permutation of all n: they are kept for the last 64 (seed, n, k) asked for.
+    Callers read them, never write them."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(n, generator=gen)[:k].sort().values
 

@@ -138,6 +138,16 @@ class RunConfig:
             raise ValueError(f"threads={self.threads} must be >= 0 and timeout_s={self.timeout_s} > 0")
         self._alias_compression()
 
+    def check_pulls(self) -> None:
+        """Compressed pulls leave each worker's optimizer to step on its own; a worker that
+        rejoins restarted shards would not get its state back (after every override)."""
+        method = self.compress.method
+        if method not in ("none", *CASTS) and get_engine(self.engine).reads_setting("compress.pull") \
+                and self.compress.pull and self.ps.reconnect_s:
+            raise ValueError(f"compress.method={method} with ps.reconnect_s={self.ps.reconnect_s:g}: under "
+                             "compressed pulls each worker steps its own optimizer, whose state a worker "
+                             "that rejoins restarted shards cannot get back; set compress.pull=false")
+
     def _alias_compression(self) -> None:
         """compress.method's casts set the engines' own compression settings, which must agree;
         a method the engine does not carry is refused, naming the engines that do."""
@@ -245,6 +255,7 @@ def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
         if check is not None:
             check(config.data)
         config.compress.check()
+        config.check_pulls()
         return config
     except (TypeError, ValueError) as err:
         raise OverrideError(str(err)) from None

@@ -79,6 +79,11 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     # ... and with job.clip_grad_norm_ the shards agree on the norm and clip as DDP does.
     clipped = launched("ps-sync", CLIPPED + ["--job-clip"], tmp_path / "ps-job-clip", servers=2)
     assert list(clipped) == list(reference) and max_param_diff(reference, clipped) < 1e-10
+    # Compressed pushes and pulls (top-k of every entry: nothing left out, so nothing differs)
+    # clip and schedule alike: each worker's own optimizer steps on the pulled gradient.
+    squeezed = launched("ps-sync", CLIPPED + ["--job-clip"], tmp_path / "ps-topk", servers=2,
+                        overrides=("compress.method=topk", "compress.ratio=1.0"))
+    assert max_param_diff(reference, squeezed) < 1e-10
 
 
 @pytest.mark.long

@@ -141,6 +141,10 @@ def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_c
         build_config("quickstart", ["compress.method=topk", "ps.compression=fp16"], engine="ps-sync")
     with pytest.raises(OverrideError, match=re.escape("compress.pull=False: compress.method=fp16 does not read it")):
         build_config("quickstart", ["compress.method=fp16", "compress.pull=false"], engine="ps-sync")
+    with pytest.raises(OverrideError, match=re.escape("compress.method=topk with ps.reconnect_s=5: under compressed pulls")):
+        build_config("quickstart", ["compress.method=topk", "ps.reconnect_s=5"], engine="ps-sync")
+    assert build_config("quickstart", ["compress.method=topk", "ps.reconnect_s=5", "compress.pull=false"],
+                        engine="ps-sync").ps.reconnect_s == 5
     # Overrides come one at a time, in any order: a setting may come before its method.
     assert build_config("quickstart", ["compress.ratio=0.05", "compress.method=topk"]).compress.ratio == 0.05
     powersgd = build_config("quickstart", ["compress.method=powersgd", "compress.rank=2"], engine="ddp")
