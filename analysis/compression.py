@@ -23,7 +23,8 @@ from experiments.settings.net import parse_rate
 from . import style  # first: selects the Agg backend before pyplot loads
 from .costmodel import compute_time, measured_step
 from .results import Run, median, time_to_target
-from .table import rate_of
+from .table import markdown as table_markdown
+from .table import rate_of, write
 
 import matplotlib.pyplot as plt
 
@@ -146,18 +147,16 @@ def rows(runs: list[Run]) -> list[dict]:
     return out
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
 def markdown(table: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_fmt(row.get(key)) for key, _ in COLUMNS) + " |" for row in table]
-    return "\n".join(lines) + "\n"
+    return table_markdown(table, COLUMNS, missing="")
+
+
+def _save(fig, out_dir: Path, name: str) -> Path:
+    fig.tight_layout()
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=style.DPI)
+    return path
 
 
 def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
@@ -188,11 +187,7 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
                 ax.set(title=f"{label} on {rate or 'loopback'}", xlabel="time (s)", ylabel="training loss")
                 ax.grid(True, alpha=0.3)
                 ax.legend(fontsize="x-small")
-        fig.tight_layout()
-        path = Path(out_dir) / "compression_loss_vs_time.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=style.DPI)
-        return path
+        return _save(fig, out_dir, "compression_loss_vs_time.png")
     finally:
         plt.close(fig)
 
@@ -235,27 +230,15 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
                    ylabel="step speed-up over uncompressed")
             ax.grid(True, alpha=0.3, which="both")
             ax.legend(fontsize="x-small")
-        fig.tight_layout()
-        path = Path(out_dir) / "compression_speedup_vs_rate.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=style.DPI)
-        return path
+        return _save(fig, out_dir, "compression_speedup_vs_rate.png")
     finally:
         plt.close(fig)
 
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
     """compression.md (and .csv) of rows(runs), and the two figures."""
-    import csv
-
     table = rows(runs)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(table)
-    (out_dir / "compression.md").write_text(text)
-    with open(out_dir / "compression.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[key for key, _ in COLUMNS])
-        writer.writeheader()
-        writer.writerows(table)
+    files = write(table, out_dir, COLUMNS, "compression", text)
     figures = [p for p in (loss_vs_time(runs, out_dir), speedup_vs_rate(runs, out_dir)) if p]
-    return text, [out_dir / "compression.md", out_dir / "compression.csv", *figures]
+    return text, [files[1], files[0], *figures]

@@ -207,31 +207,37 @@ def _compute_elsewhere(runs: list[Run], run: Run) -> float | None:
 
 
 
-def _fmt(value) -> str:
+def _fmt(value, missing: str = "-") -> str:
     if value is None:
-        return "-"
+        return missing
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
 
 
-def markdown(table: list[dict]) -> str:
-    shown = [(key, title) for key, title in COLUMNS
-             if key not in OPTIONAL or any(row.get(key) not in (None, "") for row in table)]
+def markdown(table: list[dict], columns=None, optional=None, missing: str = "-") -> str:
+    """The table in markdown: columns [(key, title)] (the comparison table's by default), the
+    optional ones shown only where a row has a value; None printed as `missing`."""
+    columns, optional = (COLUMNS, OPTIONAL) if columns is None else (columns, optional or ())
+    shown = [(key, title) for key, title in columns
+             if key not in optional or any(row.get(key) not in (None, "") for row in table)]
     lines = ["| " + " | ".join(title for _, title in shown) + " |",
              "|" + "|".join("---" for _ in shown) + "|"]
     for row in table:
-        lines.append("| " + " | ".join(_fmt(row.get(key)) for key, _ in shown) + " |")
+        lines.append("| " + " | ".join(_fmt(row.get(key), missing) for key, _ in shown) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write(table: list[dict], out_dir: Path) -> tuple[Path, Path]:
+def write(table: list[dict], out_dir: Path, columns=None, name: str = "summary",
+          text: str | None = None) -> tuple[Path, Path]:
+    """name.csv and name.md in out_dir (the comparison table's columns by default; text: the
+    markdown, if already made)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out_dir / "summary.csv", out_dir / "summary.md"
+    csv_path, md_path = out_dir / f"{name}.csv", out_dir / f"{name}.md"
     with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[key for key, _ in COLUMNS])
+        writer = csv.DictWriter(f, fieldnames=[key for key, _ in columns or COLUMNS])
         writer.writeheader()
         writer.writerows(table)
-    md_path.write_text(markdown(table))
+    md_path.write_text(text if text is not None else markdown(table))
     return csv_path, md_path
