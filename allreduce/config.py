@@ -26,8 +26,20 @@ class AllReduceConfig:
     """Embedding tables: 'dense' densifies their gradients and all-reduces them in the buckets
     (as DDP does); 'allgather' has each worker all-gather the row ids and rows its batch
     touched (as Horovod does for sparse tensors), then updates only those rows."""
+    period: int = 1
+    """Local SGD: 1 all-reduces the gradients every step; H > 1 lets each worker step its
+    optimizer on its own gradients and averages the parameters every H steps (torch's
+    PeriodicModelAverager, with post_localSGD_hook before that)."""
+    period_warmup: int = 0
+    """Local SGD (period > 1): the first W steps all-reduce the gradients as period 1 does;
+    the parameters are then averaged at steps W, W + H, W + 2H, ... (post-local SGD)."""
 
     def __post_init__(self) -> None:
+        if type(self.period) is not int or self.period < 1:
+            raise ValueError(f"allreduce.period={self.period!r}: must be an int >= 1 (1: every step)")
+        if type(self.period_warmup) is not int or self.period_warmup < 0:
+            raise ValueError(f"allreduce.period_warmup={self.period_warmup!r}: must be an int >= 0")
+
         _choice("allreduce.algorithm", self.algorithm, ALGORITHMS)
         _choice("allreduce.compression", self.compression, COMPRESSIONS)
         _choice("allreduce.unused", self.unused, UNUSED_POLICIES)

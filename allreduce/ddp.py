@@ -25,6 +25,8 @@ class DDPEngine:
         if compression is not None and compression[0].name != "powersgd":
             raise ValueError(f"compress.method={compression[0].name}: ddp runs powersgd through torch's hook, "
                              "and the casts as allreduce.compression")
+        if compression is not None and config.period > 1:
+            raise ValueError("compress.method with allreduce.period > 1: one hook at a time")
         if compression is not None and config.compression != "none":
             raise ValueError(f"PowerSGD and allreduce.compression={config.compression}: one compression at a time")
         self.rank, self.world, self.device, self.config = rank, world, device, config
@@ -62,6 +64,21 @@ class DDPEngine:
                        else q.numel() * itemsize for q in params)
             self._compressed_bytes = bus_bytes(sent, self.world)
         self.optimizer = make_optimizer(params)
+        self._param_bytes = bus_bytes(sum(p.numel() * p.element_size() for p in params), self.world)
+        if self.config.period > 1:  # torch's post-local SGD: the reference for the allreduce engine's
+            if wire is not None:
+                raise ValueError(f"allreduce.period={self.config.period} with allreduce.compression="
+                                 f"{self.config.compression}: one hook at a time")
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+            from torch.distributed.optim import PostLocalSGDOptimizer
+
+            warmup = self.config.period_warmup
+            self._ddp.register_comm_hook(local.PostLocalSGDState(
+                process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                post_local_gradient_allreduce=False), local.post_localSGD_hook)
+            self.optimizer = PostLocalSGDOptimizer(self.optimizer, PeriodicModelAverager(
+                period=self.config.period, warmup_steps=warmup))
         return _NamingLostRanks(self._ddp, self._liveness)
 
     def no_sync(self):
@@ -73,13 +90,18 @@ class DDPEngine:
             self._backward_states.backward(loss)
 
     def step(self) -> dict[str, float]:
-        self.optimizer.step()
+        with self._liveness.naming_lost_ranks():  # under local SGD the averaging is in here
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         # torch's hook sends whole gradients for its first start_step iterations (one per step
         # here, outside no_sync), then P and Q for the matrices it compresses.
         compressing = self._compression is not None and self._steps >= self._compression[0].start_step
+        period, warmup = self.config.period, self.config.period_warmup
+        if period > 1 and self._steps >= warmup:  # local steps; the parameters every period
+            nbytes = self._param_bytes if (self._steps - warmup) % period == 0 else 0
+        else:
+            nbytes = self._compressed_bytes if compressing else self._grad_bytes
         self._steps += 1
-        nbytes = self._compressed_bytes if compressing else self._grad_bytes
         return {"comm_s": 0.0, "bytes_sent": nbytes, "bytes_recv": nbytes}
 
     def report(self) -> dict:

@@ -65,6 +65,7 @@ class AllReduceEngine:
         self._liveness = Liveness(rank, world)
         self._backward_states = BackwardStates(timeout_s)
         self._waited, self._gathered = 0.0, 0  # this step's wait for its gradients, rows gathered
+        self._steps = 0  # optimizer steps taken: local SGD's clock (allreduce.period)
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         # Before any collective, so that a refusal (an optimizer without sparse updates) is
@@ -104,9 +105,22 @@ class AllReduceEngine:
         finally:
             self._reducer.syncing = True
 
+    @property
+    def _local(self) -> bool:
+        """Local SGD's phase (allreduce.period > 1, after the warm-up): each worker steps on
+        its own gradients, and the parameters are averaged every period steps."""
+        return self.config.period > 1 and self._steps >= self.config.period_warmup
+
     def backward(self, loss: torch.Tensor) -> None:
         self._reducer.prepare()
         with self._liveness.naming_lost_ranks():
+            if self._local:  # the gradients stay this worker's own
+                syncing, self._reducer.syncing = self._reducer.syncing, False
+                try:
+                    self._backward_states.backward(loss)
+                finally:
+                    self._reducer.syncing = syncing
+                return
             self._backward_states.backward(loss)
             if not self._reducer.syncing:
                 return
@@ -126,6 +140,12 @@ class AllReduceEngine:
         in_backward, self._waited = self._waited, 0.0
         comm_s = time.perf_counter() - start + in_backward
         self.optimizer.step()
+        if self._local and (self._steps - self.config.period_warmup) % self.config.period == 0:
+            began = time.perf_counter()
+            with self._liveness.naming_lost_ranks():
+                nbytes += self._average_parameters()
+            comm_s += time.perf_counter() - began
+        self._steps += 1
         self._reducer.zero_grad()
         self._sparse.zero_grad()
         stats = {"comm_s": comm_s, "in_backward_s": in_backward, "bytes_sent": nbytes, "bytes_recv": nbytes}
@@ -134,6 +154,21 @@ class AllReduceEngine:
         if self._sparse.params:  # what the all-gather of the tables' rows sent, apart (analysis models it)
             stats["gathered_bytes"] = gathered
         return stats
+
+    def _average_parameters(self) -> int:
+        """Every worker's parameters become their mean, as torch's average_parameters makes
+        them: one flat buffer of the optimizer's parameters, divided by N, then all-reduced
+        (bucketed in the collective's own way). The bytes this rank sent."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params]).div_(self.world)
+            handle, nbytes = self._collective.start(flat, None, "average parameters")
+            handle.wait()
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return nbytes
 
     def report(self) -> dict:
         return {}

@@ -219,7 +219,8 @@ for _spec in [
                processes_per_worker=False),
     EngineSpec("ddp", "torch DistributedDataParallel", "experiments.harness.builders:ddp", "ring", "#8c564b",
                comm_in_backward=True, compressions=("none", "fp16", "bf16", "powersgd"),  # torch's own hooks
-               reads=("allreduce.bucket_cap_mb", "allreduce.compression", "compress.method", "compress.rank",
+               reads=("allreduce.bucket_cap_mb", "allreduce.compression", "allreduce.period", "allreduce.period_warmup",
+                      "compress.method", "compress.rank",
                       "compress.start_step", "compress.error_feedback", "compress.seed")),
     EngineSpec("allreduce", "bucketed all-reduce from gradient hooks (library or ring)",
                "experiments.harness.builders:allreduce", "ring", "#1f77b4",

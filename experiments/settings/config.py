@@ -138,6 +138,27 @@ class RunConfig:
             raise ValueError(f"threads={self.threads} must be >= 0 and timeout_s={self.timeout_s} > 0")
         self._alias_compression()
 
+    def check_period(self) -> None:
+        """Local SGD's settings against the run's other settings (after every override)."""
+        section = self.allreduce
+        if not get_engine(self.engine).reads_setting("allreduce.period") or section.period == 1:
+            if section.period_warmup and get_engine(self.engine).reads_setting("allreduce.period_warmup"):
+                raise ValueError(f"allreduce.period_warmup={section.period_warmup}: a warm-up before local SGD "
+                                 "needs allreduce.period > 1")
+            return
+        if section.period_warmup >= self.steps and not isinstance(self.model, ScriptConfig):
+            raise ValueError(f"allreduce.period_warmup={section.period_warmup} is not shorter than the run "
+                             f"({self.steps} steps): local SGD would never start")
+        if self.compress.method != "none" or section.compression != "none":
+            raise ValueError(f"allreduce.period={section.period} with compression: local SGD averages the "
+                             "parameters uncompressed; choose one")
+        if section.sparse == "allgather":
+            raise ValueError(f"allreduce.period={section.period} with allreduce.sparse=allgather: the tables' "
+                             "rows are gathered every step; local SGD averages whole parameters")
+        if self.checkpoint.every:
+            raise ValueError(f"allreduce.period={section.period} with checkpoint.every: between averagings "
+                             "the workers' models differ, and a checkpoint keeps rank 0's")
+
     def check_pulls(self) -> None:
         """Compressed pulls leave each worker's optimizer to step on its own; a worker that
         rejoins restarted shards would not get its state back (after every override)."""
@@ -256,6 +277,7 @@ def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
             check(config.data)
         config.compress.check()
         config.check_pulls()
+        config.check_period()
         return config
     except (TypeError, ValueError) as err:
         raise OverrideError(str(err)) from None

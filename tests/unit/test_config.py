@@ -151,3 +151,19 @@ def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_c
     assert powersgd.compress.rank == 2 and powersgd.allreduce.compression == "none"
     with pytest.raises(OverrideError, match=re.escape("compress.start_step=1: PowerSGD with error feedback")):
         build_config("quickstart", ["compress.method=powersgd", "compress.start_step=1"], engine="ddp")
+
+
+def test_local_sgd_settings_are_checked_once_every_override_is_in():
+    cfg = build_config("quickstart", ["allreduce.period_warmup=3", "allreduce.period=4"], engine="allreduce")
+    assert (cfg.allreduce.period, cfg.allreduce.period_warmup) == (4, 3)
+    assert build_config("quickstart", ["allreduce.period=16"], engine="ddp").allreduce.period == 16
+    for overrides, message in [
+        (["allreduce.period=0"], "allreduce.period=0: must be an int >= 1"),
+        (["allreduce.period_warmup=-1"], "allreduce.period_warmup=-1: must be an int >= 0"),
+        (["allreduce.period_warmup=3"], "allreduce.period_warmup=3: a warm-up before local SGD needs allreduce.period > 1"),
+        (["allreduce.period=4", "allreduce.period_warmup=150"], "allreduce.period_warmup=150 is not shorter than the run (150 steps)"),
+        (["allreduce.period=4", "compress.method=topk"], "allreduce.period=4 with compression"),
+        (["allreduce.period=4", "checkpoint.every=10"], "allreduce.period=4 with checkpoint.every"),
+    ]:
+        with pytest.raises(OverrideError, match=re.escape(message)):
+            build_config("quickstart", overrides, engine="allreduce")
