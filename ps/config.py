@@ -114,7 +114,21 @@ class PSConfig:
     whole tables; "auto": rows when the optimizer's update of an untouched row is no update
     (sgd without momentum or weight decay, adagrad without weight decay), else dense."""
 
+    push_every: int = 1
+    """Downpour SGD's n_push: a worker pushes the sum of its gradients every K steps (1:
+    every step). Between fetches it steps its own optimizer (the experiment's) on each step's
+    gradient, as Downpour's replicas do."""
+
+    fetch_every: int = 1
+    """Downpour SGD's n_fetch: a worker fetches the shards' values every K steps, replacing
+    its own (1: every step). Under ps-sync it must equal push_every (a round: K local steps,
+    one push of their sum, the step's new values)."""
+
     def __post_init__(self) -> None:
+        for name in ("push_every", "fetch_every"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"ps.{name}={value!r}: must be an int >= 1 (1: every step)")
         for name in ("bucket_kb", "window_mb", "chunk_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -143,6 +157,12 @@ class PSConfig:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) must be smaller than worker_timeout_s "
                 f"({self.worker_timeout_s}), or live workers would be declared lost")
+
+    @property
+    def downpour(self) -> bool:
+        """Whether workers step on their own between pushes or fetches (push_every or
+        fetch_every above 1)."""
+        return self.push_every > 1 or self.fetch_every > 1
 
     def loss_policy(self, mode: str) -> str:
         """on_worker_loss as it applies to a shard in `mode` ("sync", "async" or "ssp")."""

@@ -14,6 +14,11 @@ while later pieces leave. `step()` waits for the pushes and the pulls and copies
 into the model. The optimizer runs on the servers, so the `make_optimizer` given to attach is
 not used here.
 
+Downpour SGD (ps.push_every, ps.fetch_every): a worker steps its own optimizer on each step's
+gradient, pushes the sum of its gradients since its last push every push_every steps, and
+every fetch_every steps replaces its values with the shards'. With both 1 a step is the
+engine's plain one (the local step is overwritten by the fetch).
+
 Under compress.method (ps.codec) each dense key's gradient leaves compressed, with this
 worker's error feedback (compensate, compress, remember what the message carried), and under
 sync the replies may carry the compressed gradient the shards' update applied instead of the
@@ -84,12 +89,20 @@ class PSEngine:
         self._deferred: list[int] = []  # parameters whose push waits for clip_mode to be known
         self._scale: float | None = None  # the clip coefficient of this step
         self.updates_lost = 0
+        if config.downpour:
+            if mode == "sync" and config.push_every != config.fetch_every:
+                raise ValueError(f"ps.push_every={config.push_every} and ps.fetch_every={config.fetch_every} under "
+                                 "ps-sync: a sync round pushes, then takes the step's values; they must be equal")
+            if compression is not None:
+                raise ValueError("ps.push_every or ps.fetch_every above 1 with compress.method: one at a time")
         self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        # under compressed pulls this worker applies each update's gradient itself
-        self._optimizer = make_optimizer([p for _, p in self._named]) if self.compressor is not None else None
+        # under compressed pulls this worker applies each update's gradient itself; under
+        # Downpour it steps on its own gradients between fetches
+        self._optimizer = make_optimizer([p for _, p in self._named]) \
+            if self.compressor is not None or self.config.downpour else None
         self.client = PSClient(self.addresses, self.rank, timeout_s=self.config.timeout_s,
                                heartbeat_s=self.config.heartbeat_s,
                                max_message_mb=self.config.max_message_mb,
@@ -109,6 +122,9 @@ class PSEngine:
         self.layout = layout
         self._load(values)
         self._tables = {i: self._table_module(model, i) for i in sorted(layout.sparse)}
+        if self.config.downpour and self._tables:
+            raise RuntimeError(f"ps.push_every/ps.fetch_every above 1 step whole parameters locally; the shards hold "
+                               f"{', '.join(self._named[i][0] for i in self._tables)} by rows: set ps.sparse=dense")
         if self.compressor is not None and self._tables:
             raise RuntimeError(f"compress.method={self.compressor.name} compresses whole keys; the shards hold "
                                f"{', '.join(self._named[i][0] for i in self._tables)} by rows: set ps.sparse=dense")
@@ -131,6 +147,8 @@ class PSEngine:
         self._bucket_bytes = 0
         self._returned: set[int] = set()  # dense keys whose values come back with their push this step
         self._ready = 0  # parameters whose gradient arrived this step
+        self._summed: dict[int, torch.Tensor] = {}  # Downpour: parameter -> its gradients since the last push
+        self._pushes_made = self._step if self.mode != "sync" else 0  # async/ssp pushes carry it as their clock
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
         return model
@@ -164,8 +182,16 @@ class PSEngine:
         finally:
             self._accumulating = False
 
+    def _pushing(self) -> bool:
+        """Whether this step pushes (Downpour: every push_every steps)."""
+        return (self._step + 1) % self.config.push_every == 0
+
+    def _fetching(self) -> bool:
+        """Whether this step ends with the shards' values (Downpour: every fetch_every steps)."""
+        return (self._step + 1) % self.config.fetch_every == 0
+
     def _push(self, index: int, param: torch.nn.Parameter) -> None:
-        if self._accumulating:
+        if self._accumulating or not self._pushing():
             return
         self._pushed_grads[index] = (param.grad, param.grad._version)
         if self.clip_mode is None:  # a script's first step: whether it clips decides how it leaves
@@ -174,12 +200,14 @@ class PSEngine:
         self._enqueue(index, param)
 
     def _enqueue(self, index: int, param: torch.nn.Parameter) -> None:
-        step = None if self.mode == "sync" else self._step  # sync: each shard's own version
+        step = None if self.mode == "sync" else self._pushes_made  # sync: each shard's own version
         keys = self.layout.param_keys(index)
         if index in self._tables:
             grads = self._row_grads(index, param.grad)
         else:
             flat = param.grad.detach().reshape(-1)
+            if index in self._summed:  # Downpour: the gradients since the last push, with this one
+                flat = self._summed.pop(index).add_(flat)
             grads = {k.id: flat[k.offset: k.offset + k.numel] for k in keys}
             if self.compressor is not None:
                 grads = {k: self._compress(k, g) for k, g in grads.items()}
@@ -223,7 +251,8 @@ class PSEngine:
             return
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
-        whole = len(self._bucket_dense) == len(self._bucket)  # no rows: the push asks for the values itself
+        # no rows: the push asks for the values itself (Downpour: on the steps that fetch)
+        whole = len(self._bucket_dense) == len(self._bucket) and self._fetching()
         if self.clip_mode:  # the shards hold the update until the pull brings the clip's scale
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, lr=self._lr(),
                                                                      hold=True)))
@@ -231,7 +260,7 @@ class PSEngine:
             # sync: the keys' next values; async and ssp: their values once this push is applied
             # (ssp: once the clock is within the bound), so that they come back while later
             # pieces are pushed instead of in one pull after the last.
-            ask = {"next_version": True} if self.mode == "sync" else {"clock": self._step + 1}
+            ask = {"next_version": True} if self.mode == "sync" else {"clock": self._pushes_made + 1}
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, pull=True,
                                                                      lr=self._lr(), **ask)))
             self._returned.update(self._bucket_dense)
@@ -257,6 +286,9 @@ class PSEngine:
         """Clip the step's averaged gradient by its global norm, as torch's clip_grad_norm_
         under DDP: the shards hold the update, each gives the sum of squares of its part, and
         every worker sends the same coefficient with its pull. Returns the norm."""
+        if self.config.downpour:
+            raise NotImplementedError("job.clip_grad_norm_ with ps.push_every or ps.fetch_every above 1: the "
+                                      "workers step on their own gradients between pushes")
         if self.mode != "sync":
             raise NotImplementedError(f"job.clip_grad_norm_ under ps-{self.mode}: each push is applied on "
                                       f"arrival, so there is no averaged gradient to clip; use ps-sync")
@@ -379,6 +411,20 @@ class PSEngine:
                 key = self.layout.keys[kid]
                 self._named[key.param][1].view(-1)[key.offset: key.offset + key.numel].copy_(value)
 
+    def _local_step(self) -> None:
+        """Downpour: keep this step's gradient for the next push (unless it left now), then
+        step this worker's own optimizer on it (a fetch then replaces the values)."""
+        pushed = self._pushing()
+        for i, (_, p) in enumerate(self._named):
+            if p.grad is not None and not pushed:
+                self._summed[i] = self._summed[i].add_(p.grad.reshape(-1)) if i in self._summed \
+                    else p.grad.detach().reshape(-1).clone()
+        lr = self._lr()
+        if lr is not None:
+            for group in self._optimizer.param_groups:
+                group["lr"] = lr
+        self._optimizer.step()
+
     def _apply(self, grads: dict[int, torch.Tensor]) -> None:
         """Compressed pulls: one optimizer step with {key id: the gradient the shards applied}
         (every key of a parameter, or none), at the learning rate the pushes carried."""
@@ -406,7 +452,8 @@ class PSEngine:
         self._check_script()
         if self.clip_mode is None:  # the script's first step did not clip: it never will
             self._release_deferred(False)
-        self._flush(None if self.mode == "sync" else self._step)  # parameters that got no gradient
+        if self._pushing():
+            self._flush(None if self.mode == "sync" else self._pushes_made)  # parameters that got no gradient
         if self.clip_mode:  # the step's values, updated with its clip (1: the script skipped it)
             if self._scale is None:
                 self.client.wait(self.client.norm())  # the step complete on every shard first
@@ -418,8 +465,10 @@ class PSEngine:
         # their order), so it costs no extra round trip.
         try:
             rest = [k for k in self._dense_keys if k not in self._returned]  # not answered with their push
-            if self.mode != "sync" and rest:  # ssp waits on the clock; async sends it only so the server can record the gap
-                self._pulls = [(f"step {self._step}", time.time(), self.client.pull(rest, clock=self._step + 1))]
+            if self.mode != "sync" and rest and self._fetching():
+                # ssp waits on the clock; async sends it only so the server can record the gap
+                clock = self._pushes_made + int(self._pushing())
+                self._pulls = [(f"step {self._step}", time.time(), self.client.pull(rest, clock=clock))]
             self._returned = set()
             waited = self._phase() if self._phased else 0.0
             pushed = [self.client.wait(h) for _, _, h in self._pushes]
@@ -445,12 +494,15 @@ class PSEngine:
             for (name, sent_at, h), result in zip(self._pulls, pulled):
                 self.trace(f"pull {name}", sent_at, h.done_at, thread="pull", waited_on_server_s=result.waited_s)
         self._pushes, self._pulls = [], []
+        if self.config.downpour:
+            self._local_step()
         self._load({k: v for result in results for k, v in result.values.items()})
         for _, p in self._named:
             p.grad = None
         self._apply({k: v for result in results for k, v in result.changes.items()})
         if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
+        self._pushes_made += int(self._pushing())
         self._step += 1
         # Pushes left during backward: count traffic from the end of the last step to now.
         sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received

@@ -159,6 +159,21 @@ class RunConfig:
             raise ValueError(f"allreduce.period={section.period} with checkpoint.every: between averagings "
                              "the workers' models differ, and a checkpoint keeps rank 0's")
 
+    def check_downpour(self) -> None:
+        """Downpour's settings against the run's (after every override)."""
+        ps = self.ps
+        if not ps.downpour or not get_engine(self.engine).reads_setting("ps.push_every"):
+            return
+        if get_engine(self.engine).consistency == "sync" and ps.push_every != ps.fetch_every:
+            raise ValueError(f"ps.push_every={ps.push_every} and ps.fetch_every={ps.fetch_every} under "
+                             f"{self.engine}: a sync round pushes, then takes the step's values; they must be equal")
+        if self.compress.method != "none":
+            raise ValueError(f"ps.push_every/ps.fetch_every above 1 with compress.method={self.compress.method}: "
+                             "one at a time")
+        if self.checkpoint.every:
+            raise ValueError("ps.push_every/ps.fetch_every above 1 with checkpoint.every: a worker's own steps "
+                             "and unpushed gradients are not in the shards' checkpoints")
+
     def check_pulls(self) -> None:
         """Compressed pulls leave each worker's optimizer to step on its own; a worker that
         rejoins restarted shards would not get its state back (after every override)."""
@@ -278,6 +293,7 @@ def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
         config.compress.check()
         config.check_pulls()
         config.check_period()
+        config.check_downpour()
         return config
     except (TypeError, ValueError) as err:
         raise OverrideError(str(err)) from None

@@ -167,3 +167,16 @@ def test_local_sgd_settings_are_checked_once_every_override_is_in():
     ]:
         with pytest.raises(OverrideError, match=re.escape(message)):
             build_config("quickstart", overrides, engine="allreduce")
+
+
+def test_downpour_settings_are_checked_once_every_override_is_in():
+    cfg = build_config("quickstart", ["ps.fetch_every=4", "ps.push_every=4"], engine="ps-sync")
+    assert (cfg.ps.push_every, cfg.ps.fetch_every) == (4, 4)
+    assert build_config("quickstart", ["ps.push_every=2", "ps.fetch_every=5"], engine="ps-async").ps.fetch_every == 5
+    for overrides, engine, message in [
+        (["ps.push_every=0"], "ps-async", "ps.push_every=0: must be an int >= 1"),
+        (["ps.push_every=2", "ps.fetch_every=4"], "ps-sync", "ps.push_every=2 and ps.fetch_every=4 under ps-sync"),
+        (["ps.push_every=2", "checkpoint.every=5"], "ps-async", "ps.push_every/ps.fetch_every above 1 with checkpoint"),
+    ]:
+        with pytest.raises(OverrideError, match=re.escape(message)):
+            build_config("quickstart", overrides, engine=engine)
