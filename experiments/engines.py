@@ -212,6 +212,7 @@ _PS_OWN = ("ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "p
 _PS_READS = ("ps.", "compress.method", "compress.ratio", "compress.levels", "compress.seed",
              "compress.error_feedback", "compress.pull", "servers", "fault.delay_ms")
 _PS_COMPRESSIONS = ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd")
+_EASGD = ("ps.easgd_alpha", "ps.easgd_tau")
 
 for _spec in [
     EngineSpec("local", "one process accumulates every shard's gradient: the reference",
@@ -233,16 +234,22 @@ for _spec in [
                          Label("allreduce/ring+allgather", "#c5b0d5", "ring", gathers_rows=True))),
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
-               reads=_PS_READS, skips=("ps.staleness", "ps.async_scale"), own=_PS_OWN, row_sparse=_ps_rows,
+               reads=_PS_READS, skips=("ps.staleness", "ps.async_scale") + _EASGD, own=_PS_OWN, row_sparse=_ps_rows,
                compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
                "experiments.harness.builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
                synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange",
-                                                          "compress.pull"),
+                                                          "compress.pull") + _EASGD,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
                "experiments.harness.builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
-               synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange", "compress.pull"),
+               synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange", "compress.pull") + _EASGD,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
+    EngineSpec("ps-easgd", "parameter server, elastic averaging: each worker's model tied to a centre on the shards",
+               "experiments.harness.builders:ps", "ps", "#637939", uses_servers=True, consistency="async",
+               synchronous=False, reads=("ps.", "servers", "fault.delay_ms"),
+               skips=("ps.staleness", "ps.window_mb", "ps.exchange", "ps.async_scale", "ps.push_every",
+                      "ps.fetch_every", "ps.compression", "ps.bucket_kb"),
+               own=_PS_OWN, row_sparse=_ps_rows, compressions=("none",)),
 ]:
     register(_spec)

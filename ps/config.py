@@ -124,7 +124,19 @@ class PSConfig:
     its own (1: every step). Under ps-sync it must equal push_every (a round: K local steps,
     one push of their sum, the step's new values)."""
 
+    easgd_alpha: float = 0.1
+    """ps-easgd: the moving rate alpha in (0, 1) by which a worker's model and the centre move
+    towards each other at each exchange (the paper's beta = N * alpha; 0.9 / N is its choice)."""
+
+    easgd_tau: int = 4
+    """ps-easgd: steps between a worker's exchanges with the centre (the paper's tau)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.easgd_alpha, bool) or not isinstance(self.easgd_alpha, (int, float)) \
+                or not 0 < self.easgd_alpha < 1:
+            raise ValueError(f"ps.easgd_alpha={self.easgd_alpha!r}: must be in (0, 1)")
+        if type(self.easgd_tau) is not int or self.easgd_tau < 1:
+            raise ValueError(f"ps.easgd_tau={self.easgd_tau!r}: must be an int >= 1")
         for name in ("push_every", "fetch_every"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

@@ -39,6 +39,12 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
     from experiments.settings.script import ScriptConfig, shard_initializer
 
     # fault.delay_ms is applied by the servers, which hold every reply back.
+    if cfg.engine == "ps-easgd":
+        from ps.easgd import EASGDEngine
+
+        return EASGDEngine(env.rank, env.world, device, list(env.servers), cfg.ps, cfg.ps.easgd_alpha,
+                           cfg.ps.easgd_tau, trace=trace, settings=settings(cfg),
+                           initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
     return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
                     trace, settings=settings(cfg),
                     initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None,

@@ -12,10 +12,12 @@ import logging
 import signal
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from ps.easgd import shard_optimizer
 from ps.layout import split_values
 from ps.security import load_server_keys
 from ps.protocol import Limits
@@ -58,9 +60,12 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
 
     compressed = compression(cfg)
 
+    easgd = cfg.engine == "ps-easgd"  # the centre: pushes of -d add d, unscaled
+    ps_config = replace(cfg.ps, async_scale="sum") if easgd else cfg.ps
+
     def make(layout, values, optim: OptimConfig) -> ShardServer:
-        return ShardServer(shard, layout, values, optim.build, spec.consistency, cfg.workers,
-                           cfg.ps, trace=tracer.record if tracer.enabled else None,
+        return ShardServer(shard, layout, values, shard_optimizer if easgd else optim.build, spec.consistency,
+                           cfg.workers, ps_config, trace=tracer.record if tracer.enabled else None,
                            reply_delay_s=2 * cfg.fault.delay_s,  # request and reply each pay it
                            checkpoint_every=cfg.checkpoint.every if path else 0,
                            save=lambda state: save_atomic(state, path),

@@ -114,7 +114,7 @@ def test_servers_with_an_engine_without_servers_is_named():
     from experiments.settings.readers import unused
 
     assert unused(build_config("quickstart", engine="allreduce", servers=2), servers_given=True) == [
-        "servers has no effect on --engine allreduce; only ps-sync, ps-async, ps-ssp read it"]
+        "servers has no effect on --engine allreduce; only ps-sync, ps-async, ps-ssp, ps-easgd read it"]
 
 
 def test_compress_method_sets_both_families_casts_and_refuses_what_they_do_not_carry(tmp_path):
@@ -180,3 +180,22 @@ def test_downpour_settings_are_checked_once_every_override_is_in():
     ]:
         with pytest.raises(OverrideError, match=re.escape(message)):
             build_config("quickstart", overrides, engine=engine)
+
+
+def test_easgd_settings_and_the_settings_other_engines_do_not_read():
+    from experiments.settings.readers import unused
+
+    cfg = build_config("quickstart", ["ps.easgd_alpha=0.2", "ps.easgd_tau=8"], engine="ps-easgd")
+    assert (cfg.ps.easgd_alpha, cfg.ps.easgd_tau) == (0.2, 8)
+    for value, message in [("0", "ps.easgd_alpha=0.0: must be in (0, 1)"), ("1", "ps.easgd_alpha=1.0: must be in (0, 1)")]:
+        with pytest.raises(OverrideError, match=re.escape(message)):
+            build_config("quickstart", [f"ps.easgd_alpha={value}"], engine="ps-easgd")
+    with pytest.raises(OverrideError, match=re.escape("ps.easgd_tau=0: must be an int >= 1")):
+        build_config("quickstart", ["ps.easgd_tau=0"], engine="ps-easgd")
+    said = unused(build_config("quickstart", [], engine="allreduce"),
+                  ["ps.push_every=4", "ps.easgd_tau=4", "allreduce.period=4"])
+    assert said == ["ps.push_every has no effect on --engine allreduce; only ps-sync, ps-async, ps-ssp read it",
+                    "ps.easgd_tau has no effect on --engine allreduce; only ps-easgd read it"]
+    said = unused(build_config("quickstart", [], engine="ps-easgd"), ["ps.push_every=4", "allreduce.period=4"])
+    assert [line.split(";")[0] for line in said] == ["ps.push_every has no effect on --engine ps-easgd",
+                                                     "allreduce.period has no effect on --engine ps-easgd"]

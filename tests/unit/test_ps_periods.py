@@ -1,5 +1,8 @@
-"""Downpour SGD on the parameter-server engine (ps.push_every, ps.fetch_every), shards serving
-in threads: the engine ends as a few-line reference of Downpour in float64. A worker steps its
+"""How often a parameter-server worker communicates, shards serving in threads, each engine
+against a few-line reference in float64: Downpour (ps.push_every, ps.fetch_every) and elastic
+averaging (ps-easgd).
+
+Downpour: A worker steps its
 own SGD with momentum on each gradient, pushes the sum of its gradients since the last push
 every push_every steps, and every fetch_every steps takes the shards' values; the shards run
 SGD with momentum on the pushes (the mean of the workers' sums under sync)."""
@@ -139,3 +142,44 @@ def test_async_downpour_of_one_worker_ends_as_the_reference(push, fetch):
     (theirs,), center = reference(1, 12, push, fetch, sync=False)
     assert torch.allclose(shards, center, rtol=0, atol=1e-12)
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("alpha,tau", [(0.3, 3), (0.5, 1)])
+def test_easgd_ends_as_the_reference(alpha, tau):
+    """One worker steps SGD with momentum on its own model; every tau steps it and the centre
+    move towards each other by alpha times their difference. The shards' centre and the
+    worker's model end as the reference's."""
+    from ps.easgd import EASGDEngine, shard_optimizer
+
+    steps = 10
+    m0 = model()
+    layout = build_layout([ParamSpec.of(n, p) for n, p in m0.named_parameters()], 2, 16)
+    cfg = PSConfig(async_scale="sum", **FAST)
+    with LocalCluster(layout, [p.detach() for p in m0.parameters()], shard_optimizer, "async", 1, cfg) as cluster:
+        m = model()
+        engine = EASGDEngine(0, 1, torch.device("cpu"), cluster.addresses, cfg, alpha, tau)
+        engine.attach(m, sgd)
+        for step in range(steps):
+            engine.backward(loss(m, 0, step))
+            engine.step()
+        mine = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+        engine.close()  # worker 0 reads the centre into its model
+        centre = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    x, c = model(), model()
+    opt = sgd(x.parameters())
+    for step in range(steps):
+        x.zero_grad()
+        loss(x, 0, step).backward()
+        opt.step()
+        if (step + 1) % tau == 0:
+            with torch.no_grad():
+                for p, q in zip(x.parameters(), c.parameters()):
+                    d = alpha * (p - q)
+                    p.sub_(d)
+                    q.add_(d)
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    assert torch.allclose(mine, flat(x), rtol=0, atol=1e-12)
+    assert torch.allclose(centre, flat(c), rtol=0, atol=1e-12)
+    assert not torch.allclose(flat(c), flat(model()), rtol=0, atol=1e-3)  # the centre moved
