@@ -54,7 +54,7 @@ def _network(runs: list[Run]) -> str:
 
 def _order(run: Run) -> tuple:
     """A run's grid cell, as the table's (runs of one cell are repeats)."""
-    return run.label, run.summary["workers"], run.summary.get("servers", 1), run.placement or "", run.compression
+    return run.label, run.summary["workers"], run.summary.get("servers", 1), run.placement or "", run.compression, run.period
 
 
 def _variant(run: Run, runs: list[Run]) -> int:

@@ -56,6 +56,20 @@ class Run:
         return text + (" no EF" if section.get("error_feedback") is False else "")
 
     @property
+    def period(self) -> int:
+        """Steps between a worker's exchanges: allreduce.period (ring), ps.push_every and
+        ps.fetch_every's larger (Downpour), ps.easgd_tau (ps-easgd); 1 for every step."""
+        if self.engine == "ps-easgd":
+            return int(self.config.get("ps", {}).get("easgd_tau", 4))
+        family = self.spec.family if self.engine_known else ""
+        if family == "ring":
+            return int(self.config.get("allreduce", {}).get("period", 1))
+        if family == "ps":
+            ps = self.config.get("ps", {})
+            return max(int(ps.get("push_every", 1)), int(ps.get("fetch_every", 1)))
+        return 1
+
+    @property
     def engine_known(self) -> bool:
         """Whether this process knows the run's engine (its module imported, see $PSAR_ENGINES)."""
         try:

@@ -105,6 +105,8 @@ def cell_of(run: Run, rated: bool = False) -> tuple:
     emulated network a ps-* run's servers say where the shards were: "2 separate", and runs
     of one grid on links of several rates name theirs ("ps-sync +topk 0.01 @100mbit")."""
     name = f"{run.label} +{run.compression}" if run.compression else run.label
+    if run.period != 1 or run.engine == "ps-easgd":
+        name += f" every {run.period}"
     if rated:
         name += f" @{rate_of(run) or 'loopback'}"
     if not run.spec.uses_servers:

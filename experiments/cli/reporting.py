@@ -134,14 +134,14 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
     if said and not net and not (grid and grid.rates):
         click.echo("next: on a machine's loopback the cores decide, not the network; as root, "
                    "`psar compare link-scaling` runs allreduce and ps-sync on emulated 200mbit links")
-    if grid and grid.report == "compression" and runs:
-        from analysis.compression import report
+    if grid and grid.report and runs:
+        import importlib
 
-        text, paths = report(runs, out)
+        text, paths = importlib.import_module(f"analysis.{grid.report}").report(runs, out)
         click.echo("")
         click.echo(text)
         for path in paths:
-            click.echo(f"compression: {path}")
+            click.echo(f"{grid.report}: {path}")
     if plots and runs:
         from analysis.plots import plot_all
 

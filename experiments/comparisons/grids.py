@@ -46,7 +46,8 @@ class Comparison:
     rates: tuple[str, ...] = ()
     """Link rates every variant runs at, one grid after the other (--net gives one instead)."""
     report: str = ""
-    """A report beside the table: "compression" (analysis.compression)."""
+    """A report beside the table, the analysis module that makes it: "compression"
+    (analysis.compression), "period" (analysis.period)."""
 
     def variants_at(self, net: str | None) -> tuple[Variant, ...]:
         """The variants, at every rate of `rates` unless a --net rate was given."""
@@ -67,6 +68,19 @@ def _compression_variants() -> tuple[Variant, ...]:
     return tuple(Variant(engine, "N" if engine == "ps-sync" else 1,
                          ((f"compress.method={m}",) if m != "none" else ()) + settings[m])
                  for engine, methods in carried.items() for m in methods)
+
+
+def _period_variants() -> tuple[Variant, ...]:
+    """Periods 1, 4 and 16: local SGD on allreduce, Downpour on ps-sync and ps-async (a
+    push of the summed gradients and a fetch every H steps), EASGD's tau; a shard per worker
+    host for the parameter servers."""
+    out = []
+    for h in (1, 4, 16):
+        out.append(Variant("allreduce", 1, (f"allreduce.period={h}",) if h > 1 else ()))
+        for engine in ("ps-sync", "ps-async"):
+            out.append(Variant(engine, "N", (f"ps.push_every={h}", f"ps.fetch_every={h}") if h > 1 else ()))
+        out.append(Variant("ps-easgd", "N", (f"ps.easgd_tau={h}",)))
+    return tuple(out)
 
 
 COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
@@ -111,6 +125,13 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "compute it adds, on a ring (all-reduce for messages that add up, all-gather else) and "
               "on a parameter server (decompressed and summed by the shards, pulls compressed back); "
               "above the rate where its saved link time equals its compute, it no longer pays."),
+    Comparison(
+        "period", "mlp-mid", ("allreduce", "ps-sync", "ps-async", "ps-easgd"), (2,), steps=64,
+        overrides=("model.hidden=[512,512]",), variants=_period_variants(), net="100mbit", report="period",
+        claim="How often to communicate: a worker that exchanges once every H steps pays the link "
+              "once in H steps, so on a slow link the step falls towards its compute as H grows, "
+              "and the loss pays for the models drifting apart in between (local SGD on the ring, "
+              "Downpour and elastic averaging on the parameter server)."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,

@@ -1,4 +1,4 @@
-"""The compression comparison's report on hand-written runs: each method against its engine's
+"""The compression and period comparisons' reports on hand-written runs: each method against its engine's
 uncompressed run at the same rate, and the crossover rates (predicted from bytes and
 compression compute, measured from step times at two rates) where the arithmetic is known."""
 
@@ -81,3 +81,30 @@ def test_the_compression_grid_builds_every_cell_at_both_rates():
         cfg = build_config(grid.experiment, grid.overrides + v.overrides, engine=v.engine, workers=2,
                            servers=v.shards(2), steps=grid.steps)
         assert cfg.net.rate in ("100mbit", "1gbit")
+
+
+def test_the_period_grid_and_its_report(tmp_path):
+    """Periods 1, 4, 16 on allreduce, ps-sync, ps-async (Downpour) and ps-easgd; the report
+    predicts a period's step as compute plus the period-1 run's communication over H."""
+    from analysis.period import report
+    from experiments.comparisons.grids import get_comparison
+    from experiments.settings.presets import build_config
+
+    grid = get_comparison("period")
+    assert len(grid.variants) == 12 and grid.net == "100mbit"
+    for v in grid.variants:
+        build_config(grid.experiment, grid.overrides + v.overrides, engine=v.engine, workers=2,
+                     servers=v.shards(2), steps=grid.steps)
+
+    def run(period, step):
+        records = [dict(step=s, loss=2.0 - 0.1 * s, time=(s + 1) * step, comm_s=step - 0.01, step_s=step,
+                        bytes_sent=1e6 / period, bytes_recv=1e6 / period) for s in range(12)]
+        config = {"target_loss": 1.5, "allreduce": {"period": period}}
+        summary = dict(experiment="mlp-mid", engine="allreduce", workers=2, servers=1, final_loss=0.9,
+                       eval={"accuracy": 0.9}, bytes_per_worker_per_step=2e6 / period)
+        return Run(Path(f"/runs/p{period}"), config, summary, {0: records})
+
+    text, paths = report([run(1, 0.21), run(4, 0.06)], tmp_path)
+    # compute 0.01 s, communication 0.2 s: every 4 steps predicted 0.01 + 0.05 = 60 ms, measured 60
+    assert "| allreduce/library | 4 | 500 | 60 | 60 | +0% |" in text
+    assert {p.name for p in paths} == {"period.md", "period.csv", "period_loss_vs_time.png"}
