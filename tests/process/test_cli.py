@@ -169,7 +169,7 @@ def test_worker_by_hand_checks_its_rendezvous_and_addresses_up_front(tmp_path):
                         "--rank", 0, "--world", 1, "--out", tmp_path / "w")
         assert result.exit_code == 2 and message in result.output, result.output
     text = "".join(invoke("server", "--help").output.split())  # however click wraps it
-    assert "--engine[ps-sync|ps-async|ps-ssp]Gradientsynchronisationengine[default:ps-sync]" in text
+    assert "--engine[ps-sync|ps-async|ps-ssp|ps-easgd]Gradientsynchronisationengine[default:ps-sync]" in text
     assert "withinps.timeout_s" in text
 
 
