@@ -13,6 +13,8 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from .halving import halving_doubling_allreduce
+from .halving import sent_bytes as halving_sent_bytes
 from .ring import ring_allreduce
 
 
@@ -84,18 +86,23 @@ class LibraryAllReduce:
 
 
 class RingAllReduce:
-    """Our ring, run bucket after bucket on one thread so that it overlaps backward."""
+    """Our own algorithm over point-to-point messages (the ring; halving-doubling with
+    `algorithm`), run bucket after bucket on one thread so that it overlaps backward."""
 
-    def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0,
+                 algorithm: str = "ring") -> None:
         self.rank, self.world, self.trace, self.delay_s = rank, world, trace, delay_s
+        self.algorithm = algorithm
         # One thread keeps buckets in launch order, which every rank shares.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-ring")
 
     def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None, name: str = "bucket") -> tuple[Handle, int]:
-        future = self._pool.submit(ring_allreduce, flat, self.rank, self.world, wire_dtype,
-                                   delay_s=self.delay_s)
+        fn = halving_doubling_allreduce if self.algorithm == "halving-doubling" else ring_allreduce
+        future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
         itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
+        if self.algorithm == "halving-doubling":  # what this rank sends, folded or not
+            return _FutureHandle(future), halving_sent_bytes(flat.numel(), itemsize, self.rank, self.world)
         return _FutureHandle(future), bus_bytes(flat.numel() * itemsize, self.world)
 
     def close(self) -> None:
@@ -106,6 +113,6 @@ def make_collective(algorithm: str, rank: int, world: int, trace: Trace | None =
                     delay_s: float = 0.0) -> LibraryAllReduce | RingAllReduce:
     if algorithm == "library":
         return LibraryAllReduce(rank, world, trace, delay_s)
-    if algorithm == "ring":
-        return RingAllReduce(rank, world, trace, delay_s)
-    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library or ring")
+    if algorithm in ("ring", "halving-doubling"):
+        return RingAllReduce(rank, world, trace, delay_s, algorithm)
+    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring or halving-doubling")

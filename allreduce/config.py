@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALGORITHMS = ("library", "ring")
+ALGORITHMS = ("library", "ring", "halving-doubling")
 COMPRESSIONS = ("none", "fp16", "bf16")
 UNUSED_POLICIES = ("error", "zero")
 SPARSE_MODES = ("dense", "allgather")
@@ -13,7 +13,8 @@ SPARSE_MODES = ("dense", "allgather")
 @dataclass(frozen=True)
 class AllReduceConfig:
     algorithm: str = "library"
-    """'library': the backend's own all-reduce (NCCL on CUDA, Gloo on CPU); 'ring': ours."""
+    """'library': the backend's own all-reduce (NCCL on CUDA, Gloo on CPU); 'ring': ours;
+    'halving-doubling': ours, 2 log2 N steps (allreduce/halving.py)."""
     bucket_cap_mb: float = 25.0
     """Gradient bytes per bucket (MiB); a bucket's all-reduce starts as soon as it is full."""
     first_bucket_mb: float = 1.0

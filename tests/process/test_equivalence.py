@@ -30,6 +30,7 @@ VARIANTS = {
     "ring": ("allreduce", RING),
     "ring-per-param": ("allreduce", RING + PER_PARAM),
     "ring-whole-model": ("allreduce", RING + WHOLE_MODEL),
+    "halving-doubling": ("allreduce", ("allreduce.algorithm=halving-doubling",)),
 }
 F32_VARIANTS = ("ddp", "library", "ring")
 
@@ -47,6 +48,8 @@ def POOL_JOBS() -> dict[str, dict]:
     jobs["q3-local-f64"] = dict(experiment="quickstart", engine="local", workers=3, overrides=F64)
     jobs["q3-ring-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
                                overrides=F64 + RING + PER_PARAM)
+    jobs["q3-hd-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
+                             overrides=F64 + PER_PARAM + ("allreduce.algorithm=halving-doubling",))
     for algorithm in ("library", "ring"):
         jobs[f"fp16-{algorithm}"] = dict(
             experiment="quickstart", engine="allreduce",
@@ -95,6 +98,10 @@ def test_float32_engines_match_local(results, experiment, variant):
 
 def test_ring_with_three_workers_matches_local(results):
     assert max_param_diff(results["q3-local-f64"][1], results["q3-ring-f64"][1]) < 1e-10
+
+
+def test_halving_doubling_with_three_workers_folded_matches_local(results):
+    assert max_param_diff(results["q3-local-f64"][1], results["q3-hd-f64"][1]) < 1e-10
 
 
 @pytest.mark.parametrize("algorithm", ["library", "ring", "ddp"])

@@ -81,3 +81,41 @@ def test_ring_rejects_non_flat_tensor_and_empty_pieces():
         ring_allreduce(torch.zeros(2, 2), 0, 2)
     with pytest.raises(ValueError, match="piece_bytes"):
         ring_allreduce(torch.zeros(4), 0, 2, piece_bytes=0)
+
+
+def _hd_ranks(rank, world, wire, lengths=LENGTHS):
+    from allreduce.halving import halving_doubling_allreduce, sent_bytes
+
+    out = {}
+    for numel in lengths:
+        flat = _values(rank, numel)
+        sent, received = halving_doubling_allreduce(flat, rank, world, wire)
+        assert sent == sent_bytes(numel, 8 if wire is None else 2, rank, world)
+        out[numel] = (flat.tolist(), sent, received)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_halving_doubling_equals_elementwise_sum(world):
+    """Powers of two, and 3 and 5 ranks, whose first ranks fold into their neighbours."""
+    results = run_ranks(_hd_ranks, world, None)
+    for numel in LENGTHS:
+        expected = sum(_values(r, numel) for r in range(world))
+        for rank in range(world):
+            torch.testing.assert_close(torch.tensor(results[rank][numel][0], dtype=torch.float64), expected,
+                                       rtol=1e-14, atol=1e-14)
+        assert all(results[0][numel][0] == results[r][numel][0] for r in range(world))
+        assert sum(results[r][numel][1] for r in range(world)) == sum(results[r][numel][2] for r in range(world))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_halving_doubling_in_fp16_ends_bit_identical_on_every_rank():
+    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001))
+    for numel in (1000, 1001):
+        assert all(results[0][numel][0] == results[r][numel][0] for r in range(3))
+        expected = sum(_values(r, numel) for r in range(3))
+        torch.testing.assert_close(torch.tensor(results[0][numel][0], dtype=torch.float64), expected,
+                                   rtol=5e-3, atol=5e-3)

@@ -1,0 +1,133 @@
+"""Halving-doubling all-reduce (Rabenseifner; Gloo's halving-doubling) over point-to-point
+send/recv: recursive halving reduce-scatter, then recursive doubling all-gather.
+
+On p = 2^k ranks each takes 2 log2(p) steps, the ring's 2(p-1), and moves 2(p-1)/p of the
+tensor like the ring: fewer steps win where each message pays a latency. A world that is not
+a power of two folds first (MPICH's way): with p the largest power of two below it and
+r = world - p, ranks 0..2r-1 pair up, each even one sends its whole tensor to the odd one
+above it and waits; the p ranks left (the odd ones below 2r, every one from 2r) run the
+algorithm, and each odd one sends the result back to its partner. The folded ranks move the
+whole tensor twice, their partners twice more.
+
+Not pipelined in pieces: a step's whole segment is one message each way, then summed (as
+Gloo's own halving-doubling does); the ring pipelines where bandwidth matters more.
+
+`plan(numel, rank, world)` lists a rank's steps as plain data (peer, what it sends, what it
+receives, and whether it adds or stores it), so that the bytes a rank moves are known before
+any message is sent, and tested without processes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .ring import scratch_buffer
+
+
+@dataclass(frozen=True)
+class Step:
+    peer: int
+    send: tuple[int, int]
+    """Elements [a, b) of the tensor sent to peer ((0, 0): nothing)."""
+    recv: tuple[int, int]
+    """Elements [a, b) received from peer ((0, 0): nothing)."""
+    add: bool
+    """Whether what arrives is added (reduce) or stored (gather)."""
+    round_owned: tuple[int, int] | None = None
+    """Before this step, round these elements to the wire dtype (the segment this rank owns
+    once the reduce-scatter is done), so every rank ends bit-identical."""
+
+
+def _folding(world: int) -> tuple[int, int]:
+    """(p, r): the largest power of two p <= world, and r = world - p."""
+    p = 1 << (world.bit_length() - 1)
+    return p, world - p
+
+
+def plan(numel: int, rank: int, world: int) -> list[Step]:
+    """The steps of rank `rank` (see the module's docstring)."""
+    if world == 1:
+        return []
+    p, r = _folding(world)
+    whole = (0, numel)
+    if rank < 2 * r and rank % 2 == 0:  # folded: give the tensor to rank + 1, get the sum back
+        return [Step(rank + 1, whole, (0, 0), False), Step(rank + 1, (0, 0), whole, False)]
+    steps = [Step(rank - 1, (0, 0), whole, True)] if rank < 2 * r else []
+    v = rank // 2 if rank < 2 * r else rank - r
+
+    def real(u: int) -> int:
+        return 2 * u + 1 if u < r else u + r
+
+    lo, hi, segments = 0, numel, []
+    mask = p // 2
+    while mask:  # recursive halving: keep half the segment, send the other half
+        mid = lo + (hi - lo) // 2
+        keep, give = ((lo, mid), (mid, hi)) if not v & mask else ((mid, hi), (lo, mid))
+        steps.append(Step(real(v ^ mask), give, keep, True))
+        segments.append((lo, hi))
+        lo, hi = keep
+        mask //= 2
+    owned = (lo, hi)
+    mask, first = 1, True
+    while mask < p:  # recursive doubling: the segments come back in the reverse order
+        outer = segments.pop()
+        theirs = (outer[0], lo) if lo > outer[0] else (hi, outer[1])
+        steps.append(Step(real(v ^ mask), (lo, hi), theirs, False, owned if first else None))
+        first = False
+        lo, hi = outer
+        mask *= 2
+    if rank < 2 * r:
+        steps.append(Step(rank - 1, whole, (0, 0), False, owned if first else None))
+    return steps
+
+
+def halving_doubling_allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
+                               group: dist.ProcessGroup | None = None, delay_s: float = 0.0) -> tuple[int, int]:
+    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received).
+    wire_dtype: what travels (partial sums are kept in flat's dtype); delay_s: an injected
+    latency paid once per step."""
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError("halving_doubling_allreduce needs a contiguous 1-D tensor")
+    wire = wire_dtype or flat.dtype
+    itemsize = torch.empty(0, dtype=wire).element_size()
+    steps = plan(flat.numel(), rank, world)
+    scratch = scratch_buffer(flat.numel(), wire, flat.device) if steps else None
+    batched = flat.device.type != "cpu"
+    moved = [0, 0]
+    for step in steps:
+        if delay_s:
+            time.sleep(delay_s)
+        if step.round_owned is not None and wire != flat.dtype:
+            a, b = step.round_owned
+            flat[a:b] = flat[a:b].to(wire)
+        peer = step.peer if group is None else dist.get_global_rank(group, step.peer)
+        (s0, s1), (r0, r1) = step.send, step.recv
+        into = scratch[: r1 - r0] if (step.add or wire != flat.dtype) else flat[r0:r1]
+        ops = []
+        if s1 > s0:
+            ops.append((dist.isend, flat[s0:s1].to(wire), peer))
+            moved[0] += (s1 - s0) * itemsize
+        if r1 > r0:
+            ops.append((dist.irecv, into, peer))
+            moved[1] += (r1 - r0) * itemsize
+        if batched:
+            works = dist.batch_isend_irecv([dist.P2POp(op, t, q, group) for op, t, q in ops]) if ops else []
+        else:
+            works = [op(t, q, group) for op, t, q in ops]
+        for work in works:
+            work.wait()
+        if r1 > r0:
+            if step.add:
+                flat[r0:r1] += into
+            elif into.data_ptr() != flat[r0:r1].data_ptr():
+                flat[r0:r1] = into
+    return moved[0], moved[1]
+
+
+def sent_bytes(numel: int, itemsize: int, rank: int, world: int) -> int:
+    """What rank `rank` sends for a tensor of numel elements of itemsize bytes."""
+    return sum(s.send[1] - s.send[0] for s in plan(numel, rank, world)) * itemsize
