@@ -15,17 +15,42 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .halving import halving_doubling_allreduce
 from .ring import ring_allreduce
 
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
-ALGORITHMS = ("library", "ring")
+ALGORITHMS = ("library", "ring", "halving-doubling")
+LATENCY = dict(nbytes=64 * 1024, delay_s=0.005, iters=3)
+"""The latency row (--latency): 64 KiB with 5 ms injected per message, ring against
+halving-doubling: 2(N-1) steps against 2 log2 N."""
 
 
-def _once(algorithm: str, buf: torch.Tensor, rank: int, world: int) -> None:
+def _once(algorithm: str, buf: torch.Tensor, rank: int, world: int, delay_s: float = 0.0) -> None:
     if algorithm == "library":
         dist.all_reduce(buf)
+    elif algorithm == "ring":
+        ring_allreduce(buf, rank, world, delay_s=delay_s)
     else:
-        ring_allreduce(buf, rank, world)
+        halving_doubling_allreduce(buf, rank, world, delay_s=delay_s)
+
+
+def measure_latency(rank: int, world: int, rounds: int = 3) -> list[dict]:
+    """Our algorithms at LATENCY's size with its per-message delay (median of rounds)."""
+    buf = torch.ones(LATENCY["nbytes"] // 4)
+    rows = []
+    for algorithm in ("ring", "halving-doubling"):
+        times = []
+        for _ in range(rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(LATENCY["iters"]):
+                _once(algorithm, buf, rank, world, LATENCY["delay_s"])
+            elapsed = torch.tensor([(time.perf_counter() - start) / LATENCY["iters"]], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(elapsed.item())
+        rows.append({"bytes": LATENCY["nbytes"], "algorithm": algorithm, "delay_ms": 1e3 * LATENCY["delay_s"],
+                     "time_us": sorted(times)[len(times) // 2] * 1e6})
+    return rows
 
 
 def _iterations(nbytes: int) -> int:
@@ -69,7 +94,7 @@ def main(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    rows = measure(rank, world, device=device)
+    rows = measure_latency(rank, world) if "--latency" in sys.argv else measure(rank, world, device=device)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world": world, "backend": backend, "rows": rows}, f)

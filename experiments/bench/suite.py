@@ -95,15 +95,27 @@ def allreduce_table(workers: int, out: Path) -> dict:
 
 def format_allreduce_table(table: dict) -> str:
     lines = [f"all-reduce, {table['world']} ranks, {table['backend']} (float32, sum; median of 3)",
-             f"{'size':>10} {'algorithm':>9} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
-             f" {'ring/library busbw':>19}"]
+             f"{'size':>10} {'algorithm':>16} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+             f" {'busbw / library':>16}"]
     library = {r["bytes"]: r for r in table["rows"] if r["algorithm"] == "library"}
     for row in table["rows"]:
-        ratio = row["busbw_gbs"] / library[row["bytes"]]["busbw_gbs"] if row["algorithm"] == "ring" else None
-        lines.append(f"{_size(row['bytes']):>10} {row['algorithm']:>9} {row['time_us']:>10.1f} "
+        ratio = row["busbw_gbs"] / library[row["bytes"]]["busbw_gbs"] if row["algorithm"] != "library" else None
+        lines.append(f"{_size(row['bytes']):>10} {row['algorithm']:>16} {row['time_us']:>10.1f} "
                      f"{row['algbw_gbs']:>12.3f} {row['busbw_gbs']:>12.3f} "
-                     f"{'' if ratio is None else f'{ratio:.2f}x':>19}")
+                     f"{'' if ratio is None else f'{ratio:.2f}x':>16}")
     return "\n".join(lines)
+
+
+def latency_table(ranks: int, out: Path) -> str:
+    """Ring against halving-doubling on `ranks` ranks with a per-message delay (LATENCY)."""
+    path = out / f"allreduce-latency-{ranks}.json"
+    run_ranks([sys.executable, "-m", "allreduce.benchmark", str(path), "--latency"], ranks,
+              out / f"logs-allreduce-latency-{ranks}")
+    rows = {r["algorithm"]: r for r in json.loads(path.read_text())["rows"]}
+    ring, hd = rows["ring"], rows["halving-doubling"]
+    return (f"{_size(ring['bytes'])} on {ranks} ranks, {ring['delay_ms']:g} ms per message: ring "
+            f"{ring['time_us'] / 1e3:.1f} ms, halving-doubling {hd['time_us'] / 1e3:.1f} ms = "
+            f"{hd['time_us'] / ring['time_us']:.2f}x (goal <= 0.7)")
 
 
 QUICK_VARIANTS = {"allreduce": ("allreduce", ()), "ps-sync": ("ps-sync", ())}
@@ -168,6 +180,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo("")
     table = allreduce_table(workers, out)
     echo(format_allreduce_table(table))
+    echo(latency_table(8, out))
     echo("")
     ps_rows = ps_bandwidth(out)
     echo(format_ps_table(ps_rows))
