@@ -13,9 +13,13 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .halving import halving_doubling_allreduce
-from .halving import sent_bytes as halving_sent_bytes
+from . import halving, tree
 from .ring import ring_allreduce
+
+PLANNED = {"halving-doubling": (halving.halving_doubling_allreduce, halving.sent_bytes),
+           "tree": (tree.tree_allreduce, tree.sent_bytes)}
+"""Our algorithms other than the ring, by allreduce.algorithm: (all-reduce, the bytes a rank
+sends) (allreduce/steps.py)."""
 
 
 class Handle(Protocol):
@@ -97,12 +101,13 @@ class RingAllReduce:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-ring")
 
     def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None, name: str = "bucket") -> tuple[Handle, int]:
-        fn = halving_doubling_allreduce if self.algorithm == "halving-doubling" else ring_allreduce
+        planned = PLANNED.get(self.algorithm)
+        fn = ring_allreduce if planned is None else planned[0]
         future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
         itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
-        if self.algorithm == "halving-doubling":  # what this rank sends, folded or not
-            return _FutureHandle(future), halving_sent_bytes(flat.numel(), itemsize, self.rank, self.world)
+        if planned is not None:  # what this rank sends under its plan
+            return _FutureHandle(future), planned[1](flat.numel(), itemsize, self.rank, self.world)
         return _FutureHandle(future), bus_bytes(flat.numel() * itemsize, self.world)
 
     def close(self) -> None:
@@ -113,6 +118,6 @@ def make_collective(algorithm: str, rank: int, world: int, trace: Trace | None =
                     delay_s: float = 0.0) -> LibraryAllReduce | RingAllReduce:
     if algorithm == "library":
         return LibraryAllReduce(rank, world, trace, delay_s)
-    if algorithm in ("ring", "halving-doubling"):
+    if algorithm == "ring" or algorithm in PLANNED:
         return RingAllReduce(rank, world, trace, delay_s, algorithm)
-    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring or halving-doubling")
+    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring, {', '.join(PLANNED)}")

@@ -12,34 +12,15 @@ whole tensor twice, their partners twice more.
 Not pipelined in pieces: a step's whole segment is one message each way, then summed (as
 Gloo's own halving-doubling does); the ring pipelines where bandwidth matters more.
 
-`plan(numel, rank, world)` lists a rank's steps as plain data (peer, what it sends, what it
-receives, and whether it adds or stores it), so that the bytes a rank moves are known before
-any message is sent, and tested without processes.
+`plan(numel, rank, world)` lists a rank's steps (allreduce/steps.py).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from .ring import scratch_buffer
-
-
-@dataclass(frozen=True)
-class Step:
-    peer: int
-    send: tuple[int, int]
-    """Elements [a, b) of the tensor sent to peer ((0, 0): nothing)."""
-    recv: tuple[int, int]
-    """Elements [a, b) received from peer ((0, 0): nothing)."""
-    add: bool
-    """Whether what arrives is added (reduce) or stored (gather)."""
-    round_owned: tuple[int, int] | None = None
-    """Before this step, round these elements to the wire dtype (the segment this rank owns
-    once the reduce-scatter is done), so every rank ends bit-identical."""
+from .steps import Step, execute, planned_bytes
 
 
 def _folding(world: int) -> tuple[int, int]:
@@ -87,47 +68,10 @@ def plan(numel: int, rank: int, world: int) -> list[Step]:
 
 def halving_doubling_allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
                                group: dist.ProcessGroup | None = None, delay_s: float = 0.0) -> tuple[int, int]:
-    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received).
-    wire_dtype: what travels (partial sums are kept in flat's dtype); delay_s: an injected
-    latency paid once per step."""
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError("halving_doubling_allreduce needs a contiguous 1-D tensor")
-    wire = wire_dtype or flat.dtype
-    itemsize = torch.empty(0, dtype=wire).element_size()
-    steps = plan(flat.numel(), rank, world)
-    scratch = scratch_buffer(flat.numel(), wire, flat.device) if steps else None
-    batched = flat.device.type != "cpu"
-    moved = [0, 0]
-    for step in steps:
-        if delay_s:
-            time.sleep(delay_s)
-        if step.round_owned is not None and wire != flat.dtype:
-            a, b = step.round_owned
-            flat[a:b] = flat[a:b].to(wire)
-        peer = step.peer if group is None else dist.get_global_rank(group, step.peer)
-        (s0, s1), (r0, r1) = step.send, step.recv
-        into = scratch[: r1 - r0] if (step.add or wire != flat.dtype) else flat[r0:r1]
-        ops = []
-        if s1 > s0:
-            ops.append((dist.isend, flat[s0:s1].to(wire), peer))
-            moved[0] += (s1 - s0) * itemsize
-        if r1 > r0:
-            ops.append((dist.irecv, into, peer))
-            moved[1] += (r1 - r0) * itemsize
-        if batched:
-            works = dist.batch_isend_irecv([dist.P2POp(op, t, q, group) for op, t, q in ops]) if ops else []
-        else:
-            works = [op(t, q, group) for op, t, q in ops]
-        for work in works:
-            work.wait()
-        if r1 > r0:
-            if step.add:
-                flat[r0:r1] += into
-            elif into.data_ptr() != flat[r0:r1].data_ptr():
-                flat[r0:r1] = into
-    return moved[0], moved[1]
+    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received)."""
+    return execute(plan(flat.numel(), rank, world), flat, wire_dtype, group, delay_s)
 
 
 def sent_bytes(numel: int, itemsize: int, rank: int, world: int) -> int:
     """What rank `rank` sends for a tensor of numel elements of itemsize bytes."""
-    return sum(s.send[1] - s.send[0] for s in plan(numel, rank, world)) * itemsize
+    return planned_bytes(plan(numel, rank, world), itemsize)

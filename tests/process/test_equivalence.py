@@ -31,6 +31,7 @@ VARIANTS = {
     "ring-per-param": ("allreduce", RING + PER_PARAM),
     "ring-whole-model": ("allreduce", RING + WHOLE_MODEL),
     "halving-doubling": ("allreduce", ("allreduce.algorithm=halving-doubling",)),
+    "tree": ("allreduce", ("allreduce.algorithm=tree",)),
 }
 F32_VARIANTS = ("ddp", "library", "ring")
 
@@ -48,8 +49,9 @@ def POOL_JOBS() -> dict[str, dict]:
     jobs["q3-local-f64"] = dict(experiment="quickstart", engine="local", workers=3, overrides=F64)
     jobs["q3-ring-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
                                overrides=F64 + RING + PER_PARAM)
-    jobs["q3-hd-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
-                             overrides=F64 + PER_PARAM + ("allreduce.algorithm=halving-doubling",))
+    for name, algorithm in (("hd", "halving-doubling"), ("tree", "tree")):
+        jobs[f"q3-{name}-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
+                                      overrides=F64 + PER_PARAM + (f"allreduce.algorithm={algorithm}",))
     for algorithm in ("library", "ring"):
         jobs[f"fp16-{algorithm}"] = dict(
             experiment="quickstart", engine="allreduce",
@@ -100,8 +102,9 @@ def test_ring_with_three_workers_matches_local(results):
     assert max_param_diff(results["q3-local-f64"][1], results["q3-ring-f64"][1]) < 1e-10
 
 
-def test_halving_doubling_with_three_workers_folded_matches_local(results):
-    assert max_param_diff(results["q3-local-f64"][1], results["q3-hd-f64"][1]) < 1e-10
+@pytest.mark.parametrize("name", ["hd", "tree"])
+def test_halving_doubling_folded_and_tree_with_three_workers_match_local(results, name):
+    assert max_param_diff(results["q3-local-f64"][1], results[f"q3-{name}-f64"][1]) < 1e-10
 
 
 @pytest.mark.parametrize("algorithm", ["library", "ring", "ddp"])

@@ -83,13 +83,14 @@ def test_ring_rejects_non_flat_tensor_and_empty_pieces():
         ring_allreduce(torch.zeros(4), 0, 2, piece_bytes=0)
 
 
-def _hd_ranks(rank, world, wire, lengths=LENGTHS):
-    from allreduce.halving import halving_doubling_allreduce, sent_bytes
+def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling"):
+    from allreduce.collective import PLANNED
 
+    allreduce, sent_bytes = PLANNED[algorithm]
     out = {}
     for numel in lengths:
         flat = _values(rank, numel)
-        sent, received = halving_doubling_allreduce(flat, rank, world, wire)
+        sent, received = allreduce(flat, rank, world, wire)
         assert sent == sent_bytes(numel, 8 if wire is None else 2, rank, world)
         out[numel] = (flat.tolist(), sent, received)
     return out
@@ -97,10 +98,13 @@ def _hd_ranks(rank, world, wire, lengths=LENGTHS):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3, 4, 5])
-def test_halving_doubling_equals_elementwise_sum(world):
-    """Powers of two, and 3 and 5 ranks, whose first ranks fold into their neighbours."""
-    results = run_ranks(_hd_ranks, world, None)
+@pytest.mark.parametrize("world,algorithm", [(2, "halving-doubling"), (3, "halving-doubling"),
+                                             (4, "halving-doubling"), (5, "halving-doubling"),
+                                             (2, "tree"), (3, "tree"), (5, "tree")])
+def test_halving_doubling_and_tree_equal_elementwise_sum(world, algorithm):
+    """Powers of two, and 3 and 5 ranks (halving-doubling: the first ranks fold into their
+    neighbours; the tree: a binomial tree of any size)."""
+    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm)
     for numel in LENGTHS:
         expected = sum(_values(r, numel) for r in range(world))
         for rank in range(world):
@@ -112,8 +116,9 @@ def test_halving_doubling_equals_elementwise_sum(world):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_halving_doubling_in_fp16_ends_bit_identical_on_every_rank():
-    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001))
+@pytest.mark.parametrize("algorithm", ["halving-doubling", "tree"])
+def test_halving_doubling_and_tree_in_fp16_end_bit_identical_on_every_rank(algorithm):
+    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001), algorithm)
     for numel in (1000, 1001):
         assert all(results[0][numel][0] == results[r][numel][0] for r in range(3))
         expected = sum(_values(r, numel) for r in range(3))

@@ -27,7 +27,7 @@ def test_override_nested_keys_and_types():
     ("allreduce.nope=1", "unknown key 'allreduce.nope'"),
     ("steps=abc", "expected an integer"),
     ("optim.lr=fast", "expected a number"),
-    ("allreduce.algorithm=tree", "expected one of library, ring"),
+    ("allreduce.algorithm=star", "expected one of library, ring, halving-doubling, tree"),
     ("allreduce.compression=int8", "expected one of none, fp16, bf16"),
     ("dtype=float16", "--set dtype=float16: expected one of float32, float64$"),
     ("allreduce=ring", "is a section"),
