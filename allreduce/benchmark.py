@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from .halving import halving_doubling_allreduce
 from .ring import ring_allreduce
+from .tree import tree_allreduce
 
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
 ALGORITHMS = ("library", "ring", "halving-doubling")
 LATENCY = dict(nbytes=64 * 1024, delay_s=0.005, iters=3)
 """The latency row (--latency): 64 KiB with 5 ms injected per message, ring against
-halving-doubling: 2(N-1) steps against 2 log2 N."""
+halving-doubling and tree: 2(N-1) steps against 2 log2 N."""
 
 
 def _once(algorithm: str, buf: torch.Tensor, rank: int, world: int, delay_s: float = 0.0) -> None:
@@ -30,6 +31,8 @@ def _once(algorithm: str, buf: torch.Tensor, rank: int, world: int, delay_s: flo
         dist.all_reduce(buf)
     elif algorithm == "ring":
         ring_allreduce(buf, rank, world, delay_s=delay_s)
+    elif algorithm == "tree":
+        tree_allreduce(buf, rank, world, delay_s=delay_s)
     else:
         halving_doubling_allreduce(buf, rank, world, delay_s=delay_s)
 
@@ -38,7 +41,7 @@ def measure_latency(rank: int, world: int, rounds: int = 3) -> list[dict]:
     """Our algorithms at LATENCY's size with its per-message delay (median of rounds)."""
     buf = torch.ones(LATENCY["nbytes"] // 4)
     rows = []
-    for algorithm in ("ring", "halving-doubling"):
+    for algorithm in ("ring", "halving-doubling", "tree"):
         times = []
         for _ in range(rounds):
             dist.barrier()

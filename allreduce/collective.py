@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import halving, tree
+from .auto import choose
 from .ring import ring_allreduce
 
 PLANNED = {"halving-doubling": (halving.halving_doubling_allreduce, halving.sent_bytes),
@@ -94,18 +95,24 @@ class RingAllReduce:
     `algorithm`), run bucket after bucket on one thread so that it overlaps backward."""
 
     def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0,
-                 algorithm: str = "ring") -> None:
+                 algorithm: str = "ring", bandwidth: float | None = None) -> None:
         self.rank, self.world, self.trace, self.delay_s = rank, world, trace, delay_s
-        self.algorithm = algorithm
+        self.algorithm, self.bandwidth = algorithm, bandwidth
+        self.chosen: dict[str, int] = {}  # auto: how many all-reduces each algorithm ran
         # One thread keeps buckets in launch order, which every rank shares.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-ring")
 
     def start(self, flat: torch.Tensor, wire_dtype: torch.dtype | None, name: str = "bucket") -> tuple[Handle, int]:
-        planned = PLANNED.get(self.algorithm)
+        itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
+        algorithm = self.algorithm
+        if algorithm == "auto":
+            algorithm = choose(flat.numel() * itemsize, self.world, self.delay_s, self.bandwidth)
+            self.chosen[algorithm] = self.chosen.get(algorithm, 0) + 1
+            name = f"{name} [{algorithm}]"
+        planned = PLANNED.get(algorithm)
         fn = ring_allreduce if planned is None else planned[0]
         future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
-        itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
         if planned is not None:  # what this rank sends under its plan
             return _FutureHandle(future), planned[1](flat.numel(), itemsize, self.rank, self.world)
         return _FutureHandle(future), bus_bytes(flat.numel() * itemsize, self.world)
@@ -115,9 +122,10 @@ class RingAllReduce:
 
 
 def make_collective(algorithm: str, rank: int, world: int, trace: Trace | None = None,
-                    delay_s: float = 0.0) -> LibraryAllReduce | RingAllReduce:
+                    delay_s: float = 0.0, bandwidth: float | None = None) -> LibraryAllReduce | RingAllReduce:
+    """bandwidth: the links' bytes per second (auto's model; None: loopback's)."""
     if algorithm == "library":
         return LibraryAllReduce(rank, world, trace, delay_s)
-    if algorithm == "ring" or algorithm in PLANNED:
-        return RingAllReduce(rank, world, trace, delay_s, algorithm)
-    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring, {', '.join(PLANNED)}")
+    if algorithm in ("ring", "auto") or algorithm in PLANNED:
+        return RingAllReduce(rank, world, trace, delay_s, algorithm, bandwidth)
+    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring, {', '.join(PLANNED)} or auto")

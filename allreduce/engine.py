@@ -34,13 +34,15 @@ class AllReduceEngine:
 
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
                  timeout_s: float = 60.0, trace=None, delay_s: float = 0.0,
-                 sparse_tables: SparseTables | None = None, compression=None) -> None:
+                 sparse_tables: SparseTables | None = None, compression=None,
+                 bandwidth: float | None = None) -> None:
         """trace: optional callable(name, start, end, thread=...) for each bucket's all-reduce;
         delay_s: injected latency of every message (a slow link); sparse_tables: callable(model)
         -> {parameter name: nn.Embedding/EmbeddingBag} of the tables to all-gather row-sparse,
         asked at attach (default None: every table is all-reduced dense in the buckets);
         compression: (compressor, error-feedback memory or None), experiments/compression's,
-        for the buckets (allreduce/compressed.py)."""
+        for the buckets (allreduce/compressed.py); bandwidth: the links' bytes per second,
+        which allreduce.algorithm=auto's model reads (None: loopback's)."""
         if config.sparse == "allgather" and sparse_tables is None:
             raise ValueError("allreduce.sparse=allgather needs sparse_tables, the callable that "
                              "names the model's row-sparse tables")
@@ -58,7 +60,7 @@ class AllReduceEngine:
         self._compression = compression
         self._exchange = None  # the compressed exchange, once attached
         self.rank, self.world, self.device, self.config = rank, world, device, config
-        self.trace, self.delay_s = trace, delay_s
+        self.trace, self.delay_s, self.bandwidth = trace, delay_s, bandwidth
         self._sparse_tables = sparse_tables
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
@@ -76,7 +78,7 @@ class AllReduceEngine:
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self._buffers = [b for b in model.buffers()]
         self._collective = make_collective(self.config.algorithm, self.rank, self.world,
-                                           self.trace, self.delay_s)
+                                           self.trace, self.delay_s, bandwidth=self.bandwidth)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
         exchange = self._exchange = None
@@ -171,7 +173,8 @@ class AllReduceEngine:
         return nbytes
 
     def report(self) -> dict:
-        return {}
+        chosen = getattr(self._collective, "chosen", None)
+        return {"algorithms_chosen": dict(chosen)} if chosen else {}
 
     def close(self) -> None:
         self._reducer.close()

@@ -235,7 +235,9 @@ for _spec in [
                          Label("allreduce/halving-doubling", "#393b79", "ring"),    # dark blue
                          Label("allreduce/halving-doubling+allgather", "#6b6ecf", "ring", gathers_rows=True),
                          Label("allreduce/tree", "#8c6d31", "ring"),                # brown-olive
-                         Label("allreduce/tree+allgather", "#bd9e39", "ring", gathers_rows=True))),
+                         Label("allreduce/tree+allgather", "#bd9e39", "ring", gathers_rows=True),
+                         Label("allreduce/auto", "#5254a3", "ring"),
+                         Label("allreduce/auto+allgather", "#9c9ede", "ring", gathers_rows=True))),
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
                reads=_PS_READS, skips=("ps.staleness", "ps.async_scale") + _EASGD, own=_PS_OWN, row_sparse=_ps_rows,

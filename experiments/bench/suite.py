@@ -112,10 +112,11 @@ def latency_table(ranks: int, out: Path) -> str:
     run_ranks([sys.executable, "-m", "allreduce.benchmark", str(path), "--latency"], ranks,
               out / f"logs-allreduce-latency-{ranks}")
     rows = {r["algorithm"]: r for r in json.loads(path.read_text())["rows"]}
-    ring, hd = rows["ring"], rows["halving-doubling"]
+    ring, hd, tree = rows["ring"], rows["halving-doubling"], rows["tree"]
     return (f"{_size(ring['bytes'])} on {ranks} ranks, {ring['delay_ms']:g} ms per message: ring "
             f"{ring['time_us'] / 1e3:.1f} ms, halving-doubling {hd['time_us'] / 1e3:.1f} ms = "
-            f"{hd['time_us'] / ring['time_us']:.2f}x (goal <= 0.7)")
+            f"{hd['time_us'] / ring['time_us']:.2f}x, tree {tree['time_us'] / 1e3:.1f} ms = "
+            f"{tree['time_us'] / ring['time_us']:.2f}x (goal: one of them <= 0.7)")
 
 
 QUICK_VARIANTS = {"allreduce": ("allreduce", ()), "ps-sync": ("ps-sync", ())}

@@ -19,8 +19,12 @@ def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace |
     from allreduce.engine import AllReduceEngine
 
     # The tables are named at attach, once the model exists; {} unless allreduce.sparse=allgather.
+    from experiments.settings.net import parse_rate
+
+    bandwidth = parse_rate(cfg.net.rate) / 8 if cfg.net.rate else None  # auto's model: the links' bytes/s
     return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
-                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=compression(cfg))
+                           cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=compression(cfg),
+                           bandwidth=bandwidth)
 
 
 def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

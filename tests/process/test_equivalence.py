@@ -49,7 +49,7 @@ def POOL_JOBS() -> dict[str, dict]:
     jobs["q3-local-f64"] = dict(experiment="quickstart", engine="local", workers=3, overrides=F64)
     jobs["q3-ring-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
                                overrides=F64 + RING + PER_PARAM)
-    for name, algorithm in (("hd", "halving-doubling"), ("tree", "tree")):
+    for name, algorithm in (("hd", "halving-doubling"), ("tree", "tree"), ("auto", "auto")):
         jobs[f"q3-{name}-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
                                       overrides=F64 + PER_PARAM + (f"allreduce.algorithm={algorithm}",))
     for algorithm in ("library", "ring"):
@@ -102,8 +102,8 @@ def test_ring_with_three_workers_matches_local(results):
     assert max_param_diff(results["q3-local-f64"][1], results["q3-ring-f64"][1]) < 1e-10
 
 
-@pytest.mark.parametrize("name", ["hd", "tree"])
-def test_halving_doubling_folded_and_tree_with_three_workers_match_local(results, name):
+@pytest.mark.parametrize("name", ["hd", "tree", "auto"])
+def test_halving_doubling_folded_tree_and_auto_with_three_workers_match_local(results, name):
     assert max_param_diff(results["q3-local-f64"][1], results[f"q3-{name}-f64"][1]) < 1e-10
 
 
