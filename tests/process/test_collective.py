@@ -27,8 +27,12 @@ def test_make_collective_builds_each_algorithm_and_names_a_wrong_one():
     assert isinstance(library, LibraryAllReduce) and isinstance(ring, RingAllReduce)
     assert (ring.rank, ring.world, ring.delay_s) == (1, 2, 0.5)
     library.close(), ring.close()
-    with pytest.raises(ValueError, match=r"allreduce.algorithm='tree': expected library or ring"):
-        make_collective("tree", 0, 2)
+    tree = make_collective("tree", 0, 2)
+    assert isinstance(tree, RingAllReduce) and tree.algorithm == "tree"
+    tree.close()
+    with pytest.raises(ValueError, match=r"allreduce.algorithm='star': expected library, ring, "
+                                         r"halving-doubling, tree or auto"):
+        make_collective("star", 0, 2)
 
 
 class FakeWork:

@@ -189,7 +189,7 @@ def test_api_misuse_is_a_clear_error(tmp_path):
     (["launch", "no-such-script.py"], "script no-such-script.py does not exist"),
     (["launch", "--engine", "local", str(SCRIPT)], "'local' is not one of"),
     (["launch", "--workers", "0", str(SCRIPT)], "workers=0: must be >= 1"),
-    (["launch", "--set", "allreduce.algorithm=tree", str(SCRIPT)], "allreduce.algorithm='tree'"),
+    (["launch", "--set", "allreduce.algorithm=star", str(SCRIPT)], "allreduce.algorithm='star'"),
 ])
 def test_bad_command_lines_get_one_line_errors(argv, message):
     result = CliRunner().invoke(main, argv)
