@@ -11,6 +11,7 @@ bandwidth (net.rate, or LOOPBACK_BYTES_S without an emulated network). For S byt
     tree               2 ceil(log2 N) (alpha + S / B)
 
 Every rank computes the same choice from the same numbers: no message is needed to agree.
+The model leaves out the pieces' pipelining, which each algorithm has alike.
 """
 
 from __future__ import annotations

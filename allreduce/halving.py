@@ -9,8 +9,9 @@ above it and waits; the p ranks left (the odd ones below 2r, every one from 2r) 
 algorithm, and each odd one sends the result back to its partner. The folded ranks move the
 whole tensor twice, their partners twice more.
 
-Not pipelined in pieces: a step's whole segment is one message each way, then summed (as
-Gloo's own halving-doubling does); the ring pipelines where bandwidth matters more.
+Pipelined in pieces as the ring is: the tensor is cut into pieces of PIECE_BYTES or more (at
+most MAX_PIECES), each running the whole plan, and a piece's next step leaves as soon as its
+last one is done (allreduce/steps.py).
 
 `plan(numel, rank, world)` lists a rank's steps (allreduce/steps.py).
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .steps import Step, execute, planned_bytes
+from .ring import MAX_PIECES, PIECE_BYTES
+from .steps import Step, execute, pieces, planned_bytes
 
 
 def _folding(world: int) -> tuple[int, int]:
@@ -67,11 +69,15 @@ def plan(numel: int, rank: int, world: int) -> list[Step]:
 
 
 def halving_doubling_allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
-                               group: dist.ProcessGroup | None = None, delay_s: float = 0.0) -> tuple[int, int]:
-    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received)."""
-    return execute(plan(flat.numel(), rank, world), flat, wire_dtype, group, delay_s)
+                               group: dist.ProcessGroup | None = None, delay_s: float = 0.0,
+                               piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
+    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received). The
+    tensor goes in pipelined pieces of piece_bytes or more (at most MAX_PIECES), as the ring's."""
+    itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
+    plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, MAX_PIECES, flat.device.type != "cpu")
+    return execute(plans, flat, wire_dtype, group, delay_s)
 
 
-def sent_bytes(numel: int, itemsize: int, rank: int, world: int) -> int:
-    """What rank `rank` sends for a tensor of numel elements of itemsize bytes."""
-    return planned_bytes(plan(numel, rank, world), itemsize)
+def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES) -> int:
+    """What rank `rank` sends for a tensor of numel elements of itemsize bytes (on the CPU)."""
+    return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes, MAX_PIECES), itemsize)

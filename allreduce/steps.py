@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .ring import scratch_buffer
+from .ring import chunk_bounds, scratch_buffer
 
 
 @dataclass(frozen=True)
@@ -28,27 +28,48 @@ class Step:
     once the reduce-scatter is done), so every rank ends bit-identical."""
 
 
-def execute(steps: list[Step], flat: torch.Tensor, wire_dtype: torch.dtype | None = None,
+def shifted(steps: list[Step], offset: int) -> list[Step]:
+    """A plan for elements [offset, offset + n) of a longer tensor, from one for n elements."""
+    def move(r: tuple[int, int] | None):
+        return None if r is None else (r[0] + offset, r[1] + offset) if r != (0, 0) else r
+    return [Step(st.peer, move(st.send), move(st.recv), st.add, move(st.round_owned)) for st in steps]
+
+
+def pieces(plan, numel: int, rank: int, world: int, itemsize: int, piece_bytes: int, max_pieces: int,
+           cuda: bool = False) -> list[list[Step]]:
+    """The plan of each piece of the tensor (at most max_pieces of piece_bytes or more; one on
+    CUDA, where NCCL matches a pair's messages by their order alone)."""
+    count = 1 if cuda else max(1, min(max_pieces, -(-numel * itemsize // piece_bytes)))
+    return [shifted(plan(b - a, rank, world), a) for a, b in chunk_bounds(numel, count)]
+
+
+def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype | None = None,
             group: dist.ProcessGroup | None = None, delay_s: float = 0.0) -> tuple[int, int]:
-    """Run a rank's plan on the 1-D tensor `flat` (summed in place); return (bytes sent,
-    received). wire_dtype: what travels (partial sums are kept in flat's dtype); delay_s: an
-    injected latency paid once per step."""
+    """Run a rank's plans, one per piece of the 1-D tensor `flat` (summed in place), pipelined
+    as the ring's pieces are: every piece's first step is in flight at once, and piece j's
+    next step leaves as soon as its last one is done. Return (bytes sent, received).
+    wire_dtype: what travels (partial sums are kept in flat's dtype); delay_s: an injected
+    latency paid once per step. A message's tag is its piece: between two ranks each piece's
+    messages go in its steps' order on both, so Gloo matches them right."""
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("an all-reduce needs a contiguous 1-D tensor")
+    counts = {len(p) for p in plans}
+    if len(counts) > 1:
+        raise ValueError(f"pieces' plans have {sorted(counts)} steps; every piece needs the same")
     wire = wire_dtype or flat.dtype
     itemsize = torch.empty(0, dtype=wire).element_size()
-    scratch = scratch_buffer(flat.numel(), wire, flat.device) if steps else None
+    nsteps = counts.pop() if counts else 0
+    scratch = scratch_buffer(flat.numel(), wire, flat.device) if nsteps else None
     batched = flat.device.type != "cpu"
     moved = [0, 0]
-    for step in steps:
-        if delay_s:
-            time.sleep(delay_s)
+
+    def post(j: int, step: Step) -> tuple[list, torch.Tensor | None]:
         if step.round_owned is not None and wire != flat.dtype:
             a, b = step.round_owned
             flat[a:b] = flat[a:b].to(wire)
         peer = step.peer if group is None else dist.get_global_rank(group, step.peer)
         (s0, s1), (r0, r1) = step.send, step.recv
-        into = scratch[: r1 - r0] if (step.add or wire != flat.dtype) else flat[r0:r1]
+        into = scratch[r0:r1] if (step.add or wire != flat.dtype) else flat[r0:r1]
         ops = []
         if s1 > s0:
             ops.append((dist.isend, flat[s0:s1].to(wire), peer))
@@ -59,19 +80,31 @@ def execute(steps: list[Step], flat: torch.Tensor, wire_dtype: torch.dtype | Non
         if batched:
             works = dist.batch_isend_irecv([dist.P2POp(op, t, q, group) for op, t, q in ops]) if ops else []
         else:
-            works = [op(t, q, group) for op, t, q in ops]
-        for work in works:
-            work.wait()
-        if r1 > r0:
-            if step.add:
-                flat[r0:r1] += into
-            elif into.data_ptr() != flat[r0:r1].data_ptr():
-                flat[r0:r1] = into
+            works = [op(t, q, group, j) for op, t, q in ops]
+        return (ops, works), (into if r1 > r0 else None)  # the ops keep the sent tensors alive
+
+    if nsteps and delay_s:
+        time.sleep(delay_s)
+    flights = [post(j, plan[0]) for j, plan in enumerate(plans)] if nsteps else []
+    for s in range(nsteps):
+        if s and delay_s:
+            time.sleep(delay_s)
+        for j, plan in enumerate(plans):
+            (_, works), into = flights[j]
+            for work in works:
+                work.wait()
+            step = plan[s]
+            if into is not None:
+                r0, r1 = step.recv
+                if step.add:
+                    flat[r0:r1] += into
+                elif into.data_ptr() != flat[r0:r1].data_ptr():
+                    flat[r0:r1] = into
+            if s + 1 < nsteps:
+                flights[j] = post(j, plan[s + 1])
     return moved[0], moved[1]
 
 
-
-
-def planned_bytes(steps: list[Step], itemsize: int) -> int:
-    """What a rank sends under its plan."""
-    return sum(s.send[1] - s.send[0] for s in steps) * itemsize
+def planned_bytes(plans: list[list[Step]], itemsize: int) -> int:
+    """What a rank sends under its plans."""
+    return sum(st.send[1] - st.send[0] for plan in plans for st in plan) * itemsize

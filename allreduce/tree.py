@@ -4,8 +4,9 @@ same tree broadcasts the result back down.
 
 2 ceil(log2 N) steps on the longest path (the ring: 2(N-1)), but every step carries the whole
 tensor: the algorithm of small messages and high latency (NCCL's "low latency" choice). Any
-world size: a binomial tree needs no power of two. Not pipelined in pieces (a step's whole
-tensor is one message); the ring pipelines where bandwidth matters. Plans: allreduce/steps.py.
+world size: a binomial tree needs no power of two. Pipelined in pieces as the ring is (the
+tensor in pieces of PIECE_BYTES or more, at most MAX_PIECES, each running the whole tree), so
+a piece goes down the tree while the next comes up. Plans: allreduce/steps.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .steps import Step, execute, planned_bytes
+from .ring import MAX_PIECES, PIECE_BYTES
+from .steps import Step, execute, pieces, planned_bytes
 
 
 def plan(numel: int, rank: int, world: int) -> list[Step]:
@@ -41,11 +43,15 @@ def plan(numel: int, rank: int, world: int) -> list[Step]:
 
 
 def tree_allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
-                   group: dist.ProcessGroup | None = None, delay_s: float = 0.0) -> tuple[int, int]:
-    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received)."""
-    return execute(plan(flat.numel(), rank, world), flat, wire_dtype, group, delay_s)
+                   group: dist.ProcessGroup | None = None, delay_s: float = 0.0,
+                   piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
+    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received). The
+    tensor goes in pipelined pieces of piece_bytes or more (at most MAX_PIECES), as the ring's."""
+    itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
+    plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, MAX_PIECES, flat.device.type != "cpu")
+    return execute(plans, flat, wire_dtype, group, delay_s)
 
 
-def sent_bytes(numel: int, itemsize: int, rank: int, world: int) -> int:
-    """What rank `rank` sends for a tensor of numel elements of itemsize bytes."""
-    return planned_bytes(plan(numel, rank, world), itemsize)
+def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES) -> int:
+    """What rank `rank` sends for a tensor of numel elements of itemsize bytes (on the CPU)."""
+    return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes, MAX_PIECES), itemsize)

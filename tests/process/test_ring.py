@@ -83,28 +83,29 @@ def test_ring_rejects_non_flat_tensor_and_empty_pieces():
         ring_allreduce(torch.zeros(4), 0, 2, piece_bytes=0)
 
 
-def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling"):
+def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", piece_bytes=PIECE_BYTES):
     from allreduce.collective import PLANNED
 
     allreduce, sent_bytes = PLANNED[algorithm]
     out = {}
     for numel in lengths:
         flat = _values(rank, numel)
-        sent, received = allreduce(flat, rank, world, wire)
-        assert sent == sent_bytes(numel, 8 if wire is None else 2, rank, world)
+        sent, received = allreduce(flat, rank, world, wire, piece_bytes=piece_bytes)
+        assert sent == sent_bytes(numel, 8 if wire is None else 2, rank, world, piece_bytes)
         out[numel] = (flat.tolist(), sent, received)
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,algorithm", [(2, "halving-doubling"), (3, "halving-doubling"),
-                                             (4, "halving-doubling"), (5, "halving-doubling"),
-                                             (2, "tree"), (3, "tree"), (5, "tree")])
-def test_halving_doubling_and_tree_equal_elementwise_sum(world, algorithm):
+@pytest.mark.parametrize("world,algorithm,piece_bytes", [
+    (2, "halving-doubling", PIECE_BYTES), (3, "halving-doubling", 8), (4, "halving-doubling", 40),
+    (5, "halving-doubling", PIECE_BYTES), (2, "tree", 8), (3, "tree", PIECE_BYTES), (5, "tree", 40)])
+def test_halving_doubling_and_tree_equal_elementwise_sum(world, algorithm, piece_bytes):
     """Powers of two, and 3 and 5 ranks (halving-doubling: the first ranks fold into their
-    neighbours; the tree: a binomial tree of any size)."""
-    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm)
+    neighbours; the tree: a binomial tree of any size), whole and in pipelined pieces of a few
+    elements (up to 4, of unequal lengths)."""
+    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm, piece_bytes)
     for numel in LENGTHS:
         expected = sum(_values(r, numel) for r in range(world))
         for rank in range(world):
@@ -118,7 +119,7 @@ def test_halving_doubling_and_tree_equal_elementwise_sum(world, algorithm):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algorithm", ["halving-doubling", "tree"])
 def test_halving_doubling_and_tree_in_fp16_end_bit_identical_on_every_rank(algorithm):
-    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001), algorithm)
+    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001), algorithm, 100)
     for numel in (1000, 1001):
         assert all(results[0][numel][0] == results[r][numel][0] for r in range(3))
         expected = sum(_values(r, numel) for r in range(3))
