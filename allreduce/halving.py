@@ -18,11 +18,7 @@ last one is done (allreduce/steps.py).
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from .ring import MAX_PIECES, PIECE_BYTES
-from .steps import Step, execute, pieces, planned_bytes
+from .steps import Step, planned
 
 
 def _folding(world: int) -> tuple[int, int]:
@@ -68,16 +64,4 @@ def plan(numel: int, rank: int, world: int) -> list[Step]:
     return steps
 
 
-def halving_doubling_allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
-                               group: dist.ProcessGroup | None = None, delay_s: float = 0.0,
-                               piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
-    """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received). The
-    tensor goes in pipelined pieces of piece_bytes or more (at most MAX_PIECES), as the ring's."""
-    itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
-    plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, MAX_PIECES, flat.device.type != "cpu")
-    return execute(plans, flat, wire_dtype, group, delay_s)
-
-
-def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES) -> int:
-    """What rank `rank` sends for a tensor of numel elements of itemsize bytes (on the CPU)."""
-    return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes, MAX_PIECES), itemsize)
+halving_doubling_allreduce, sent_bytes = planned(plan)

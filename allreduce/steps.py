@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .ring import chunk_bounds, scratch_buffer
+from .ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, post_exchange, scratch_buffer
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
     itemsize = torch.empty(0, dtype=wire).element_size()
     nsteps = counts.pop() if counts else 0
     scratch = scratch_buffer(flat.numel(), wire, flat.device) if nsteps else None
-    batched = flat.device.type != "cpu"
     moved = [0, 0]
 
     def post(j: int, step: Step) -> tuple[list, torch.Tensor | None]:
@@ -70,18 +69,11 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
         peer = step.peer if group is None else dist.get_global_rank(group, step.peer)
         (s0, s1), (r0, r1) = step.send, step.recv
         into = scratch[r0:r1] if (step.add or wire != flat.dtype) else flat[r0:r1]
-        ops = []
-        if s1 > s0:
-            ops.append((dist.isend, flat[s0:s1].to(wire), peer))
-            moved[0] += (s1 - s0) * itemsize
-        if r1 > r0:
-            ops.append((dist.irecv, into, peer))
-            moved[1] += (r1 - r0) * itemsize
-        if batched:
-            works = dist.batch_isend_irecv([dist.P2POp(op, t, q, group) for op, t, q in ops]) if ops else []
-        else:
-            works = [op(t, q, group, j) for op, t, q in ops]
-        return (ops, works), (into if r1 > r0 else None)  # the ops keep the sent tensors alive
+        moved[0] += (s1 - s0) * itemsize
+        moved[1] += (r1 - r0) * itemsize
+        flight = post_exchange(flat[s0:s1].to(wire) if s1 > s0 else None, peer, into if r1 > r0 else None, peer,
+                               group, tag=j)
+        return flight, (into if r1 > r0 else None)
 
     if nsteps and delay_s:
         time.sleep(delay_s)
@@ -108,3 +100,21 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
 def planned_bytes(plans: list[list[Step]], itemsize: int) -> int:
     """What a rank sends under its plans."""
     return sum(st.send[1] - st.send[0] for plan in plans for st in plan) * itemsize
+
+
+def planned(plan):
+    """(all-reduce, sent_bytes) of an algorithm given by its plan(numel, rank, world)."""
+    def allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
+                  group: dist.ProcessGroup | None = None, delay_s: float = 0.0,
+                  piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
+        """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received).
+        The tensor goes in pipelined pieces of piece_bytes or more (at most MAX_PIECES)."""
+        itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
+        plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, MAX_PIECES, flat.device.type != "cpu")
+        return execute(plans, flat, wire_dtype, group, delay_s)
+
+    def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES) -> int:
+        """What rank `rank` sends for a tensor of numel elements of itemsize bytes (on the CPU)."""
+        return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes, MAX_PIECES), itemsize)
+
+    return allreduce, sent_bytes
