@@ -31,16 +31,13 @@ def shard_optimizer(params) -> torch.optim.Optimizer:
 
 
 class EASGDEngine(PSEngine):
-    """ps-easgd on the worker side: local steps, and an elastic exchange every tau steps."""
+    """ps-easgd on the worker side: local steps, and an elastic exchange every
+    config.easgd_tau steps with moving rate config.easgd_alpha (checked by PSConfig)."""
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str], config: PSConfig,
-                 alpha: float, tau: int, **kwargs) -> None:
-        if not 0 < alpha < 1:
-            raise ValueError(f"ps.easgd_alpha={alpha}: must be in (0, 1)")
-        if type(tau) is not int or tau < 1:
-            raise ValueError(f"ps.easgd_tau={tau!r}: must be an int >= 1")
+                 **kwargs) -> None:
         super().__init__(rank, world, device, addresses, "async", config, **kwargs)
-        self.alpha, self.tau = alpha, tau
+        self.alpha, self.tau = config.easgd_alpha, config.easgd_tau
         self.exchanges = 0
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
@@ -61,11 +58,7 @@ class EASGDEngine(PSEngine):
         return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm, norm_type)
 
     def step(self) -> dict:
-        lr = self._lr()
-        if lr is not None:
-            for group in self._optimizer.param_groups:
-                group["lr"] = lr
-        self._optimizer.step()
+        self._step_own()
         for _, p in self._named:
             p.grad = None
         if self.schedule is not None:
@@ -76,9 +69,7 @@ class EASGDEngine(PSEngine):
             began = time.perf_counter()
             self._exchange()
             comm_s = time.perf_counter() - began
-        sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
-        self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
-        return {"comm_s": comm_s, "bytes_sent": sent, "bytes_recv": received}
+        return {"comm_s": comm_s, **self._traffic()}
 
     def _exchange(self) -> None:
         """Fetch the centre, move this worker's model and the centre towards each other."""

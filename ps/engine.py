@@ -419,6 +419,11 @@ class PSEngine:
             if p.grad is not None and not pushed:
                 self._summed[i] = self._summed[i].add_(p.grad.reshape(-1)) if i in self._summed \
                     else p.grad.detach().reshape(-1).clone()
+        self._step_own()
+
+    def _step_own(self) -> None:
+        """One step of this worker's own optimizer on its parameters' .grad, at the learning
+        rate of the script's schedule where it has one (as the pushes carry it)."""
         lr = self._lr()
         if lr is not None:
             for group in self._optimizer.param_groups:
@@ -436,11 +441,7 @@ class PSEngine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             param.grad.view(-1)[key.offset: key.offset + key.numel].copy_(grad)
-        lr = self._lr()
-        if lr is not None:
-            for group in self._optimizer.param_groups:
-                group["lr"] = lr
-        self._optimizer.step()
+        self._step_own()
         for _, p in self._named:
             p.grad = None
 
@@ -504,15 +505,18 @@ class PSEngine:
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._pushes_made += int(self._pushing())
         self._step += 1
-        # Pushes left during backward: count traffic from the end of the last step to now.
-        sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
-        self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
-        out = {"comm_s": time.perf_counter() - start, "bytes_sent": sent, "bytes_recv": received,
+        out = {"comm_s": time.perf_counter() - start, **self._traffic(),
                "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
         if self.compressor is not None:  # pushes compressed, and pulled changes decompressed
             out["compress_s"], self.compress_s = self.compress_s + self.client.codec_s, 0.0
             self.client.codec_s = 0.0
         return out
+
+    def _traffic(self) -> dict[str, int]:
+        """bytes_sent and bytes_recv since the last step ended (pushes leave during backward)."""
+        sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
+        self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
+        return {"bytes_sent": sent, "bytes_recv": received}
 
     def _phase(self) -> float:
         """ps.exchange=phased: wait until every shard has finished the step, then pull the

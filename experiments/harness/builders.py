@@ -43,16 +43,14 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
     from experiments.settings.script import ScriptConfig, shard_initializer
 
     # fault.delay_ms is applied by the servers, which hold every reply back.
+    common = dict(trace=trace, settings=settings(cfg),
+                  initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
     if cfg.engine == "ps-easgd":
         from ps.easgd import EASGDEngine
 
-        return EASGDEngine(env.rank, env.world, device, list(env.servers), cfg.ps, cfg.ps.easgd_alpha,
-                           cfg.ps.easgd_tau, trace=trace, settings=settings(cfg),
-                           initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None)
+        return EASGDEngine(env.rank, env.world, device, list(env.servers), cfg.ps, **common)
     return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
-                    trace, settings=settings(cfg),
-                    initializer=shard_initializer(cfg) if isinstance(cfg.model, ScriptConfig) else None,
-                    compression=compression(cfg))
+                    compression=compression(cfg), **common)
 
 
 def compression(cfg: RunConfig):

@@ -155,10 +155,10 @@ def test_easgd_ends_as_the_reference(alpha, tau):
     steps = 10
     m0 = model()
     layout = build_layout([ParamSpec.of(n, p) for n, p in m0.named_parameters()], 2, 16)
-    cfg = PSConfig(async_scale="sum", **FAST)
+    cfg = PSConfig(async_scale="sum", easgd_alpha=alpha, easgd_tau=tau, **FAST)
     with LocalCluster(layout, [p.detach() for p in m0.parameters()], shard_optimizer, "async", 1, cfg) as cluster:
         m = model()
-        engine = EASGDEngine(0, 1, torch.device("cpu"), cluster.addresses, cfg, alpha, tau)
+        engine = EASGDEngine(0, 1, torch.device("cpu"), cluster.addresses, cfg)
         engine.attach(m, sgd)
         for step in range(steps):
             engine.backward(loss(m, 0, step))
