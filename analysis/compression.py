@@ -20,7 +20,7 @@ from pathlib import Path
 
 from experiments.settings.net import parse_rate
 
-from . import style  # first: selects the Agg backend before pyplot loads
+from .plots import loss_over_time, save_figure  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time, measured_step
 from .results import Run, median, time_to_target
 from .table import markdown as table_markdown
@@ -151,14 +151,6 @@ def markdown(table: list[dict]) -> str:
     return table_markdown(table, COLUMNS, missing="")
 
 
-def _save(fig, out_dir: Path, name: str) -> Path:
-    fig.tight_layout()
-    path = Path(out_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=style.DPI)
-    return path
-
-
 def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
     """Training loss against time, one panel per (rate, engine), a line per method."""
     panels = sorted({(rate_of(r), r.label) for r in runs}, key=lambda p: (parse_rate(p[0]) if p[0] else 0, p[1]))
@@ -177,17 +169,13 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
                 for run in sorted((r for r in runs if rate_of(r) == rate and r.label == label),
                                   key=lambda r: methods.index(r.compression or "none")):
                     method = run.compression or "none"
-                    by_step: dict[int, list[tuple[float, float]]] = {}
-                    for rec in run.records():
-                        by_step.setdefault(rec["step"], []).append((rec["time"], rec["loss"]))
-                    points = [(max(t for t, _ in v), sum(x for _, x in v) / len(v)) for _, v in sorted(by_step.items())]
-                    ax.plot([t for t, _ in points], [x for _, x in points], label=method,
+                    ax.plot(*loss_over_time(run), label=method,
                             color=cmap(methods.index(method) % 10), linewidth=2.2 if method == "none" else 1.3,
                             linestyle="-" if method == "none" else "--")
                 ax.set(title=f"{label} on {rate or 'loopback'}", xlabel="time (s)", ylabel="training loss")
                 ax.grid(True, alpha=0.3)
                 ax.legend(fontsize="x-small")
-        return _save(fig, out_dir, "compression_loss_vs_time.png")
+        return save_figure(fig, out_dir, "compression_loss_vs_time.png")
     finally:
         plt.close(fig)
 
@@ -230,7 +218,7 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
                    ylabel="step speed-up over uncompressed")
             ax.grid(True, alpha=0.3, which="both")
             ax.legend(fontsize="x-small")
-        return _save(fig, out_dir, "compression_speedup_vs_rate.png")
+        return save_figure(fig, out_dir, "compression_speedup_vs_rate.png")
     finally:
         plt.close(fig)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import style  # first: selects the Agg backend before pyplot loads
+from .plots import loss_over_time, save_figure  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time
 from .results import Run, time_to_target
 from .table import markdown as table_markdown
@@ -80,20 +80,12 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
     try:
         for ax, label in zip(axes[0], labels):
             for run in sorted((r for r in runs if _family(r) == label), key=lambda r: r.period):
-                by_step: dict[int, list[tuple[float, float]]] = {}
-                for rec in run.records():
-                    by_step.setdefault(rec["step"], []).append((rec["time"], rec["loss"]))
-                points = [(max(t for t, _ in v), sum(x for _, x in v) / len(v)) for _, v in sorted(by_step.items())]
-                ax.plot([t for t, _ in points], [x for _, x in points], label=f"every {run.period}",
+                ax.plot(*loss_over_time(run), label=f"every {run.period}",
                         color=cmap(periods.index(run.period) / max(1, len(periods) - 1) * 0.85))
             ax.set(title=label, xlabel="time (s)", ylabel="training loss")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="x-small")
-        fig.tight_layout()
-        path = Path(out_dir) / "period_loss_vs_time.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=style.DPI)
-        return path
+        return save_figure(fig, out_dir, "period_loss_vs_time.png")
     finally:
         plt.close(fig)
 

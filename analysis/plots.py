@@ -82,6 +82,25 @@ def _mean_loss(run: Run) -> dict[int, float]:
     return {step: mean(losses) for step, losses in sorted(by_step.items())}
 
 
+def loss_over_time(run: Run) -> tuple[list[float], list[float]]:
+    """(times, losses) by step: when every rank had finished the step, and its training loss
+    averaged over the ranks."""
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for record in run.records():
+        by_step[record["step"]].append(record)
+    steps = [by_step[s] for s in sorted(by_step)]
+    return [max(r["time"] for r in rs) for rs in steps], [mean(r["loss"] for r in rs) for rs in steps]
+
+
+def save_figure(fig, out_dir: Path, name: str) -> Path:
+    """Lay out fig and write it to out_dir/name (the figure is left to the caller to close)."""
+    fig.tight_layout()
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=style.DPI)
+    return path
+
+
 def _staleness(run: Run) -> list[int]:
     values = []
     for record in run.records():
