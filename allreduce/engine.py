@@ -81,18 +81,17 @@ class AllReduceEngine:
                                            self.trace, self.delay_s, bandwidth=self.bandwidth)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
-        exchange = self._exchange = None
         if self._compression is not None:
             compressor, memory = self._compression
-            exchange = (PowerSGDExchange(compressor, memory, self.rank, self.world, self._collective, compressor.seed)
-                        if compressor.name == "powersgd" else
-                        CompressedExchange(compressor, memory, self.rank, self.world, self._collective))
-            self._exchange = exchange
+            self._exchange = (
+                PowerSGDExchange(compressor, memory, self.rank, self.world, self._collective, compressor.seed)
+                if compressor.name == "powersgd" else
+                CompressedExchange(compressor, memory, self.rank, self.world, self._collective))
         self._reducer = Reducer(
             bucketed, self._collective, self.world, cap_mb=self.config.bucket_cap_mb,
             first_cap_mb=self.config.first_bucket_mb,
             wire_dtype=wire_dtype(self.config.compression, params[0][1].dtype),
-            unused=self.config.unused, exchange=exchange,
+            unused=self.config.unused, exchange=self._exchange,
         )
         self.optimizer = make_optimizer([p for _, p in params if p.requires_grad])
         return model

@@ -84,7 +84,7 @@ class Result:
     """Of a norm: shard -> the sum of squares of its averaged gradient of the held step."""
     bodies: dict[int, Any] = field(default_factory=dict)
     """shard -> the body its reply carries (stats: its counters)."""
-    changes: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
     """key id -> under compressed pulls, the gradient the shard's update applied
     (decompressed, flat), for this worker to apply the same optimizer step to (ps.codec)."""
 
@@ -108,8 +108,8 @@ class PSClient:
         window_mb: most bytes of push+pull messages a shard may hold unanswered from this
             client (ps.window_mb); later ones wait here until replies come. 0 (default): none.
         compressor: compress.method's compressor (experiments.compression, by shape): pushes
-            may carry ps.codec.Packed messages, and pull replies compressed changes (checked
-            against it once the layout is known). None: neither.
+            may carry ps.codec.Packed messages, and sync pull replies the compressed gradient
+            of their update (checked against it once the layout is known). None: neither.
     """
 
     def __init__(self, addresses: Sequence[str], worker: int, timeout_s: float = 60.0, heartbeat_s: float = 1.0,
@@ -219,10 +219,11 @@ class PSClient:
              next_version: bool = False, clock: int | None = None, lr: float | None = None,
              hold: bool = False) -> Handle:
         """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key, or
-        a ps.codec.Packed compressed chunk (then every key of the push is)} computed for `step` on parameters of `version` (None: the version last received from
-        each shard). Row ids count from the key's first row, strictly increasing (int64); rows
-        are (n, dim). Non-blocking; the tensors must not change until wait(handle) returns
-        (they leave without a copy). wait's Result has the largest staleness the shards report.
+        a ps.codec.Packed compressed chunk (then every key of the push is)} computed for
+        `step` on parameters of `version` (None: the version last received from each shard).
+        Row ids count from the key's first row, strictly increasing (int64); rows are (n, dim).
+        Non-blocking; the tensors must not change until wait(handle) returns (they leave
+        without a copy). wait's Result has the largest staleness the shards report.
 
         pull: ask in the same message for the pushed keys' values, as pull(keys,
         next_version=next_version, clock=clock) would right behind the push: one message
@@ -353,19 +354,19 @@ class PSClient:
         versions = {s: m.get("version") for s, m in handle.replies.items() if m.get("version") is not None}
         if handle.kind in ("pull", "push+pull"):
             self.versions.update(versions)
-        changes, start = {}, time.perf_counter()
+        grads, start = {}, time.perf_counter()
         for s, m in handle.replies.items():
             for k, p, meta in zip(m.keys, m.parts, m.get("meta") or ()):
                 try:
-                    changes[k] = self.codec.decompress(k, p, meta)
+                    grads[k] = self.codec.decompress(k, p, meta)
                 except ValueError as e:
                     raise PSError(f"{self.addresses[s]} (shard {s}) sent key {k} compressed wrongly: {e}") from e
-        if changes:
+        if grads:
             self.codec_s += time.perf_counter() - start
         return Result(
             handle.kind, min(versions.values(), default=0), versions,
             values={k: t for m in replies if not m.parts for k, t in zip(m.keys, m.tensors)},
-            changes=changes,
+            grads=grads,
             waited_s=max((m.get("waited_us") or 0 for m in replies), default=0) / 1e6,
             ids={k: i for m in replies for k, i in zip(m.keys, m.ids) if i is not None},
             staleness=max((m.get("staleness") for m in replies if m.get("staleness") is not None), default=0),

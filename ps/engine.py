@@ -500,14 +500,14 @@ class PSEngine:
         self._load({k: v for result in results for k, v in result.values.items()})
         for _, p in self._named:
             p.grad = None
-        self._apply({k: v for result in results for k, v in result.changes.items()})
+        self._apply({k: v for result in results for k, v in result.grads.items()})
         if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._pushes_made += int(self._pushing())
         self._step += 1
         out = {"comm_s": time.perf_counter() - start, **self._traffic(),
                "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
-        if self.compressor is not None:  # pushes compressed, and pulled changes decompressed
+        if self.compressor is not None:  # pushes compressed, and pulled gradients decompressed
             out["compress_s"], self.compress_s = self.compress_s + self.client.codec_s, 0.0
             self.client.codec_s = 0.0
         return out

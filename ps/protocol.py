@@ -24,8 +24,8 @@ key is in, with 'sq', the sum of squares of this shard's averaged gradient; ever
 adds the shards' sums, and its pull of the step's values carries 'scale', the clip
 coefficient, with which the first such pull makes the update (later ones must agree).
 
-Compressed keys (compress.method, see ps.codec): a push's gradients, or a pull's reply's
-change of the values since the version before, may travel compressed. Header field 'parts'
+Compressed keys (compress.method, see ps.codec): a push's gradients, or a sync pull's reply's
+gradient the update of its version applied, may travel compressed. Header field 'parts'
 then gives, per key, how many frames its message has, and 'meta' the small ints of its header
 (random-k's index seed and k); 'dtypes' and 'shapes' describe every frame, in key order. The
 receiver's codec says which frames a key's message must have; anything else is refused

@@ -29,19 +29,20 @@ class CompressConfig:
     ratio: float = 0.01
     """topk, randomk: the fraction of entries sent, in (0, 1]; k = max(1, ceil(ratio * n))."""
     levels: int = 16
-    """qsgd: quantization levels s >= 1 of |g| / ||g||."""
+    """qsgd: quantization levels s >= 1 of |g| / ||g||, the norm of each bucket of 512 entries."""
     rank: int = 1
     """powersgd: the rank of the approximation, >= 1 (torch's matrix_approximation_rank)."""
     start_step: int = 10
     """powersgd: steps before it sent uncompressed (torch's start_powerSGD_iter)."""
     error_feedback: bool | None = None
-    """None: on for the biased methods (topk, randomk, sign, qsgd, powersgd), off for the casts."""
+    """None: on for the biased methods (topk, randomk, sign, powersgd), off for the casts and
+    qsgd (unbiased)."""
     seed: int = 0
     """randomk, qsgd, powersgd: the seed of their shared (or per-worker) randomness."""
     pull: bool = True
-    """ps-sync: pulls carry the values' change since the last pull compressed by the same
-    method, with the shard's error feedback (one more copy of its parameters); false: pulls
-    carry the values whole. Pushes are compressed either way."""
+    """ps-sync: pulls carry each update's averaged gradient compressed by the same method, with
+    the shard's error feedback (one more copy of its parameters), and each worker steps its own
+    optimizer on it; false: pulls carry the values whole. Pushes are compressed either way."""
 
     def __post_init__(self) -> None:
         if self.method not in READS:
