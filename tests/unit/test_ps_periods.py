@@ -9,15 +9,14 @@ SGD with momentum on the pushes (the mean of the workers' sums under sync)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from ps.config import PSConfig
 from ps.engine import PSEngine
-from ps.layout import ParamSpec, build_layout
+from ps.layout import ParamSpec, build_layout, join_values
 from ps.local import LocalCluster
+from test_ps_cluster import run_workers
 
 FAST = dict(timeout_s=10.0, heartbeat_s=0.05, worker_timeout_s=5.0)
 F64 = torch.float64
@@ -49,38 +48,20 @@ def engines_run(mode: str, workers: int, steps: int, push: int, fetch: int) -> l
     layout = build_layout(specs, 2, 16)
     cfg = PSConfig(push_every=push, fetch_every=fetch, async_scale="sum", **FAST)
     out: dict[int, torch.Tensor] = {}
-    errors = []
     with LocalCluster(layout, [p.detach() for p in m0.parameters()], sgd, mode, workers, cfg) as cluster:
         def work(w):
-            try:
-                m = model()
-                engine = PSEngine(w, workers, torch.device("cpu"), cluster.addresses, mode, cfg)
-                engine.attach(m, sgd)
-                for step in range(steps):
-                    engine.backward(loss(m, w, step))
-                    engine.step()
-                out[w] = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
-                engine.close()
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-        threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        if errors:
-            raise errors[0]
-        shards = torch.cat([torch.cat([s.chunks[k.id].reshape(-1) for k in layout.keys if k.shard == s.shard])
-                            for s in cluster.servers])
-        order = [k for s in range(layout.num_shards) for k in layout.keys if k.shard == s]
-        final = torch.empty(sum(k.numel for k in layout.keys), dtype=F64)
-        flat_offsets, at = {}, 0
-        for p, spec in enumerate(layout.specs):
-            flat_offsets[p], at = at, at + spec.numel
-        at = 0
-        for k in order:
-            final[flat_offsets[k.param] + k.offset: flat_offsets[k.param] + k.offset + k.numel] = shards[at: at + k.numel]
-            at += k.numel
+            m = model()
+            engine = PSEngine(w, workers, torch.device("cpu"), cluster.addresses, mode, cfg)
+            engine.attach(m, sgd)
+            for step in range(steps):
+                engine.backward(loss(m, w, step))
+                engine.step()
+            out[w] = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+            engine.close()
+
+        run_workers(work, workers)
+        chunks = {k: t for server in cluster.servers for k, t in server.chunks.items()}
+        final = torch.cat([p.reshape(-1) for p in join_values(layout, chunks)])
     return [out[w] for w in range(workers)] + [final]
 
 
