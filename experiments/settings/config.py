@@ -117,7 +117,7 @@ class RunConfig:
     """Gradient compression, one setting for every engine. compress.method=fp16 or bf16 sets
     allreduce.compression (allreduce, ddp) and ps.compression (ps-*) alike, which remain as
     each family's own name for it; powersgd runs on ddp (torch's own powerSGD_hook) and
-    allreduce, topk, randomk, sign and qsgd on allreduce.
+    allreduce, topk, randomk, sign and qsgd on allreduce and the ps-* engines.
     `psar list` and docs/engines.md say which engine carries which method."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults (a slow worker, a slow link)."""
@@ -137,6 +137,14 @@ class RunConfig:
         if self.threads < 0 or not self.timeout_s > 0:
             raise ValueError(f"threads={self.threads} must be >= 0 and timeout_s={self.timeout_s} > 0")
         self._alias_compression()
+
+    def check(self) -> None:
+        """The checks of settings against each other that wait until every override is in
+        (they come one at a time, in any order)."""
+        self.compress.check()
+        self.check_pulls()
+        self.check_period()
+        self.check_downpour()
 
     def check_period(self) -> None:
         """Local SGD's settings against the run's other settings (after every override)."""
@@ -290,10 +298,7 @@ def resolve(base: RunConfig, overrides=(), **fields) -> RunConfig:
         check = getattr(config.model, "check_data", None)  # after every override: they come one by one
         if check is not None:
             check(config.data)
-        config.compress.check()
-        config.check_pulls()
-        config.check_period()
-        config.check_downpour()
+        config.check()
         return config
     except (TypeError, ValueError) as err:
         raise OverrideError(str(err)) from None
