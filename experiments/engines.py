@@ -253,9 +253,9 @@ for _spec in [
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-easgd", "parameter server, elastic averaging: each worker's model tied to a centre on the shards",
                "experiments.harness.builders:ps", "ps", "#637939", uses_servers=True, consistency="async",
-               synchronous=False, reads=("ps.", "servers", "fault.delay_ms"),
+               synchronous=False, reads=("ps.", "compress.method", "servers", "fault.delay_ms"),
                skips=("ps.staleness", "ps.window_mb", "ps.exchange", "ps.async_scale", "ps.push_every",
-                      "ps.fetch_every", "ps.compression", "ps.bucket_kb"),
-               own=_PS_OWN, row_sparse=_ps_rows, compressions=("none",)),
+                      "ps.fetch_every", "ps.bucket_kb"),
+               own=_PS_OWN, row_sparse=_ps_rows, compressions=("none", "fp16", "bf16")),  # its elastic moves cast
 ]:
     register(_spec)
