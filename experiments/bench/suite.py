@@ -107,7 +107,7 @@ def format_allreduce_table(table: dict) -> str:
 
 
 def latency_table(ranks: int, out: Path) -> str:
-    """Ring against halving-doubling on `ranks` ranks with a per-message delay (LATENCY)."""
+    """Ring against halving-doubling and tree on `ranks` ranks with a per-message delay (LATENCY)."""
     path = out / f"allreduce-latency-{ranks}.json"
     run_ranks([sys.executable, "-m", "allreduce.benchmark", str(path), "--latency"], ranks,
               out / f"logs-allreduce-latency-{ranks}")
