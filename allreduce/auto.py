@@ -1,22 +1,27 @@
 """allreduce.algorithm=auto: for each bucket, the algorithm the alpha-beta model predicts
 fastest for its size on the run's links, as NCCL picks ring or tree per message size.
 
-A step of an algorithm costs alpha (a message's fixed cost: MESSAGE_S on loopback Gloo, plus
-the run's per-message delay, net.latency_ms or fault.delay_ms) plus its bytes over the link's
-bandwidth (net.rate, or LOOPBACK_BYTES_S without an emulated network). For S bytes on N ranks:
+The model (allreduce/plancost.py) reads each algorithm's plans: a round of messages costs
+alpha (a message's fixed cost: MESSAGE_S on loopback Gloo, plus the run's per-message delay,
+net.latency_ms or fault.delay_ms) plus its busiest link's bytes over that link's bandwidth
+(net.rate, or LOOPBACK_BYTES_S without an emulated network; with racks, net.uplink for what
+crosses them), and a tensor's pieces are pipelined a round apart. On one flat network and in
+one piece, for S bytes on N ranks, that is:
 
     ring               2(N-1) (alpha + S/N / B)
     halving-doubling   2 log2(p) alpha + 2(p-1)/p S / B, + 2 (alpha + S / B) where N is not
                        a power of two p (the folded ranks' whole tensors, there and back)
     tree               2 ceil(log2 N) (alpha + S / B)
 
+and `hierarchical` joins them where the ranks are in more than one rack (or host).
 Every rank computes the same choice from the same numbers: no message is needed to agree.
-The model leaves out the pieces' pipelining, which each algorithm has alike.
 """
 
 from __future__ import annotations
 
-import math
+from . import halving, hierarchical, ringplan, tree
+from .plancost import Links, predict_plan
+from .ring import MAX_PIECES, PIECE_BYTES
 
 MESSAGE_S = 2e-4
 """A message's fixed cost on loopback Gloo: a 1 KiB exchange between 2 ranks took 186 us."""
@@ -24,24 +29,37 @@ LOOPBACK_BYTES_S = 1.2e9
 """A link's bandwidth without an emulated network: psar bench's busbw on 2 ranks, 1.15 to 1.3
 GB/s from 4 MiB on this 2-core machine."""
 ALGORITHMS = ("ring", "halving-doubling", "tree")
+_PLANS = {"ring": ringplan.plan, "halving-doubling": halving.plan, "tree": tree.plan}
 
 
-def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float) -> float:
-    """The model's seconds for one all-reduce of nbytes on `world` ranks."""
+def pieces(nbytes: float) -> int:
+    """How many pipelined pieces a tensor of nbytes runs as on the CPU (allreduce/steps.py)."""
+    return max(1, min(MAX_PIECES, -(-int(nbytes) // PIECE_BYTES)))
+
+
+def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float,
+            racks: tuple[int, ...] | None = None, uplink: float | None = None, npieces: int = 1) -> float:
+    """The model's seconds for one all-reduce of nbytes on `world` ranks, in npieces pieces;
+    racks: the rack of each rank, uplink: their uplinks' bytes/s."""
     if world == 1:
         return 0.0
-    if algorithm == "ring":
-        return 2 * (world - 1) * (alpha + nbytes / world / bandwidth)
-    if algorithm == "halving-doubling":
-        p = 1 << (world.bit_length() - 1)
-        t = 2 * math.log2(p) * alpha + 2 * (p - 1) / p * nbytes / bandwidth
-        return t + (2 * (alpha + nbytes / bandwidth) if p != world else 0.0)
-    if algorithm == "tree":
-        return 2 * math.ceil(math.log2(world)) * (alpha + nbytes / bandwidth)
-    raise ValueError(f"no model of algorithm {algorithm!r}")
+    if algorithm == "hierarchical":
+        plan = hierarchical.plan_for(racks or (0,) * world)
+    elif algorithm in _PLANS:
+        plan = _PLANS[algorithm]
+    else:
+        raise ValueError(f"no model of algorithm {algorithm!r}")
+    links = Links(bandwidth, racks, uplink)
+    return predict_plan(plan, max(1, int(nbytes // npieces)), world, links, alpha, npieces)
 
 
-def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | None = None) -> str:
-    """The fastest of ALGORITHMS by the model (the ring where they tie)."""
-    alpha, b = MESSAGE_S + delay_s, bandwidth or LOOPBACK_BYTES_S
-    return min(ALGORITHMS, key=lambda a: (predict(a, nbytes, world, alpha, b), a != "ring"))
+def candidates(racks: tuple[int, ...] | None) -> tuple[str, ...]:
+    """What auto chooses from: hierarchical too where the ranks are in more than one rack."""
+    return ALGORITHMS + (("hierarchical",) if racks is not None and len(set(racks)) > 1 else ())
+
+
+def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | None = None,
+           racks: tuple[int, ...] | None = None, uplink: float | None = None) -> str:
+    """The fastest algorithm by the model (the ring where they tie)."""
+    alpha, b, n = MESSAGE_S + delay_s, bandwidth or LOOPBACK_BYTES_S, pieces(nbytes)
+    return min(candidates(racks), key=lambda a: (predict(a, nbytes, world, alpha, b, racks, uplink, n), a != "ring"))

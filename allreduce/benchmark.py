@@ -1,4 +1,5 @@
-"""All-reduce bandwidth in the style of nccl-tests: run on every rank, `python -m allreduce.benchmark OUT`.
+"""All-reduce bandwidth in the style of nccl-tests: run on every rank, `python -m allreduce.benchmark OUT`
+(--latency: the latency row; --spec FILE: sweep()'s sizes and algorithms on the job's links).
 
 For each size, the backend's all-reduce and our ring run alternately on the same buffers,
 so both see the same machine load. algbw = bytes / time; busbw = algbw * 2(N-1)/N, the
@@ -15,6 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import hierarchical
+from .auto import choose
+from .collective import PLANNED
 from .halving import halving_doubling_allreduce
 from .ring import ring_allreduce
 from .tree import tree_allreduce
@@ -89,6 +93,63 @@ def measure(rank: int, world: int, sizes=SIZES, device: str = "cpu", rounds: int
     return rows
 
 
+def run_algorithm(algorithm: str, buf: torch.Tensor, rank: int, world: int, delay_s: float = 0.0,
+                  racks: tuple[int, ...] | None = None, bandwidth: float | None = None,
+                  uplink: float | None = None) -> str:
+    """One all-reduce of buf by allreduce.algorithm's `algorithm`; the one that ran (auto's pick)."""
+    if algorithm == "auto":
+        algorithm = choose(buf.numel() * buf.element_size(), world, delay_s, bandwidth, racks, uplink)
+    if algorithm == "library":
+        if delay_s:
+            time.sleep(2 * (world - 1) * delay_s)  # as LibraryAllReduce delays it
+        dist.all_reduce(buf)
+    elif algorithm == "ring":
+        ring_allreduce(buf, rank, world, delay_s=delay_s)
+    elif algorithm == "hierarchical":
+        hierarchical.algorithm(racks)[0](buf, rank, world, delay_s=delay_s)
+    else:
+        PLANNED[algorithm][0](buf, rank, world, delay_s=delay_s)
+    return algorithm
+
+
+def sweep(rank: int, world: int, spec: dict) -> list[dict]:
+    """Every size of spec["sizes"] by every algorithm of spec["algorithms"] on this job's
+    links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
+    spec gives them. The algorithms take turns in spec["rounds"] rounds (median), each timing
+    enough repetitions to fill spec["budget_s"] seconds, after one warm-up each."""
+    racks = tuple(spec["racks"]) if spec.get("racks") else None
+    args = dict(delay_s=spec.get("delay_s", 0.0), racks=racks, bandwidth=spec.get("bandwidth"),
+                uplink=spec.get("uplink"))
+    rows = []
+    for nbytes in spec["sizes"]:
+        buf = torch.ones(max(1, nbytes // 4))
+        first: dict[str, float] = {}
+        chosen: dict[str, str] = {}
+        for algorithm in spec["algorithms"]:  # warm-up, and how long one takes
+            dist.barrier()
+            start = time.perf_counter()
+            chosen[algorithm] = run_algorithm(algorithm, buf, rank, world, **args)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            first[algorithm] = elapsed.item()
+        times: dict[str, list[float]] = {a: [] for a in spec["algorithms"]}
+        for _ in range(spec.get("rounds", 3)):
+            for algorithm in spec["algorithms"]:
+                iters = max(1, min(100, int(spec.get("budget_s", 0.3) / max(first[algorithm], 1e-6))))
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    run_algorithm(algorithm, buf, rank, world, **args)
+                elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[algorithm].append(elapsed.item())
+        for algorithm in spec["algorithms"]:
+            t = sorted(times[algorithm])[len(times[algorithm]) // 2]
+            rows.append({"bytes": nbytes, "algorithm": algorithm, "ran": chosen[algorithm], "time_us": t * 1e6,
+                         "busbw_gbs": nbytes / t / 1e9 * 2 * (world - 1) / world})
+    return rows
+
+
 def main(out_path: str) -> None:
     device = "cuda" if torch.cuda.is_available() and "--cuda" in sys.argv else "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
@@ -97,7 +158,13 @@ def main(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    rows = measure_latency(rank, world) if "--latency" in sys.argv else measure(rank, world, device=device)
+    if "--spec" in sys.argv:
+        with open(sys.argv[sys.argv.index("--spec") + 1]) as f:
+            rows = sweep(rank, world, json.load(f))
+    elif "--latency" in sys.argv:
+        rows = measure_latency(rank, world)
+    else:
+        rows = measure(rank, world, device=device)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world": world, "backend": backend, "rows": rows}, f)

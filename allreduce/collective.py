@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from . import halving, tree
+from . import halving, hierarchical, tree
 from .auto import choose
 from .ring import ring_allreduce
 
@@ -91,13 +91,17 @@ class LibraryAllReduce:
 
 
 class RingAllReduce:
-    """Our own algorithm over point-to-point messages (the ring; halving-doubling with
-    `algorithm`), run bucket after bucket on one thread so that it overlaps backward."""
+    """Our own algorithm over point-to-point messages (the ring; the others by `algorithm`),
+    run bucket after bucket on one thread so that it overlaps backward. racks: each rank's
+    rack (hierarchical's groups, auto's model); uplink: the racks' uplinks' bytes/s."""
 
     def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0,
-                 algorithm: str = "ring", bandwidth: float | None = None) -> None:
+                 algorithm: str = "ring", bandwidth: float | None = None,
+                 racks: tuple[int, ...] | None = None, uplink: float | None = None) -> None:
         self.rank, self.world, self.trace, self.delay_s = rank, world, trace, delay_s
-        self.algorithm, self.bandwidth = algorithm, bandwidth
+        self.algorithm, self.bandwidth, self.racks, self.uplink = algorithm, bandwidth, racks, uplink
+        if algorithm == "hierarchical" and racks is None:
+            raise ValueError("allreduce.algorithm=hierarchical needs each rank's rack")
         self.chosen: dict[str, int] = {}  # auto: how many all-reduces each algorithm ran
         # One thread keeps buckets in launch order, which every rank shares.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-ring")
@@ -106,10 +110,11 @@ class RingAllReduce:
         itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
         algorithm = self.algorithm
         if algorithm == "auto":
-            algorithm = choose(flat.numel() * itemsize, self.world, self.delay_s, self.bandwidth)
+            algorithm = choose(flat.numel() * itemsize, self.world, self.delay_s, self.bandwidth,
+                               self.racks, self.uplink)
             self.chosen[algorithm] = self.chosen.get(algorithm, 0) + 1
             name = f"{name} [{algorithm}]"
-        planned = PLANNED.get(algorithm)
+        planned = hierarchical.algorithm(self.racks) if algorithm == "hierarchical" else PLANNED.get(algorithm)
         fn = ring_allreduce if planned is None else planned[0]
         future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
@@ -122,10 +127,13 @@ class RingAllReduce:
 
 
 def make_collective(algorithm: str, rank: int, world: int, trace: Trace | None = None,
-                    delay_s: float = 0.0, bandwidth: float | None = None) -> LibraryAllReduce | RingAllReduce:
-    """bandwidth: the links' bytes per second (auto's model; None: loopback's)."""
+                    delay_s: float = 0.0, bandwidth: float | None = None,
+                    racks: tuple[int, ...] | None = None, uplink: float | None = None) -> LibraryAllReduce | RingAllReduce:
+    """bandwidth: the links' bytes per second (auto's model; None: loopback's); racks: each
+    rank's rack, uplink: their uplinks' bytes/s (hierarchical, auto)."""
     if algorithm == "library":
         return LibraryAllReduce(rank, world, trace, delay_s)
-    if algorithm in ("ring", "auto") or algorithm in PLANNED:
-        return RingAllReduce(rank, world, trace, delay_s, algorithm, bandwidth)
-    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring, {', '.join(PLANNED)} or auto")
+    if algorithm in ("ring", "auto", "hierarchical") or algorithm in PLANNED:
+        return RingAllReduce(rank, world, trace, delay_s, algorithm, bandwidth, racks, uplink)
+    raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring, {', '.join(PLANNED)}, "
+                     "hierarchical or auto")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALGORITHMS = ("library", "ring", "halving-doubling", "tree", "auto")
+ALGORITHMS = ("library", "ring", "halving-doubling", "tree", "hierarchical", "auto")
 COMPRESSIONS = ("none", "fp16", "bf16")
 UNUSED_POLICIES = ("error", "zero")
 SPARSE_MODES = ("dense", "allgather")
@@ -15,8 +15,10 @@ class AllReduceConfig:
     algorithm: str = "library"
     """'library': the backend's own all-reduce (NCCL on CUDA, Gloo on CPU); 'ring': ours;
     'halving-doubling': ours, 2 log2 N steps (allreduce/halving.py); 'tree': ours, a binomial
-    tree's reduce then broadcast of the whole tensor (allreduce/tree.py); 'auto': per bucket,
-    whichever of ours the alpha-beta model predicts fastest on the run's links (allreduce/auto.py)."""
+    tree's reduce then broadcast of the whole tensor (allreduce/tree.py); 'hierarchical': ours,
+    inside each rack (net.racks; without racks, each host), then across the racks, then back
+    inside (allreduce/hierarchical.py); 'auto': per bucket, whichever of ours the alpha-beta
+    model predicts fastest on the run's links and racks (allreduce/auto.py)."""
     bucket_cap_mb: float = 25.0
     """Gradient bytes per bucket (MiB); a bucket's all-reduce starts as soon as it is full."""
     first_bucket_mb: float = 1.0

@@ -21,7 +21,7 @@ from .collective import make_collective
 from .compressed import CompressedExchange, PowerSGDExchange
 from .compression import wire_dtype
 from .config import AllReduceConfig
-from .group import broadcast_tensors, init_process_group, shutdown
+from .group import broadcast_tensors, init_process_group, racks_by_host, shutdown
 from .liveness import Liveness
 from .reducer import Reducer
 from .sparse import SparseAllGather
@@ -35,14 +35,17 @@ class AllReduceEngine:
     def __init__(self, rank: int, world: int, device: torch.device, config: AllReduceConfig,
                  timeout_s: float = 60.0, trace=None, delay_s: float = 0.0,
                  sparse_tables: SparseTables | None = None, compression=None,
-                 bandwidth: float | None = None) -> None:
+                 bandwidth: float | None = None, racks: tuple[int, ...] | None = None,
+                 uplink: float | None = None) -> None:
         """trace: optional callable(name, start, end, thread=...) for each bucket's all-reduce;
         delay_s: injected latency of every message (a slow link); sparse_tables: callable(model)
         -> {parameter name: nn.Embedding/EmbeddingBag} of the tables to all-gather row-sparse,
         asked at attach (default None: every table is all-reduced dense in the buckets);
         compression: (compressor, error-feedback memory or None), experiments/compression's,
         for the buckets (allreduce/compressed.py); bandwidth: the links' bytes per second,
-        which allreduce.algorithm=auto's model reads (None: loopback's)."""
+        which allreduce.algorithm=auto's model reads (None: loopback's); racks: each rank's
+        rack (None: by host, asked of the ranks when an algorithm needs them) and uplink,
+        their uplinks' bytes/s, for hierarchical and auto."""
         if config.sparse == "allgather" and sparse_tables is None:
             raise ValueError("allreduce.sparse=allgather needs sparse_tables, the callable that "
                              "names the model's row-sparse tables")
@@ -61,6 +64,7 @@ class AllReduceEngine:
         self._exchange = None  # the compressed exchange, once attached
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.trace, self.delay_s, self.bandwidth = trace, delay_s, bandwidth
+        self.racks, self.uplink = racks, uplink
         self._sparse_tables = sparse_tables
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
@@ -77,8 +81,12 @@ class AllReduceEngine:
         with self._liveness.naming_lost_ranks():
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self._buffers = [b for b in model.buffers()]
-        self._collective = make_collective(self.config.algorithm, self.rank, self.world,
-                                           self.trace, self.delay_s, bandwidth=self.bandwidth)
+        racks = self.racks
+        if racks is None and self.config.algorithm in ("hierarchical", "auto"):
+            with self._liveness.naming_lost_ranks():
+                racks = racks_by_host(self.world)
+        self._collective = make_collective(self.config.algorithm, self.rank, self.world, self.trace,
+                                           self.delay_s, self.bandwidth, racks, self.uplink)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
         if self._compression is not None:
@@ -173,7 +181,9 @@ class AllReduceEngine:
 
     def report(self) -> dict:
         chosen = getattr(self._collective, "chosen", None)
-        return {"algorithms_chosen": dict(chosen)} if chosen else {}
+        out = {"algorithms_chosen": dict(chosen)} if chosen else {}
+        racks = getattr(self._collective, "racks", None)
+        return {**out, "racks": list(racks)} if racks is not None else out
 
     def close(self) -> None:
         self._reducer.close()

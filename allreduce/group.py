@@ -98,3 +98,17 @@ def shutdown(backward_states: BackwardStates | None = None) -> None:
         if backward_states is not None:
             backward_states.wait_released(f"rank {dist.get_rank()}")
         dist.destroy_process_group()
+
+
+def racks_by_host(world: int) -> tuple[int, ...]:
+    """Each rank's host, as the index of the first rank on the same host (hierarchical
+    all-reduce's racks where none are given: the ranks of one machine reduce first). Every
+    rank sends a hash of its host's name (one all-gather of an int64, no pickling)."""
+    import socket
+    import zlib
+
+    mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+    hosts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(hosts, mine)
+    names = [int(h.item()) for h in hosts]
+    return tuple(names.index(n) for n in names)

@@ -26,13 +26,20 @@ class Step:
     round_owned: tuple[int, int] | None = None
     """Before this step, round these elements to the wire dtype (the segment this rank owns
     once the reduce-scatter is done), so every rank ends bit-identical."""
+    src: int | None = None
+    """The rank received from where it is not `peer` (a ring's step sends right and receives
+    from the left)."""
+
+    @property
+    def source(self) -> int:
+        return self.peer if self.src is None else self.src
 
 
 def shifted(steps: list[Step], offset: int) -> list[Step]:
     """A plan for elements [offset, offset + n) of a longer tensor, from one for n elements."""
     def move(r: tuple[int, int] | None):
         return None if r is None else (r[0] + offset, r[1] + offset) if r != (0, 0) else r
-    return [Step(st.peer, move(st.send), move(st.recv), st.add, move(st.round_owned)) for st in steps]
+    return [Step(st.peer, move(st.send), move(st.recv), st.add, move(st.round_owned), st.src) for st in steps]
 
 
 def pieces(plan, numel: int, rank: int, world: int, itemsize: int, piece_bytes: int, max_pieces: int,
@@ -66,12 +73,13 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
         if step.round_owned is not None and wire != flat.dtype:
             a, b = step.round_owned
             flat[a:b] = flat[a:b].to(wire)
-        peer = step.peer if group is None else dist.get_global_rank(group, step.peer)
+        peer, src = (step.peer, step.source) if group is None else \
+            (dist.get_global_rank(group, step.peer), dist.get_global_rank(group, step.source))
         (s0, s1), (r0, r1) = step.send, step.recv
         into = scratch[r0:r1] if (step.add or wire != flat.dtype) else flat[r0:r1]
         moved[0] += (s1 - s0) * itemsize
         moved[1] += (r1 - r0) * itemsize
-        flight = post_exchange(flat[s0:s1].to(wire) if s1 > s0 else None, peer, into if r1 > r0 else None, peer,
+        flight = post_exchange(flat[s0:s1].to(wire) if s1 > s0 else None, peer, into if r1 > r0 else None, src,
                                group, tag=j)
         return flight, (into if r1 > r0 else None)
 

@@ -236,6 +236,8 @@ for _spec in [
                          Label("allreduce/halving-doubling+allgather", "#6b6ecf", "ring", gathers_rows=True),
                          Label("allreduce/tree", "#8c6d31", "ring"),                # brown-olive
                          Label("allreduce/tree+allgather", "#bd9e39", "ring", gathers_rows=True),
+                         Label("allreduce/hierarchical", "#843c39", "ring"),        # dark red-brown
+                         Label("allreduce/hierarchical+allgather", "#ad494a", "ring", gathers_rows=True),
                          Label("allreduce/auto", "#5254a3", "ring"),
                          Label("allreduce/auto+allgather", "#9c9ede", "ring", gathers_rows=True))),
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",

@@ -149,13 +149,20 @@ def process_shape(cfg: RunConfig) -> tuple[int, int]:
 
 
 def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | None = None,
-              show_progress: bool = False, env: dict[str, str] | None = None) -> None:
-    """Start `argv` as ranks 0..nprocs-1 of a loopback job and wait until all exit 0."""
+              show_progress: bool = False, env: dict[str, str] | None = None, sites=None) -> None:
+    """Start `argv` as ranks 0..nprocs-1 of a job and wait until all exit 0: on loopback, or
+    rank r on sites.worker(r) of an entered Sites (experiments/runtime/sites.py)."""
+    master = (sites.worker(0).addr, sites.master_port()) if sites is not None else ("127.0.0.1", free_port())
     base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+                MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), PYTHONUNBUFFERED="1")
     base.update(env or {})
-    run_processes([(f"rank {r}", argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)))
-                   for r in range(nprocs)], log_dir, deadline_s, show_progress)
+    procs = []
+    for r in range(nprocs):
+        site = sites.worker(r) if sites is not None else None
+        rank_env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+        procs.append((f"rank {r}", site.wrap(argv) if site else argv,
+                      _gloo_interface(rank_env, site.ifname) if site else rank_env))
+    run_processes(procs, log_dir, deadline_s, show_progress)
 
 
 STACK_DUMP_S = 0.5

@@ -83,10 +83,12 @@ def test_ring_rejects_non_flat_tensor_and_empty_pieces():
         ring_allreduce(torch.zeros(4), 0, 2, piece_bytes=0)
 
 
-def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", piece_bytes=PIECE_BYTES):
+def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", piece_bytes=PIECE_BYTES,
+              racks=None):
+    from allreduce import hierarchical
     from allreduce.collective import PLANNED
 
-    allreduce, sent_bytes = PLANNED[algorithm]
+    allreduce, sent_bytes = hierarchical.algorithm(racks) if racks else PLANNED[algorithm]
     out = {}
     for numel in lengths:
         flat = _values(rank, numel)
@@ -98,14 +100,17 @@ def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,algorithm,piece_bytes", [
-    (2, "halving-doubling", PIECE_BYTES), (3, "halving-doubling", 8), (4, "halving-doubling", 40),
-    (5, "halving-doubling", PIECE_BYTES), (2, "tree", 8), (3, "tree", PIECE_BYTES), (5, "tree", 40)])
-def test_halving_doubling_and_tree_equal_elementwise_sum(world, algorithm, piece_bytes):
+@pytest.mark.parametrize("world,algorithm,piece_bytes,racks", [
+    (2, "halving-doubling", PIECE_BYTES, None), (3, "halving-doubling", 8, None), (4, "halving-doubling", 40, None),
+    (5, "halving-doubling", PIECE_BYTES, None), (2, "tree", 8, None), (3, "tree", PIECE_BYTES, None),
+    (5, "tree", 40, None), (4, "hierarchical", 40, (0, 1, 0, 1)), (5, "hierarchical", 8, (0, 0, 1, 1, 1)),
+    (3, "hierarchical", PIECE_BYTES, (0, 1, 1))])
+def test_halving_doubling_tree_and_hierarchical_equal_elementwise_sum(world, algorithm, piece_bytes, racks):
     """Powers of two, and 3 and 5 ranks (halving-doubling: the first ranks fold into their
-    neighbours; the tree: a binomial tree of any size), whole and in pipelined pieces of a few
-    elements (up to 4, of unequal lengths)."""
-    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm, piece_bytes)
+    neighbours; the tree: a binomial tree of any size; hierarchical: racks of 2 and 2, 2 and 3
+    (one rank folds), 1 and 2), whole and in pipelined pieces of a few elements (up to 4, of
+    unequal lengths)."""
+    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm, piece_bytes, racks)
     for numel in LENGTHS:
         expected = sum(_values(r, numel) for r in range(world))
         for rank in range(world):
@@ -117,9 +122,9 @@ def test_halving_doubling_and_tree_equal_elementwise_sum(world, algorithm, piece
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("algorithm", ["halving-doubling", "tree"])
-def test_halving_doubling_and_tree_in_fp16_end_bit_identical_on_every_rank(algorithm):
-    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001), algorithm, 100)
+@pytest.mark.parametrize("algorithm,racks", [("halving-doubling", None), ("tree", None), ("hierarchical", (0, 1, 1))])
+def test_halving_doubling_tree_and_hierarchical_in_fp16_end_bit_identical_on_every_rank(algorithm, racks):
+    results = run_ranks(_hd_ranks, 3, torch.float16, (1000, 1001), algorithm, 100, racks)
     for numel in (1000, 1001):
         assert all(results[0][numel][0] == results[r][numel][0] for r in range(3))
         expected = sum(_values(r, numel) for r in range(3))

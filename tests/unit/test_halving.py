@@ -1,4 +1,4 @@
-"""The halving-doubling and tree all-reduces' plans, run without processes: every rank's
+"""The halving-doubling and tree all-reduces' plans (the hierarchical one's: test_hierarchical.py), run without processes: every rank's
 steps meet their peers', and the sum comes out on every rank, for every world size (powers
 of two and not) and uneven lengths; their steps and bytes against the algorithms'."""
 
@@ -10,38 +10,7 @@ import torch
 from allreduce import tree
 from allreduce.halving import plan, sent_bytes
 
-LENGTHS = (0, 1, 2, 3, 5, 7, 100, 101)
-
-
-def simulate(values: list[torch.Tensor], plan=plan) -> list[torch.Tensor]:
-    """Run every rank's plan, exchanging whenever two ranks' next steps name each other."""
-    world = len(values)
-    flats = [v.clone() for v in values]
-    plans = [plan(v.numel(), r, world) for r, v in enumerate(values)]
-    at = [0] * world
-    while any(at[r] < len(plans[r]) for r in range(world)):
-        moved = False
-        for i in range(world):
-            if at[i] == len(plans[i]):
-                continue
-            step = plans[i][at[i]]
-            j = step.peer
-            if j > i and at[j] < len(plans[j]) and plans[j][at[j]].peer == i:
-                other = plans[j][at[j]]
-                for me, them, mine, theirs in ((i, j, step, other), (j, i, other, step)):
-                    assert (mine.recv[1] - mine.recv[0]) == (theirs.send[1] - theirs.send[0])
-                sent = {i: flats[i][step.send[0]:step.send[1]].clone(), j: flats[j][other.send[0]:other.send[1]].clone()}
-                for me, them, mine in ((i, j, step), (j, i, other)):
-                    r0, r1 = mine.recv
-                    if mine.add:
-                        flats[me][r0:r1] += sent[them]
-                    else:
-                        flats[me][r0:r1] = sent[them]
-                at[i] += 1
-                at[j] += 1
-                moved = True
-        assert moved, "the plans deadlock"
-    return flats
+from plans import LENGTHS, simulate
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8])

@@ -1,0 +1,108 @@
+"""What an all-reduce's plans cost on a network: the alpha-beta model of allreduce.algorithm=auto
+and of the cost model's two-tier rows, read off the plans themselves (allreduce/steps.py),
+so a new algorithm is priced as it runs.
+
+`rounds(plans)` plays every rank's plan with rendezvous messages (a step's send completes
+only when its peer's current step receives it): each round is the set of messages that can
+cross at once; a plan that cannot finish raises. A round costs alpha (a message's fixed cost
+and the links' latency) plus its busiest link's bytes over that link's bandwidth, where a
+message loads its sender's link out, its receiver's link in and, between racks, the uplinks
+of both racks (Links). A tensor cut into P pieces runs the plan once per piece, piece j a
+round behind piece j-1 (the pipelining of allreduce/steps.py, whose pieces leave one after
+another over each pair's connection): the seconds are the rounds' alphas plus, for each slot
+of the pipeline, its busiest link's bytes (every piece then in flight) over its bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .steps import Step
+
+
+@dataclass(frozen=True)
+class Links:
+    """A network the model prices: each host's link (bytes/s each way), and with racks the rack
+    of every rank and each rack's uplink to the core (bytes/s each way; None: no bottleneck)."""
+
+    host: float
+    racks: tuple[int, ...] | None = None
+    uplink: float | None = None
+
+    def loads(self, src: int, dst: int) -> list[tuple[tuple, float]]:
+        """The links a message from src to dst crosses, with each one's bandwidth."""
+        out = [(("out", src), self.host), (("in", dst), self.host)]
+        if self.racks is not None and self.uplink and self.racks[src] != self.racks[dst]:
+            out += [(("up", self.racks[src]), self.uplink), (("down", self.racks[dst]), self.uplink)]
+        return out
+
+
+Transfer = tuple[int, int, Step, Step]
+"""One message: (sender, receiver, the sender's step, the receiver's step)."""
+
+
+def rounds(plans: list[list[Step]]) -> list[list[Transfer]]:
+    """The messages of every rank's plan (plans[r]) grouped into rounds (see the module)."""
+    world = len(plans)
+    at, sent, got = [0] * world, [False] * world, [False] * world
+    out: list[list[Transfer]] = []
+
+    def settle() -> None:  # finish steps that have nothing left to move
+        for r in range(world):
+            while at[r] < len(plans[r]):
+                st = plans[r][at[r]]
+                if (sent[r] or st.send[1] <= st.send[0]) and (got[r] or st.recv[1] <= st.recv[0]):
+                    at[r], sent[r], got[r] = at[r] + 1, False, False
+                else:
+                    break
+
+    settle()
+    while any(at[r] < len(plans[r]) for r in range(world)):
+        moving = []
+        for i in range(world):
+            if at[i] == len(plans[i]) or sent[i] or plans[i][at[i]].send[1] <= plans[i][at[i]].send[0]:
+                continue
+            mine = plans[i][at[i]]
+            j = mine.peer
+            if at[j] < len(plans[j]) and not got[j]:
+                theirs = plans[j][at[j]]
+                if theirs.recv[1] > theirs.recv[0] and theirs.source == i:
+                    if theirs.recv[1] - theirs.recv[0] != mine.send[1] - mine.send[0]:
+                        raise ValueError(f"rank {i} sends {mine.send} to rank {j}, which receives {theirs.recv}")
+                    moving.append((i, j, mine, theirs))
+        if not moving:
+            stuck = {r: plans[r][at[r]] for r in range(world) if at[r] < len(plans[r])}
+            raise ValueError(f"the plans deadlock: {stuck}")
+        for i, j, _, _ in moving:
+            sent[i] = got[j] = True
+        out.append(moving)
+        settle()
+    return out
+
+
+def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1, itemsize: int = 1) -> float:
+    """The model's time for plans of one piece (elements of itemsize bytes), run as `pieces`
+    pipelined pieces (see the module)."""
+    loads = []
+    for moves in rounds(plans):
+        load: dict[tuple, list[float]] = {}
+        for i, j, mine, _ in moves:
+            nbytes = (mine.send[1] - mine.send[0]) * itemsize
+            for link, bw in links.loads(i, j):
+                load.setdefault(link, [0.0, bw])[0] += nbytes
+        loads.append(load)
+    total = len(loads) * alpha
+    for t in range(len(loads) + pieces - 1):
+        slot: dict[tuple, list[float]] = {}
+        for r in range(max(0, t - pieces + 1), min(t, len(loads) - 1) + 1):
+            for link, (nbytes, bw) in loads[r].items():
+                slot.setdefault(link, [0.0, bw])[0] += nbytes
+        total += max((nbytes / bw for nbytes, bw in slot.values()), default=0.0)
+    return total
+
+
+@lru_cache(maxsize=4096)
+def predict_plan(plan, piece_bytes: int, world: int, links: Links, alpha: float, pieces: int) -> float:
+    """seconds() of the algorithm given by plan(numel, rank, world), for pieces of piece_bytes."""
+    return seconds([plan(piece_bytes, r, world) for r in range(world)], links, alpha, pieces)
