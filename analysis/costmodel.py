@@ -264,7 +264,10 @@ def validate(model: CostModel | None, runs: Iterable[Run]) -> list[dict]:
             net = run.summary["network"]
             where = f", shards {run.placement}" if run.placement else ""
             predicted, basis = compute_s + link, f"ideal at {net['rate']}{where}"
-            psar_s = compute_s + run_psar_link_time(run, traffic)
+            psar_link = run_psar_link_time(run, traffic)
+            psar_s = None if psar_link is None else compute_s + psar_link
+            if int(net.get("racks") or 1) > 1:
+                basis += f", {net['racks']} racks behind {net.get('uplink') or 'unshaped'} uplinks"
         elif model is None:
             raise ValueError(f"{run.path} ran on loopback: its prediction needs a bench fit (--bench)")
         else:

@@ -133,15 +133,19 @@ def run_link_time(run: Run, traffic: "Traffic") -> float | None:
     net = _network(run)
     if net is None:
         return None
+    if int(net.get("racks") or 1) > 1:  # two tiers: the busiest link, uplinks included
+        from .racks import link_ideal
+
+        return link_ideal(run)["seconds"]
     return link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),
                      traffic.pull, traffic.gathered)
 
 
 def run_psar_link_time(run: Run, traffic: "Traffic") -> float | None:
-    """psar_link_time for a run on an emulated network (None for a loopback run), with its
-    push messages when its ps-sync exchange was pipelined."""
+    """psar_link_time for a run on an emulated network (None for a loopback run, and for racks,
+    which it does not model), with its push messages when its ps-sync exchange was pipelined."""
     net = _network(run)
-    if net is None:
+    if net is None or int(net.get("racks") or 1) > 1:
         return None
     messages = None
     if run.spec.family == "ps" and run.spec.synchronous and \

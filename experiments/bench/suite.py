@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.startup import format_startup, startup
 from experiments.rundir import files
@@ -218,7 +219,9 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo(format_sparse_table(sparse, workers, min(steps, 20), rounds))
     echo("")
     compression = compression_goals(out, echo)
-    report = {"allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
+    echo("")
+    collectives = collectives_goals(out, echo)
+    report = {"collectives": collectives, "allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "sparse": sparse, "compression": compression}
     files.write_json(out / "bench.json", report)

@@ -118,6 +118,10 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
         warn_unused([build_config(experiment, overrides + v.overrides, engine=v.engine, workers=n,
                                    servers=v.shards(n), steps=steps, seed=seed)
                       for v in variants for n in worker_counts], overrides, bool(server_counts))
+    if grid and grid.prelude:
+        import importlib
+
+        importlib.import_module(f"experiments.comparisons.{grid.prelude}").measure(out, echo=click.echo)
     run_dirs, failures = run_grid(experiment, variants, worker_counts, out, overrides,
                                   steps, seed, device, trace, echo=click.echo, repeats=repeats, script=script)
     runs = load_runs(run_dirs)
@@ -134,7 +138,7 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
     if said and not net and not (grid and grid.rates):
         click.echo("next: on a machine's loopback the cores decide, not the network; as root, "
                    "`psar compare link-scaling` runs allreduce and ps-sync on emulated 200mbit links")
-    if grid and grid.report and runs:
+    if grid and grid.report and (runs or grid.prelude):
         import importlib
 
         text, paths = importlib.import_module(f"analysis.{grid.report}").report(runs, out)

@@ -47,7 +47,10 @@ class Comparison:
     """Link rates every variant runs at, one grid after the other (--net gives one instead)."""
     report: str = ""
     """A report beside the table, the analysis module that makes it: "compression"
-    (analysis.compression), "period" (analysis.period)."""
+    (analysis.compression), "period" (analysis.period), "collectives" (analysis.collectives)."""
+    prelude: str = ""
+    """Measurements before the grid, the module of experiments.comparisons whose measure(out,
+    echo) makes them in the output directory (the report reads them): "collectives"."""
 
     def variants_at(self, net: str | None) -> tuple[Variant, ...]:
         """The variants, at every rate of `rates` unless a --net rate was given."""
@@ -132,6 +135,19 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "once in H steps, so on a slow link the step falls towards its compute as H grows, "
               "and the loss pays for the models drifting apart in between (local SGD on the ring, "
               "Downpour and elastic averaging on the parameter server)."),
+    Comparison(
+        "collectives", "mlp-mid", ("allreduce", "ps-sync"), (4,), steps=6, net="200mbit",
+        overrides=("net.racks=2", "net.uplink=100mbit"), prelude="collectives", report="collectives",
+        variants=(Variant("allreduce", overrides=("allreduce.algorithm=ring",)),
+                  Variant("allreduce", overrides=("allreduce.algorithm=hierarchical",)),
+                  Variant("allreduce", overrides=("allreduce.algorithm=auto",)),
+                  Variant("ps-sync", 2, ("net.placement=separate",)),
+                  Variant("ps-sync", 2, ("net.placement=separate", "net.server_racks=0,0"))),
+        claim="Which path: the ring's 2(N-1) steps lose to halving-doubling's and the tree's "
+              "2 log2 N where each message pays a latency; on racks behind an oversubscribed "
+              "uplink, a ring placed round-robin crosses it at every hop, hierarchical all-reduce "
+              "with only 1/k of the tensor per host, and a parameter server's pushes and pulls "
+              "with every shard outside the worker's rack."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,
