@@ -113,11 +113,12 @@ TRAIN_COLUMNS = [("label", "engine"), ("shards", "shards"), ("placement", "shard
 def train_rows(runs: list[Run]) -> list[dict]:
     """The training grid: each run's step against compute plus its busiest link's bytes (the
     two-tier network's ideal, analysis/racks.py)."""
+    from .linkmodel import PAYLOAD
     from .racks import link_ideal
 
     out = []
     for run in runs:
-        ideal = link_ideal(run)
+        ideal = link_ideal(run, PAYLOAD)
         compute = compute_time(run)
         step = measured_step(run)
         net = run.summary.get("network", {})

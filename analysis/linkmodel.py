@@ -136,7 +136,7 @@ def run_link_time(run: Run, traffic: "Traffic") -> float | None:
     if int(net.get("racks") or 1) > 1:  # two tiers: the busiest link, uplinks included
         from .racks import link_ideal
 
-        return link_ideal(run)["seconds"]
+        return link_ideal(run, PAYLOAD)["seconds"]
     return link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),
                      traffic.pull, traffic.gathered)
 

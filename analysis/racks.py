@@ -14,7 +14,6 @@ full duplex), not psar's implementation: a run far above it has a gap to explain
 
 from __future__ import annotations
 
-from .linkmodel import PAYLOAD
 from .results import Run, family
 
 
@@ -59,16 +58,17 @@ def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
     return out
 
 
-def link_ideal(run: Run) -> dict | None:
-    """{"seconds": the busiest link's bytes over its payload rate, "uplink_bytes": the busiest
-    uplink direction's bytes} for a run on racks; None for any other run."""
+def link_ideal(run: Run, payload: float) -> dict | None:
+    """{"seconds": the busiest link's bytes over its payload rate (payload: the TCP data per
+    byte on the link, linkmodel.PAYLOAD), "uplink_bytes": the busiest uplink direction's
+    bytes} for a run on racks; None for any other run."""
     net = run.summary.get("network") or {}
     if int(net.get("racks") or 1) < 2 or not net.get("rate_bits") or family(run.label) == "local":
         return None
     from .traffic import run_traffic  # reads model.pt with torch
 
-    rack_of, host_bw = net["rack_of"], float(net["rate_bits"]) * PAYLOAD / 8
-    uplink_bw = float(net["uplink_bits"]) * PAYLOAD / 8 if net.get("uplink_bits") else None
+    rack_of, host_bw = net["rack_of"], float(net["rate_bits"]) * payload / 8
+    uplink_bw = float(net["uplink_bits"]) * payload / 8 if net.get("uplink_bits") else None
     load: dict[tuple, float] = {}
     for (a, b), nbytes in flows(run, run_traffic(run).push).items():
         for link in (("out", a), ("in", b)) + ((("up", rack_of[a]), ("down", rack_of[b]))
