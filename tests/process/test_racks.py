@@ -3,6 +3,7 @@ do not, and a rack network leaves nothing behind. Needs root and iproute2; skipp
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -107,3 +108,23 @@ def test_a_rack_for_every_host_or_none():
     with pytest.raises(ValueError, match="one rack has no uplink"):
         Network(("a", "b"), rate="1gbit", uplink="100mbit").up()
 
+
+@needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_run_in_racks_records_them_and_what_each_uplink_carried(tmp_path):
+    """ps-sync, both workers in rack 0 and the separate shard in rack 1: every byte the
+    workers send crosses rack 0's uplink and comes down rack 1's, as summary.json says."""
+    from conftest import run_job
+
+    summary, _ = run_job(tmp_path, "quickstart", "ps-sync", steps=3, overrides=(
+        "net.rate=1gbit", "net.racks=2", "net.uplink=500mbit", "net.placement=separate",
+        "net.worker_racks=0,0", "net.server_racks=1"))
+    net = summary["network"]
+    assert (net["racks"], net["uplink"], net["rack_of"]) == (2, "500mbit", {"w0": 0, "w1": 0, "s0": 1})
+    assert {name: h["rack"] for name, h in net["hosts"].items()} == net["rack_of"]
+    sent = net["hosts"]["w0"]["tx_bytes"] + net["hosts"]["w1"]["tx_bytes"]
+    up, down = net["uplinks"]["0"]["up_bytes"], net["uplinks"]["1"]["down_bytes"]
+    assert sent > 0 and 0.99 < up / sent < 1.05 and 0.99 < down / sent < 1.05, (sent, net["uplinks"])  # + broadcasts
+    assert net["uplinks"]["0"]["link_s"] == pytest.approx(max(up, net["uplinks"]["0"]["down_bytes"]) * 8 / 500e6)
+    assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]
