@@ -106,7 +106,9 @@ def net_option(fn):
     return click.option("--net", "net", default=None, metavar="RATE",
                         help="Emulated cluster: each worker (and, with --set net.placement=separate, "
                         "each server shard) on a host of its own, every link shaped to RATE each way "
-                        "(tc units: 200mbit, 1gbit). Needs root. --set net.latency_ms=X adds delay.")(fn)
+                        "(tc units: 200mbit, 1gbit). Needs root. --set net.latency_ms=X adds delay; "
+                        "--set net.racks=K --set net.uplink=RATE puts the hosts in K racks behind "
+                        "uplinks of RATE.")(fn)
 
 
 def resume_option(what: str, note: str):

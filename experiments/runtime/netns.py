@@ -1,6 +1,7 @@
 """An emulated cluster on one Linux machine: one network namespace per host, each joined to a
 bridge by a veth whose two ends are shaped with tc, so that a host sends at RATE and receives
-at RATE, as a full-duplex NIC does.
+at RATE, as a full-duplex NIC does. With racks, each rack's hosts are on a bridge of their
+own, and each rack's bridge is joined to a core bridge by an uplink shaped each way.
 
 Everything is made inside namespaces this module creates (the bridge too), so nothing in the
 machine's own namespace changes and the hosts' subnet exists only among them. Names carry
@@ -11,6 +12,7 @@ and iproute2 (`ip`, `tc`): `unavailable()` says why not, in one line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -137,6 +139,8 @@ class Host:
     """Its namespace (`ip netns exec NETNS ...`)."""
     addr: str
     """Its IPv4 address on the run's private subnet."""
+    rack: int = 0
+    """The rack whose switch its link joins."""
 
     ifname: str = IFNAME
 
@@ -182,6 +186,12 @@ class Network:
     sends, tbf where the bridge sends), with
     `latency_ms` of netem delay each way where the kernel has netem.
 
+    With `racks` (the rack of each host in `names`) naming more than one rack, each rack's
+    hosts are on a bridge of their own (a rack switch), joined to one core bridge by a veth
+    pair whose two ends are shaped with tbf to `uplink` (rack to core, core to rack), without
+    delay; `uplink` "" leaves them unshaped. The hosts stay on one subnet: the bridges make
+    one L2 network.
+
     Use as a context manager, or call up() and down(); down() runs on SIGTERM too, and
     clean_stale() removes what a SIGKILLed run left.
     """
@@ -189,6 +199,10 @@ class Network:
     names: tuple[str, ...]
     rate: str = ""
     latency_ms: float = 0.0
+    racks: tuple[int, ...] = ()
+    """The rack of each host in `names`; empty: all in rack 0."""
+    uplink: str = ""
+    """Each rack's link to the core, each way, in tc's units; "": not shaped."""
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     hosts: dict[str, Host] = field(default_factory=dict)
     created: list[str] = field(default_factory=list)
@@ -206,17 +220,19 @@ class Network:
         self.created.append(name)
         run("ip", "-n", name, "link", "set", "lo", "up")
 
-    def _shape(self, netns: str, dev: str) -> None:
-        """Egress of dev in netns: tbf at the rate, and netem delay in front where it exists."""
-        burst = _burst(parse_rate(self.rate))
-        if self.latency_ms:
+    def _shape(self, netns: str, dev: str, rate: str = "", delay: bool = True) -> None:
+        """Egress of dev in netns: tbf at rate (the hosts' where ""), and netem delay in front
+        where it exists and delay is asked for."""
+        rate = rate or self.rate
+        burst = _burst(parse_rate(rate))
+        if self.latency_ms and delay:
             run("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                 "delay", f"{self.latency_ms}ms")
             parent = ("parent", "1:")
         else:
             parent = ("root",)
         run("tc", "-n", netns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
-            "rate", self.rate, "burst", str(burst), "limit", str(self.queue_bytes(burst)))
+            "rate", rate, "burst", str(burst), "limit", str(self.queue_bytes(burst, rate)))
 
     def _shape_host(self, host: Host, index: int) -> None:
         """What a host sends, as a NIC under the kernel's fair queueing sends it: htb at the
@@ -254,27 +270,75 @@ class Network:
                          f"match ip dst {_addr(i)}/32 flowid {cid}")
         run("tc", "-n", host.netns, "-batch", "-", input="\n".join(lines) + "\n")  # tc names a failing line
 
-    def queue_bytes(self, burst: int) -> int:
-        """tbf's limit: QUEUE_MS of the rate past the burst, at least QUEUE_MIN_BYTES."""
-        return max(QUEUE_MIN_BYTES, int(parse_rate(self.rate) / 8 * QUEUE_MS / 1000) + burst)
+    def queue_bytes(self, burst: int, rate: str = "") -> int:
+        """tbf's limit: QUEUE_MS of rate (the hosts' where "") past the burst, at least
+        QUEUE_MIN_BYTES."""
+        return max(QUEUE_MIN_BYTES, int(parse_rate(rate or self.rate) / 8 * QUEUE_MS / 1000) + burst)
+
+    @property
+    def rack_count(self) -> int:
+        """Racks up to the highest one a host is in (a rack below it may be empty)."""
+        return max(self.racks, default=0) + 1
+
+    def _switches(self) -> list[str]:
+        """Make the bridges in the bridge namespace; the bridge of each rack, by rack. One rack
+        is br0; more are rack0, rack1, ... and core, rack K joined to the core by the veth
+        pair upK (the rack's port: what it sends goes up) and downK (the core's port)."""
+        def bridge(name: str) -> str:
+            run("ip", "-n", self.bridge_ns, "link", "add", name, "type", "bridge")
+            run("ip", "-n", self.bridge_ns, "link", "set", name, "up")
+            return name
+
+        if self.rack_count == 1:
+            return [bridge("br0")]
+        core = bridge("core")
+        racks = []
+        for k in range(self.rack_count):
+            racks.append(bridge(f"rack{k}"))
+            up, down = f"up{k}", f"down{k}"
+            run("ip", "-n", self.bridge_ns, "link", "add", up, "type", "veth", "peer", "name", down)
+            for dev, master in ((up, racks[-1]), (down, core)):
+                run("ip", "-n", self.bridge_ns, "link", "set", dev, "master", master)
+                run("ip", "-n", self.bridge_ns, "link", "set", dev, "up")
+                if self.uplink:
+                    self._shape(self.bridge_ns, dev, self.uplink, delay=False)
+        return racks
+
+    def switch_bytes(self) -> dict[str, int]:
+        """Bytes each switch port has sent so far, read at one instant, by interface: pI to
+        host number I, upK from rack K to the core, downK from the core to rack K."""
+        links = json.loads(run("ip", "-n", self.bridge_ns, "-j", "-s", "link", "show").stdout)
+        return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in links
+                if re.fullmatch(r"p\d+|up\d+|down\d+", link["ifname"])}
+
+    def uplink_bytes(self) -> dict[int, dict[str, int]]:
+        """Bytes each rack's uplink has carried so far, {rack: {"up_bytes": to the core,
+        "down_bytes": from it}}; empty with one rack."""
+        if self.rack_count == 1:
+            return {}
+        sent = self.switch_bytes()
+        return {k: {"up_bytes": sent[f"up{k}"], "down_bytes": sent[f"down{k}"]} for k in range(self.rack_count)}
 
     def up(self) -> "Network":
         """Build the hosts; on any failure, what was built is torn down and NetworkError raised."""
         if len(self.names) > 250:
             raise ValueError(f"{len(self.names)} hosts: at most 250 on one subnet")
+        if self.racks and (len(self.racks) != len(self.names) or min(self.racks) < 0):
+            raise ValueError(f"racks {self.racks}: expected a rack index >= 0 for each of {len(self.names)} hosts")
+        if self.uplink and self.rack_count == 1:
+            raise ValueError(f"uplink {self.uplink}: one rack has no uplink; give the hosts' racks")
         try:
             self._add_netns(self.bridge_ns)
-            run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-            run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
+            switches = self._switches()
             for i, name in enumerate(self.names):
-                host = Host(name, f"{self.prefix}-{name}", _addr(i))
+                host = Host(name, f"{self.prefix}-{name}", _addr(i), self.racks[i] if self.racks else 0)
                 self._add_netns(host.netns)
                 port = f"p{i}"
                 # Both ends are born in the bridge's namespace, then one moves to the host's:
                 # the machine's own namespace never sees either.
                 run("ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", IFNAME)
                 run("ip", "-n", self.bridge_ns, "link", "set", IFNAME, "netns", host.netns)
-                run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0")
+                run("ip", "-n", self.bridge_ns, "link", "set", port, "master", switches[host.rack])
                 run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
                 run("ip", "-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
                 run("ip", "-n", host.netns, "link", "set", IFNAME, "up")
@@ -407,12 +471,17 @@ class Network:
 
     def describe(self) -> dict:
         """What summary.json records about the network."""
+        racks = self.rack_count
         return {"rate": self.rate, "rate_bits": parse_rate(self.rate) if self.rate else None,
                 "latency_ms": self.latency_ms, "queue_ms": QUEUE_MS if self.rate else None,
                 "hosts": {n: h.addr for n, h in self.hosts.items()},
-                "made_with": "network namespaces, a bridge, veth links shaped with tc: htb with a class per "
-                             "peer and ACKs first where a host sends, tbf where the bridge sends"
-                             + (" and netem delay" if self.latency_ms else "")}
+                "racks": racks, "rack_of": {n: h.rack for n, h in self.hosts.items()},
+                "uplink": self.uplink, "uplink_bits": parse_rate(self.uplink) if self.uplink else None,
+                "made_with": ("network namespaces, a bridge" if racks == 1 else
+                              "network namespaces, a bridge per rack joined to a core bridge by a veth pair"
+                              + (" (tbf at the uplink rate each way)" if self.uplink else ""))
+                             + ", veth links shaped with tc: htb with a class per peer and ACKs first where a "
+                               "host sends, tbf where the bridge sends" + (" and netem delay" if self.latency_ms else "")}
 
 
 def _addr(index: int) -> str:

@@ -101,7 +101,8 @@ class Loopback:
 
 class Emulated:
     """A host per worker and, with net.placement=separate, per server shard (co-located
-    shard i shares worker i's host), every link shaped to net.rate each way."""
+    shard i shares worker i's host), every link shaped to net.rate each way; with net.racks,
+    each host in its rack (net.worker_racks, net.server_racks) behind net.uplink."""
 
     def __init__(self, net: NetConfig, workers: int, servers: int) -> None:
         self.net, self.workers, self.servers = net, workers, servers
@@ -114,10 +115,14 @@ class Emulated:
             raise RuntimeError(f"--net {self.net.rate}: {reason}")
         clean_stale()  # what a killed run left behind
         separate = self.net.placement == "separate"
-        names = [f"w{r}" for r in range(self.workers)] + [f"s{s}" for s in range(self.servers if separate else 0)]
+        shards = range(self.servers if separate else 0)
+        names = [f"w{r}" for r in range(self.workers)] + [f"s{s}" for s in shards]
+        racks = [self.net.worker_rack(r, self.workers) for r in range(self.workers)]
+        racks += [self.net.server_rack(s, self.servers) for s in shards]
         netem = bool(self.net.latency_ms) and has_netem()
         self.latency_by = ("netem" if netem else "engine (fault.delay_ms)") if self.net.latency_ms else ""
-        self.network = Network(tuple(names), self.net.rate, self.net.latency_ms if netem else 0.0)
+        self.network = Network(tuple(names), self.net.rate, self.net.latency_ms if netem else 0.0,
+                               racks=tuple(racks), uplink=self.net.uplink)
         self.network.__enter__()
         return self
 
@@ -150,15 +155,20 @@ class Emulated:
         return SERVER_PORT + shard  # co-located shards share a host, not a port
 
     def record(self) -> dict:
-        """The network for summary.json: what it was and what each host's link carried."""
+        """The network for summary.json: what it was and what each host's link carried, and
+        with racks what each rack's uplink carried (up: to the core) and its link time."""
         bits = parse_rate(self.net.rate)
         hosts = {}
         for name, host in self.network.hosts.items():
             c = host.counters()
-            hosts[name] = {"addr": host.addr, **c,
+            hosts[name] = {"addr": host.addr, "rack": host.rack, **c,
                            "link_s": max(c["tx_bytes"], c["rx_bytes"]) * 8 / bits}
+        uplinks = {}
+        for rack, c in self.network.uplink_bytes().items():
+            busiest = max(c["up_bytes"], c["down_bytes"]) * 8
+            uplinks[str(rack)] = {**c, "link_s": busiest / parse_rate(self.net.uplink) if self.net.uplink else None}
         return {**self.network.describe(), "placement": self.net.placement,
-                "latency_by": self.latency_by, "hosts": hosts}
+                "latency_by": self.latency_by, "hosts": hosts, "uplinks": uplinks}
 
 
 def sites_for(net: NetConfig, workers: int, servers: int) -> Loopback | Emulated:

@@ -140,11 +140,15 @@ class RunConfig:
 
     def check(self) -> None:
         """The checks of settings against each other that wait until every override is in
-        (they come one at a time, in any order)."""
+        (they come one at a time, in any order): compression, pulls, local SGD, Downpour, and
+        the emulated network's racks against the hosts."""
         self.compress.check()
         self.check_pulls()
         self.check_period()
         self.check_downpour()
+        spec = get_engine(self.engine)
+        self.net.check(self.workers if spec.processes_per_worker else 1,
+                       self.servers if spec.uses_servers and self.net.placement == "separate" else None)
 
     def check_period(self) -> None:
         """Local SGD's settings against the run's other settings (after every override)."""

@@ -26,16 +26,98 @@ class NetConfig:
     placement: str = "colocated"
     """Parameter-server shards on the workers' hosts (shard i on worker i's host, as BytePS
     co-locates them), or "separate": a host of their own each (spare CPU machines)."""
+    racks: int = 1
+    """Racks of hosts: each rack's hosts on a switch of their own, each rack switch joined to
+    one core switch by an uplink (net.uplink); 1: every host on one switch. Needs --net RATE."""
+    uplink: str = ""
+    """Each rack's link to the core, each way, in tc's units: a rack of k hosts behind an
+    uplink below k x RATE is oversubscribed; "": not shaped (the core is no bottleneck).
+    Needs net.racks above 1."""
+    worker_racks: str = ""
+    """The rack of each worker in rank order, a comma list of rack indices ("0,0,1,1");
+    "": round-robin, worker r in rack r % net.racks."""
+    server_racks: str = ""
+    """The rack of each separate shard (net.placement=separate) in shard order, as
+    net.worker_racks; "": round-robin, shard s in rack s % net.racks. A co-located shard is
+    in its worker's rack."""
 
     def __post_init__(self) -> None:
         if self.rate:
             parse_rate(self.rate)
+        if not (isinstance(self.racks, int) and self.racks >= 1):
+            raise ValueError(f"net.racks={self.racks}: must be an int >= 1")
+        if self.uplink:
+            try:
+                parse_rate(self.uplink)
+            except ValueError as err:
+                raise ValueError(f"net.uplink={self.uplink!r}: {err}") from None
+        _rack_list("worker_racks", self.worker_racks)
+        _rack_list("server_racks", self.server_racks)
         if self.placement not in PLACEMENTS:
             raise ValueError(f"net.placement={self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
         if not self.latency_ms >= 0:
             raise ValueError(f"net.latency_ms={self.latency_ms}: must be >= 0")
         if self.latency_ms and not self.rate:
             raise ValueError("net.latency_ms needs an emulated network: give --net RATE too")
+
+    def check(self, workers: int, servers: int | None) -> None:
+        """The racks against each other and against the run's hosts, once every override is in
+        (net.racks may come after net.uplink): workers, and the separate shards' count (None
+        where the engine runs no shards, so net.server_racks is not its concern)."""
+        if self.racks > 1 and not self.rate:
+            raise ValueError(f"net.racks={self.racks} needs an emulated network: give --net RATE too")
+        if self.uplink and self.racks == 1:
+            raise ValueError(f"net.uplink={self.uplink} joins racks to the core: set net.racks above 1 too")
+        if self.server_racks and self.placement == "colocated":
+            raise ValueError(f"net.server_racks={self.server_racks!r}: co-located shards are in their "
+                             "workers' racks; set net.placement=separate or leave net.server_racks out")
+        for rank in range(workers):
+            self.worker_rack(rank, workers)
+        for shard in range(servers or 0):
+            self.server_rack(shard, servers, workers)
+
+    def worker_rack(self, rank: int, workers: int) -> int:
+        """The rack of worker `rank` of `workers`: net.worker_racks's entry, or rank % racks.
+        ValueError naming net.worker_racks when it does not fit."""
+        return self._rack("worker_racks", rank, workers, "workers")
+
+    def server_rack(self, shard: int, servers: int, workers: int = 0) -> int:
+        """The rack of server shard `shard` of `servers`: a separate shard's net.server_racks
+        entry, or shard % racks; a co-located shard's is its worker's (shard % workers, so
+        workers must be given). ValueError naming the setting that does not fit."""
+        if self.placement == "colocated":
+            if workers < 1:
+                raise ValueError("a co-located shard is in its worker's rack: server_rack needs the workers")
+            return self.worker_rack(shard % workers, workers)
+        return self._rack("server_racks", shard, servers, "separate shards")
+
+    def _rack(self, key: str, index: int, count: int, what: str) -> int:
+        if not 0 <= index < count:
+            raise ValueError(f"{index} is not one of {count} {what}")
+        given = _rack_list(key, getattr(self, key))
+        if not given:
+            return index % self.racks
+        if len(given) != count:
+            raise ValueError(f"net.{key}={getattr(self, key)!r} places {len(given)} hosts; "
+                             f"the run has {count} {what}: give one rack each")
+        bad = [r for r in given if r >= self.racks]
+        if bad:
+            raise ValueError(f"net.{key}={getattr(self, key)!r}: rack {bad[0]} is not one of "
+                             f"net.racks={self.racks} (0..{self.racks - 1})")
+        return given[index]
+
+
+def _rack_list(key: str, text: str) -> tuple[int, ...]:
+    """net.KEY's comma list of rack indices; ValueError naming net.KEY if an entry is not one."""
+    if not text.strip():
+        return ()
+    try:
+        racks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        racks = ()
+    if not racks or min(racks) < 0:
+        raise ValueError(f"net.{key}={text!r}: expected a comma list of rack indices >= 0, e.g. 0,0,1,1")
+    return racks
 
 
 def parse_rate(rate: str) -> float:

@@ -53,6 +53,29 @@ print(got[0])
 """
 
 
+def start_blasts(pairs, port: int, seconds: float) -> list[subprocess.Popen]:
+    """BLAST on every (host, peer) pair at once: host receives on its address and sends to peer."""
+    return [subprocess.Popen(h.argv(sys.executable, "-c", BLAST, h.addr, peer.addr, port, seconds),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h, peer in pairs]
+
+
+def blast_rates(procs: list[subprocess.Popen]) -> list[float]:
+    """The bits per second each BLAST received, in order; a BLAST that failed fails the test
+    (and none outlives it)."""
+    rates = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            rates.append(float(out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return rates
+
+
 @pytest.mark.parametrize("rate,bits", [("200mbit", 200e6), ("1gbit", 1e9), ("10mbps", 80e6), ("1.5kbit", 1500)])
 def test_parse_rate(rate, bits):
     assert parse_rate(rate) == bits
@@ -76,14 +99,7 @@ def test_each_way_runs_at_the_rate_at_once():
     """Full duplex: a and b send to each other at the same time, and each receives at RATE."""
     with Network(("a", "b"), rate="200mbit") as net:
         a, b = net.hosts["a"], net.hosts["b"]
-        procs = [subprocess.Popen(h.argv(sys.executable, "-c", BLAST, h.addr, peer.addr, 6000, 2.0),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for h, peer in ((a, b), (b, a))]
-        rates = []
-        for p in procs:
-            out, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err
-            rates.append(float(out))
+        rates = blast_rates(start_blasts(((a, b), (b, a)), 6000, 2.0))
         counters = a.counters()
     print(f"200mbit link, both ways at once: {rates[0] / 1e6:.1f} and {rates[1] / 1e6:.1f} Mbit/s")
     for measured in rates:

@@ -1,0 +1,94 @@
+"""The emulated network's racks as settings: where each worker and shard goes, and what is
+refused, naming the key (validation errors get their own tests)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from experiments.settings.net import NetConfig
+from experiments.settings.overrides import OverrideError
+from experiments.settings.presets import build_config
+
+RACKS = ("net.rate=200mbit", "net.racks=2")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("net,workers,expected", [
+    (NetConfig(), 3, [0, 0, 0]),
+    (NetConfig(rate="1gbit", racks=2), 5, [0, 1, 0, 1, 0]),
+    (NetConfig(rate="1gbit", racks=3), 4, [0, 1, 2, 0]),
+    (NetConfig(rate="1gbit", racks=2, worker_racks="0,0,1,1"), 4, [0, 0, 1, 1]),
+    (NetConfig(rate="1gbit", racks=3, worker_racks=" 2, 0 ,2"), 3, [2, 0, 2]),
+])
+def test_workers_go_round_robin_or_where_the_list_says(net, workers, expected):
+    assert [net.worker_rack(r, workers) for r in range(workers)] == expected
+
+
+@pytest.mark.timeout(10)
+def test_shards_go_round_robin_where_the_list_says_or_with_their_worker():
+    separate = NetConfig(rate="1gbit", racks=2, placement="separate")
+    assert [separate.server_rack(s, 3) for s in range(3)] == [0, 1, 0]
+    listed = NetConfig(rate="1gbit", racks=2, placement="separate", server_racks="1,1,0")
+    assert [listed.server_rack(s, 3) for s in range(3)] == [1, 1, 0]
+    colocated = NetConfig(rate="1gbit", racks=2, worker_racks="1,0")
+    assert [colocated.server_rack(s, 4, workers=2) for s in range(4)] == [1, 0, 1, 0]  # shard s on worker s % 2
+    with pytest.raises(ValueError, match="needs the workers"):
+        colocated.server_rack(0, 4)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("net,call,message", [
+    (NetConfig(rate="1gbit", racks=2, worker_racks="0,1,1"), lambda n: n.worker_rack(0, 4),
+     "net.worker_racks='0,1,1' places 3 hosts; the run has 4 workers"),
+    (NetConfig(rate="1gbit", racks=2, worker_racks="0,2"), lambda n: n.worker_rack(0, 2),
+     "net.worker_racks='0,2': rack 2 is not one of net.racks=2 (0..1)"),
+    (NetConfig(rate="1gbit", racks=2, placement="separate", server_racks="1"), lambda n: n.server_rack(0, 2),
+     "net.server_racks='1' places 1 hosts; the run has 2 separate shards"),
+    (NetConfig(rate="1gbit", racks=2, placement="separate", server_racks="0,5"), lambda n: n.server_rack(1, 2),
+     "net.server_racks='0,5': rack 5 is not one of net.racks=2"),
+    (NetConfig(rate="1gbit", racks=2), lambda n: n.worker_rack(4, 4), "4 is not one of 4 workers"),
+])
+def test_a_list_that_does_not_fit_is_refused_naming_its_key(net, call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(net)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("fields,message", [
+    (dict(racks=0), "net.racks=0: must be an int >= 1"),
+    (dict(rate="1gbit", uplink="fast"), "net.uplink='fast': rate 'fast'"),
+    (dict(worker_racks="0,one"), "net.worker_racks='0,one': expected a comma list of rack indices"),
+    (dict(server_racks="-1"), "net.server_racks='-1': expected a comma list of rack indices >= 0"),
+    (dict(worker_racks="0,,1"), "net.worker_racks='0,,1'"),
+])
+def test_a_setting_that_is_wrong_on_its_own_is_refused_at_once(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        NetConfig(**fields)
+
+
+@pytest.mark.timeout(30)
+def test_racks_are_checked_against_the_run_once_every_override_is_in():
+    # net.uplink before net.racks and net.rate after: only the whole decides.
+    cfg = build_config("quickstart", ["net.uplink=100mbit", "net.worker_racks=1,0,1", "net.racks=2",
+                                      "net.rate=200mbit"], engine="allreduce", workers=3)
+    assert (cfg.net.racks, cfg.net.uplink, [cfg.net.worker_rack(r, 3) for r in range(3)]) == (2, "100mbit", [1, 0, 1])
+    separate = build_config("quickstart", [*RACKS, "net.placement=separate", "net.server_racks=1,1"],
+                            engine="ps-sync", servers=2)
+    assert [separate.net.server_rack(s, 2) for s in range(2)] == [1, 1]
+    # A non-ps engine runs no shards: the list waits for a run that has them (one grid, many engines).
+    build_config("quickstart", [*RACKS, "net.placement=separate", "net.server_racks=1,1,1"], engine="allreduce")
+    for overrides, engine, message in [
+        (["net.racks=2"], "allreduce", "net.racks=2 needs an emulated network: give --net RATE too"),
+        (["net.rate=200mbit", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit joins racks to the core: "
+                                                                  "set net.racks above 1 too"),
+        ([*RACKS, "net.worker_racks=0,1,1"], "allreduce", "net.worker_racks='0,1,1' places 3 hosts; the run has 2"),
+        ([*RACKS, "net.worker_racks=0,3"], "ps-sync", "rack 3 is not one of net.racks=2"),
+        ([*RACKS, "net.server_racks=1"], "ps-sync", "net.server_racks='1': co-located shards are in their workers' "
+                                                    "racks; set net.placement=separate"),
+        ([*RACKS, "net.placement=separate", "net.server_racks=0,1"], "ps-sync",
+         "net.server_racks='0,1' places 2 hosts; the run has 1 separate shards"),
+    ]:
+        with pytest.raises(OverrideError, match=re.escape(message)):
+            build_config("quickstart", overrides, engine=engine)
