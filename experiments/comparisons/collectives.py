@@ -44,7 +44,7 @@ class Topology:
     def net(self) -> NetConfig:
         uplink = ""
         if self.racks > 1:
-            uplink = f"{int(parse_rate(RATE) * self.ranks / self.racks / OVERSUBSCRIPTION)}bit"
+            uplink = f"{int(parse_rate(RATE) * self.ranks / self.racks / OVERSUBSCRIPTION / 1e6)}mbit"
         return NetConfig(rate=RATE, latency_ms=self.latency_ms, racks=self.racks, uplink=uplink)
 
 
