@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from allreduce.auto import MESSAGE_S, pieces, predict
+from analysis.linkmodel import PAYLOAD
 from experiments.rundir import files
 from experiments.runtime.launcher import run_ranks
 from experiments.runtime.sites import Emulated
@@ -59,13 +60,14 @@ def topologies(cores: int | None = None) -> tuple[Topology, ...]:
 
 
 def model_s(algorithm: str, nbytes: int, topo: Topology, net: NetConfig, alpha: bool = True) -> float:
-    """The alpha-beta model's seconds for what ran (the library's: Gloo's ring, in rank order);
-    alpha=False: its links' part alone."""
+    """The alpha-beta model's seconds for what ran (the library's: Gloo's ring, in rank order),
+    at the links' TCP payload rate (analysis/linkmodel.py's PAYLOAD); alpha=False: its links'
+    part alone."""
     racks = tuple(net.worker_rack(r, topo.ranks) for r in range(topo.ranks)) if topo.racks > 1 else None
-    uplink = parse_rate(net.uplink) / 8 if net.uplink else None
+    uplink = parse_rate(net.uplink) * PAYLOAD / 8 if net.uplink else None
     a = MESSAGE_S + topo.latency_ms / 1e3 if alpha else 0.0
     algo = "ring" if algorithm == "library" else algorithm
-    return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) / 8, racks, uplink, pieces(nbytes))
+    return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) * PAYLOAD / 8, racks, uplink, pieces(nbytes))
 
 
 def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> Path:

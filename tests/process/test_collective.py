@@ -31,8 +31,13 @@ def test_make_collective_builds_each_algorithm_and_names_a_wrong_one():
     assert isinstance(tree, RingAllReduce) and tree.algorithm == "tree"
     tree.close()
     with pytest.raises(ValueError, match=r"allreduce.algorithm='star': expected library, ring, "
-                                         r"halving-doubling, tree or auto"):
+                                         r"halving-doubling, tree, hierarchical or auto"):
         make_collective("star", 0, 2)
+    with pytest.raises(ValueError, match="hierarchical needs each rank's rack"):
+        make_collective("hierarchical", 0, 2)
+    hier = make_collective("hierarchical", 0, 2, racks=(0, 1))
+    assert hier.racks == (0, 1)
+    hier.close()
 
 
 class FakeWork:
