@@ -2,8 +2,10 @@
 fastest for its size on the run's links, as NCCL picks ring or tree per message size.
 
 The model (allreduce/plancost.py) reads each algorithm's plans: a round of messages costs
-alpha (a message's fixed cost: MESSAGE_S on loopback Gloo, plus the run's per-message delay,
-net.latency_ms or fault.delay_ms) plus its busiest link's bytes over that link's bandwidth
+alpha (the run's per-message delay, net.latency_ms or fault.delay_ms), MESSAGE_S (loopback)
+or LINK_MESSAGE_S (emulated links) for each message its busiest rank sends or receives (times
+the ranks per core where they share a machine's cores), and its busiest link's bytes over
+that link's bandwidth
 (net.rate, or LOOPBACK_BYTES_S without an emulated network; with racks, net.uplink for what
 crosses them), and a tensor's pieces are pipelined a round apart. On one flat network and in
 one piece, for S bytes on N ranks, that is:
@@ -19,12 +21,20 @@ Every rank computes the same choice from the same numbers: no message is needed 
 
 from __future__ import annotations
 
+import os
+
 from . import halving, hierarchical, ringplan, tree
 from .plancost import Links, predict_plan
 from .ring import MAX_PIECES, PIECE_BYTES
 
-MESSAGE_S = 2e-4
-"""A message's fixed cost on loopback Gloo: a 1 KiB exchange between 2 ranks took 186 us."""
+MESSAGE_S = 1e-4
+"""A message's fixed cost to a rank that sends or receives it, on loopback Gloo with a core
+per rank: a 1 KiB exchange between 2 ranks (a message each way) took 186 us."""
+LINK_MESSAGE_S = 3e-4
+"""The same over an emulated host's link (a veth, htb and tbf each way, --net RATE): on 2
+cores at 1gbit, 4 KB took 6.6 ms on the ring (4 ranks, 6 exchanges), 5.4 on halving-doubling
+(4 exchanges) and 2.6 on the tree (4 one-way hops): 0.55 to 0.68 ms a message with 2 ranks
+a core, 0.86 to 1.1 ms on 8 ranks (4 a core). Ranks that share cores pay it `crowding` times."""
 LOOPBACK_BYTES_S = 1.2e9
 """A link's bandwidth without an emulated network: psar bench's busbw on 2 ranks, 1.15 to 1.3
 GB/s from 4 MiB on this 2-core machine."""
@@ -38,9 +48,11 @@ def pieces(nbytes: float) -> int:
 
 
 def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float,
-            racks: tuple[int, ...] | None = None, uplink: float | None = None, npieces: int = 1) -> float:
+            racks: tuple[int, ...] | None = None, uplink: float | None = None, npieces: int = 1,
+            per_message: float = 0.0) -> float:
     """The model's seconds for one all-reduce of nbytes on `world` ranks, in npieces pieces;
-    racks: the rack of each rank, uplink: their uplinks' bytes/s."""
+    alpha: a round's latency, per_message: a message's cost to each rank that sends or
+    receives it; racks: the rack of each rank, uplink: their uplinks' bytes/s."""
     if world == 1:
         return 0.0
     if algorithm == "hierarchical":
@@ -50,7 +62,7 @@ def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: 
     else:
         raise ValueError(f"no model of algorithm {algorithm!r}")
     links = Links(bandwidth, racks, uplink)
-    return predict_plan(plan, max(1, int(nbytes // npieces)), world, links, alpha, npieces)
+    return predict_plan(plan, max(1, int(nbytes // npieces)), world, links, alpha, npieces, per_message)
 
 
 def candidates(racks: tuple[int, ...] | None) -> tuple[str, ...]:
@@ -58,8 +70,18 @@ def candidates(racks: tuple[int, ...] | None) -> tuple[str, ...]:
     return ALGORITHMS + (("hierarchical",) if racks is not None and len(set(racks)) > 1 else ())
 
 
+def crowding(local_ranks: int, cores: int | None = None) -> float:
+    """How many ranks share each of this machine's cores (at least 1): what a message costs a
+    rank, in MESSAGE_S, when local_ranks of the job's ranks run here (the whole job on
+    loopback or an emulated network; under `psar launch`, this host's share)."""
+    return max(1.0, local_ranks / max(1, cores or os.cpu_count() or 1))
+
+
 def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | None = None,
-           racks: tuple[int, ...] | None = None, uplink: float | None = None) -> str:
-    """The fastest algorithm by the model (the ring where they tie)."""
-    alpha, b, n = MESSAGE_S + delay_s, bandwidth or LOOPBACK_BYTES_S, pieces(nbytes)
-    return min(candidates(racks), key=lambda a: (predict(a, nbytes, world, alpha, b, racks, uplink, n), a != "ring"))
+           racks: tuple[int, ...] | None = None, uplink: float | None = None, crowded: float = 1.0) -> str:
+    """The fastest algorithm by the model (the ring where they tie). bandwidth: the emulated
+    links' bytes/s (None: loopback, whose messages cost less); crowded: crowding()."""
+    per = (MESSAGE_S if bandwidth is None else LINK_MESSAGE_S) * crowded
+    b, n = bandwidth or LOOPBACK_BYTES_S, pieces(nbytes)
+    return min(candidates(racks),
+               key=lambda a: (predict(a, nbytes, world, delay_s, b, racks, uplink, n, per), a != "ring"))

@@ -95,10 +95,10 @@ def measure(rank: int, world: int, sizes=SIZES, device: str = "cpu", rounds: int
 
 def run_algorithm(algorithm: str, buf: torch.Tensor, rank: int, world: int, delay_s: float = 0.0,
                   racks: tuple[int, ...] | None = None, bandwidth: float | None = None,
-                  uplink: float | None = None) -> str:
+                  uplink: float | None = None, crowded: float = 1.0) -> str:
     """One all-reduce of buf by allreduce.algorithm's `algorithm`; the one that ran (auto's pick)."""
     if algorithm == "auto":
-        algorithm = choose(buf.numel() * buf.element_size(), world, delay_s, bandwidth, racks, uplink)
+        algorithm = choose(buf.numel() * buf.element_size(), world, delay_s, bandwidth, racks, uplink, crowded)
     if algorithm == "library":
         if delay_s:
             time.sleep(2 * (world - 1) * delay_s)  # as LibraryAllReduce delays it
@@ -119,7 +119,7 @@ def sweep(rank: int, world: int, spec: dict) -> list[dict]:
     enough repetitions to fill spec["budget_s"] seconds, after one warm-up each."""
     racks = tuple(spec["racks"]) if spec.get("racks") else None
     args = dict(delay_s=spec.get("delay_s", 0.0), racks=racks, bandwidth=spec.get("bandwidth"),
-                uplink=spec.get("uplink"))
+                uplink=spec.get("uplink"), crowded=spec.get("crowded", 1.0))
     rows = []
     for nbytes in spec["sizes"]:
         buf = torch.ones(max(1, nbytes // 4))

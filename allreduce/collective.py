@@ -93,13 +93,15 @@ class LibraryAllReduce:
 class RingAllReduce:
     """Our own algorithm over point-to-point messages (the ring; the others by `algorithm`),
     run bucket after bucket on one thread so that it overlaps backward. racks: each rank's
-    rack (hierarchical's groups, auto's model); uplink: the racks' uplinks' bytes/s."""
+    rack (hierarchical's groups, auto's model); uplink: the racks' uplinks' bytes/s; crowded:
+    ranks per core on this machine (auto's model)."""
 
     def __init__(self, rank: int, world: int, trace: Trace | None = None, delay_s: float = 0.0,
                  algorithm: str = "ring", bandwidth: float | None = None,
-                 racks: tuple[int, ...] | None = None, uplink: float | None = None) -> None:
+                 racks: tuple[int, ...] | None = None, uplink: float | None = None, crowded: float = 1.0) -> None:
         self.rank, self.world, self.trace, self.delay_s = rank, world, trace, delay_s
         self.algorithm, self.bandwidth, self.racks, self.uplink = algorithm, bandwidth, racks, uplink
+        self.crowded = crowded
         if algorithm == "hierarchical" and racks is None:
             raise ValueError("allreduce.algorithm=hierarchical needs each rank's rack")
         self.chosen: dict[str, int] = {}  # auto: how many all-reduces each algorithm ran
@@ -111,7 +113,7 @@ class RingAllReduce:
         algorithm = self.algorithm
         if algorithm == "auto":
             algorithm = choose(flat.numel() * itemsize, self.world, self.delay_s, self.bandwidth,
-                               self.racks, self.uplink)
+                               self.racks, self.uplink, self.crowded)
             self.chosen[algorithm] = self.chosen.get(algorithm, 0) + 1
             name = f"{name} [{algorithm}]"
         planned = hierarchical.algorithm(self.racks) if algorithm == "hierarchical" else PLANNED.get(algorithm)
@@ -128,12 +130,13 @@ class RingAllReduce:
 
 def make_collective(algorithm: str, rank: int, world: int, trace: Trace | None = None,
                     delay_s: float = 0.0, bandwidth: float | None = None,
-                    racks: tuple[int, ...] | None = None, uplink: float | None = None) -> LibraryAllReduce | RingAllReduce:
+                    racks: tuple[int, ...] | None = None, uplink: float | None = None,
+                    crowded: float = 1.0) -> LibraryAllReduce | RingAllReduce:
     """bandwidth: the links' bytes per second (auto's model; None: loopback's); racks: each
-    rank's rack, uplink: their uplinks' bytes/s (hierarchical, auto)."""
+    rank's rack, uplink: their uplinks' bytes/s (hierarchical, auto); crowded: ranks per core."""
     if algorithm == "library":
         return LibraryAllReduce(rank, world, trace, delay_s)
     if algorithm in ("ring", "auto", "hierarchical") or algorithm in PLANNED:
-        return RingAllReduce(rank, world, trace, delay_s, algorithm, bandwidth, racks, uplink)
+        return RingAllReduce(rank, world, trace, delay_s, algorithm, bandwidth, racks, uplink, crowded)
     raise ValueError(f"allreduce.algorithm={algorithm!r}: expected library, ring, {', '.join(PLANNED)}, "
                      "hierarchical or auto")

@@ -36,7 +36,7 @@ class AllReduceEngine:
                  timeout_s: float = 60.0, trace=None, delay_s: float = 0.0,
                  sparse_tables: SparseTables | None = None, compression=None,
                  bandwidth: float | None = None, racks: tuple[int, ...] | None = None,
-                 uplink: float | None = None) -> None:
+                 uplink: float | None = None, crowded: float = 1.0) -> None:
         """trace: optional callable(name, start, end, thread=...) for each bucket's all-reduce;
         delay_s: injected latency of every message (a slow link); sparse_tables: callable(model)
         -> {parameter name: nn.Embedding/EmbeddingBag} of the tables to all-gather row-sparse,
@@ -45,7 +45,8 @@ class AllReduceEngine:
         for the buckets (allreduce/compressed.py); bandwidth: the links' bytes per second,
         which allreduce.algorithm=auto's model reads (None: loopback's); racks: each rank's
         rack (None: by host, asked of the ranks when an algorithm needs them) and uplink,
-        their uplinks' bytes/s, for hierarchical and auto."""
+        their uplinks' bytes/s, for hierarchical and auto; crowded: ranks per core on this
+        machine (auto.crowding), what a message costs in auto's model."""
         if config.sparse == "allgather" and sparse_tables is None:
             raise ValueError("allreduce.sparse=allgather needs sparse_tables, the callable that "
                              "names the model's row-sparse tables")
@@ -64,7 +65,7 @@ class AllReduceEngine:
         self._exchange = None  # the compressed exchange, once attached
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.trace, self.delay_s, self.bandwidth = trace, delay_s, bandwidth
-        self.racks, self.uplink = racks, uplink
+        self.racks, self.uplink, self.crowded = racks, uplink, crowded
         self._sparse_tables = sparse_tables
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
@@ -86,7 +87,7 @@ class AllReduceEngine:
             with self._liveness.naming_lost_ranks():
                 racks = racks_by_host(self.world)
         self._collective = make_collective(self.config.algorithm, self.rank, self.world, self.trace,
-                                           self.delay_s, self.bandwidth, racks, self.uplink)
+                                           self.delay_s, self.bandwidth, racks, self.uplink, self.crowded)
         params = list(model.named_parameters())
         bucketed = [(n, p) for n, p in params if n not in tables]  # the tables never get a bucket
         if self._compression is not None:

@@ -4,8 +4,9 @@ so a new algorithm is priced as it runs.
 
 `rounds(plans)` plays every rank's plan with rendezvous messages (a step's send completes
 only when its peer's current step receives it): each round is the set of messages that can
-cross at once; a plan that cannot finish raises. A round costs alpha (a message's fixed cost
-and the links' latency) plus its busiest link's bytes over that link's bandwidth, where a
+cross at once; a plan that cannot finish raises. A round costs alpha (the links' latency),
+the fixed cost of each message its busiest rank sends or receives (per_message), and its
+busiest link's bytes over that link's bandwidth, where a
 message loads its sender's link out, its receiver's link in and, between racks, the uplinks
 of both racks (Links). A tensor cut into P pieces runs the plan once per piece, piece j a
 round behind piece j-1 (the pipelining of allreduce/steps.py, whose pieces leave one after
@@ -81,18 +82,24 @@ def rounds(plans: list[list[Step]]) -> list[list[Transfer]]:
     return out
 
 
-def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1, itemsize: int = 1) -> float:
+def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1, itemsize: int = 1,
+            per_message: float = 0.0) -> float:
     """The model's time for plans of one piece (elements of itemsize bytes), run as `pieces`
-    pipelined pieces (see the module)."""
-    loads = []
+    pipelined pieces (see the module). alpha: each round's latency; per_message: what each
+    message a rank sends or receives costs it (a round costs its busiest rank's count of them:
+    an exchange two, a tree's hop one)."""
+    loads, handled = [], []
     for moves in rounds(plans):
         load: dict[tuple, list[float]] = {}
+        count: dict[int, int] = {}
         for i, j, mine, _ in moves:
             nbytes = (mine.send[1] - mine.send[0]) * itemsize
             for link, bw in links.loads(i, j):
                 load.setdefault(link, [0.0, bw])[0] += nbytes
+            count[i], count[j] = count.get(i, 0) + 1, count.get(j, 0) + 1
         loads.append(load)
-    total = len(loads) * alpha
+        handled.append(max(count.values()))
+    total = len(loads) * alpha + per_message * sum(handled)
     for t in range(len(loads) + pieces - 1):
         slot: dict[tuple, list[float]] = {}
         for r in range(max(0, t - pieces + 1), min(t, len(loads) - 1) + 1):
@@ -103,6 +110,7 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
 
 
 @lru_cache(maxsize=4096)
-def predict_plan(plan, piece_bytes: int, world: int, links: Links, alpha: float, pieces: int) -> float:
+def predict_plan(plan, piece_bytes: int, world: int, links: Links, alpha: float, pieces: int,
+                 per_message: float = 0.0) -> float:
     """seconds() of the algorithm given by plan(numel, rank, world), for pieces of piece_bytes."""
-    return seconds([plan(piece_bytes, r, world) for r in range(world)], links, alpha, pieces)
+    return seconds([plan(piece_bytes, r, world) for r in range(world)], links, alpha, pieces, 1, per_message)

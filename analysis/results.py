@@ -80,13 +80,18 @@ class Run:
 
     @property
     def placement(self) -> str | None:
-        """Where a ps-* run's shards were on an emulated network ("colocated", "separate"),
-        with ", phased" under ps.exchange=phased; None for other engines and on loopback."""
+        """Where a ps-* run's shards were on an emulated network ("colocated", "separate", on
+        racks "separate in racks 0,1"), with ", phased" under ps.exchange=phased; None for
+        other engines and on loopback."""
         net = self.summary.get("network")
         if not self.spec.uses_servers or not net:
             return None
         phased = self.config.get("ps", {}).get("exchange") == "phased"
-        return net.get("placement", "colocated") + (", phased" if phased else "")
+        where = net.get("placement", "colocated")
+        rack_of = net.get("rack_of") or {}
+        if int(net.get("racks") or 1) > 1 and where == "separate":  # the shards' racks tell runs apart
+            where += " in racks " + ",".join(str(rack_of[h]) for h in sorted(rack_of) if h.startswith("s"))
+        return where + (", phased" if phased else "")
 
     def records(self) -> list[dict]:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]

@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from allreduce.auto import MESSAGE_S, pieces, predict
+from allreduce.auto import LINK_MESSAGE_S, crowding, pieces, predict
 from analysis.linkmodel import PAYLOAD
 from experiments.rundir import files
 from experiments.runtime.launcher import run_ranks
+from experiments.runtime.netns import burst_bytes
 from experiments.runtime.sites import Emulated
 from experiments.settings.net import NetConfig, parse_rate
 
@@ -61,13 +62,14 @@ def topologies(cores: int | None = None) -> tuple[Topology, ...]:
 
 def model_s(algorithm: str, nbytes: int, topo: Topology, net: NetConfig, alpha: bool = True) -> float:
     """The alpha-beta model's seconds for what ran (the library's: Gloo's ring, in rank order),
-    at the links' TCP payload rate (analysis/linkmodel.py's PAYLOAD); alpha=False: its links'
-    part alone."""
+    at the links' TCP payload rate (analysis/linkmodel.py's PAYLOAD), its messages' cost for
+    ranks sharing this machine's cores; alpha=False: its links' part alone."""
     racks = tuple(net.worker_rack(r, topo.ranks) for r in range(topo.ranks)) if topo.racks > 1 else None
     uplink = parse_rate(net.uplink) * PAYLOAD / 8 if net.uplink else None
-    a = MESSAGE_S + topo.latency_ms / 1e3 if alpha else 0.0
+    a, per = (topo.latency_ms / 1e3, LINK_MESSAGE_S * crowding(topo.ranks)) if alpha else (0.0, 0.0)
     algo = "ring" if algorithm == "library" else algorithm
-    return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) * PAYLOAD / 8, racks, uplink, pieces(nbytes))
+    return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) * PAYLOAD / 8, racks, uplink,
+                   pieces(nbytes), per)
 
 
 def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> Path:
@@ -83,7 +85,7 @@ def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> 
             spec = {"sizes": list(topo.sizes), "algorithms": algorithms, "racks": racks if topo.racks > 1 else None,
                     "delay_s": topo.latency_ms / 1e3 if sites.latency_by.startswith("engine") else 0.0,
                     "bandwidth": parse_rate(RATE) / 8, "rounds": rounds, "budget_s": 0.3,
-                    "uplink": parse_rate(net.uplink) / 8 if net.uplink else None}
+                    "uplink": parse_rate(net.uplink) / 8 if net.uplink else None, "crowded": crowding(topo.ranks)}
             tag = topo.name.replace(", ", "-").replace(" ", "").replace(":", "to")
             spec_path, result = out / f"collectives-{tag}.spec.json", out / f"collectives-{tag}.json"
             files.write_json(spec_path, spec)
@@ -91,6 +93,7 @@ def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> 
                       topo.ranks, out / "logs" / f"collectives-{tag}", deadline_s=900, sites=sites)
         for row in json.loads(result.read_text())["rows"]:
             rows.append({**row, "topology": topo.name, **asdict(topo), "sizes": None, "rate": RATE,
+                         "burst_bytes": burst_bytes(parse_rate(RATE)),
                          "uplink": net.uplink, "model_us": 1e6 * model_s(row["ran"], row["bytes"], topo, net),
                          "model_link_us": 1e6 * model_s(row["ran"], row["bytes"], topo, net, alpha=False)})
     path = out / "collectives.json"

@@ -22,9 +22,14 @@ def allreduce(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace |
     from experiments.settings.net import parse_rate
 
     bandwidth = parse_rate(cfg.net.rate) / 8 if cfg.net.rate else None  # auto's model: the links' bytes/s
+    # hierarchical's groups and auto's model: the racks given (None: by host, asked at attach)
+    racks = tuple(cfg.net.worker_rack(r, env.world) for r in range(env.world)) if cfg.net.racks > 1 else None
+    uplink = parse_rate(cfg.net.uplink) / 8 if cfg.net.uplink else None
+    from allreduce.auto import crowding
+
     return AllReduceEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, trace,
                            cfg.fault.delay_s, sparse_tables=cfg.sparse_tables, compression=compression(cfg),
-                           bandwidth=bandwidth)
+                           bandwidth=bandwidth, racks=racks, uplink=uplink, crowded=crowding(env.local_world))
 
 
 def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

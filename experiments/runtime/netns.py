@@ -224,7 +224,7 @@ class Network:
         """Egress of dev in netns: tbf at rate (the hosts' where ""), and netem delay in front
         where it exists and delay is asked for."""
         rate = rate or self.rate
-        burst = _burst(parse_rate(rate))
+        burst = burst_bytes(parse_rate(rate))
         if self.latency_ms and delay:
             run("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                 "delay", f"{self.latency_ms}ms")
@@ -242,7 +242,7 @@ class Network:
         (TCP ACKs of what it receives) ahead of its bulk data. The bridge's side of the link,
         a switch port, stays a short drop-tail queue (_shape)."""
         bits = parse_rate(self.rate)
-        burst = _burst(bits)
+        burst = burst_bytes(bits)
         root = "2:"
         lines = []
         if self.latency_ms:
@@ -489,8 +489,9 @@ def _addr(index: int) -> str:
     return f"{SUBNET}.{index + 1}"
 
 
-def _burst(bits: float) -> int:
-    """A burst of ~4 ms of traffic (at least a few MTUs): keeps tbf and htb exact at high rates."""
+def burst_bytes(bits: float) -> int:
+    """A burst of ~4 ms of traffic (at least a few MTUs): keeps tbf and htb exact at high rates.
+    A message below it, after the link was idle, leaves faster than the rate."""
     return max(16_000, int(bits / 8 * 0.004))
 
 

@@ -28,7 +28,9 @@ class NetConfig:
     co-locates them), or "separate": a host of their own each (spare CPU machines)."""
     racks: int = 1
     """Racks of hosts: each rack's hosts on a switch of their own, each rack switch joined to
-    one core switch by an uplink (net.uplink); 1: every host on one switch. Needs --net RATE."""
+    one core switch by an uplink (net.uplink); 1: every host on one switch. Without --net RATE
+    nothing is emulated: the racks only group the workers for allreduce.algorithm=hierarchical
+    and auto (the racks of a real cluster's hosts under `psar launch`)."""
     uplink: str = ""
     """Each rack's link to the core, each way, in tc's units: a rack of k hosts behind an
     uplink below k x RATE is oversubscribed; "": not shaped (the core is no bottleneck).
@@ -64,8 +66,8 @@ class NetConfig:
         """The racks against each other and against the run's hosts, once every override is in
         (net.racks may come after net.uplink): workers, and the separate shards' count (None
         where the engine runs no shards, so net.server_racks is not its concern)."""
-        if self.racks > 1 and not self.rate:
-            raise ValueError(f"net.racks={self.racks} needs an emulated network: give --net RATE too")
+        if self.uplink and not self.rate:
+            raise ValueError(f"net.uplink={self.uplink} shapes an emulated network: give --net RATE too")
         if self.uplink and self.racks == 1:
             raise ValueError(f"net.uplink={self.uplink} joins racks to the core: set net.racks above 1 too")
         if self.server_racks and self.placement == "colocated":

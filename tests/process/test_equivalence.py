@@ -52,6 +52,9 @@ def POOL_JOBS() -> dict[str, dict]:
     for name, algorithm in (("hd", "halving-doubling"), ("tree", "tree"), ("auto", "auto")):
         jobs[f"q3-{name}-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3,
                                       overrides=F64 + PER_PARAM + (f"allreduce.algorithm={algorithm}",))
+    # racks of 1 and 2 workers (worker 0 alone): the cross-rack ring, and a fold in the larger rack
+    jobs["q3-hierarchical-f64"] = dict(experiment="quickstart", engine="allreduce", workers=3, overrides=F64 + (
+        "allreduce.algorithm=hierarchical", "net.racks=2", "net.worker_racks=0,1,1"))
     for algorithm in ("library", "ring"):
         jobs[f"fp16-{algorithm}"] = dict(
             experiment="quickstart", engine="allreduce",
@@ -102,9 +105,13 @@ def test_ring_with_three_workers_matches_local(results):
     assert max_param_diff(results["q3-local-f64"][1], results["q3-ring-f64"][1]) < 1e-10
 
 
-@pytest.mark.parametrize("name", ["hd", "tree", "auto"])
-def test_halving_doubling_folded_tree_and_auto_with_three_workers_match_local(results, name):
+@pytest.mark.parametrize("name", ["hd", "tree", "auto", "hierarchical"])
+def test_halving_doubling_folded_tree_auto_and_hierarchical_with_three_workers_match_local(results, name):
     assert max_param_diff(results["q3-local-f64"][1], results[f"q3-{name}-f64"][1]) < 1e-10
+
+
+def test_hierarchical_ran_on_the_racks_given(results):
+    assert results["q3-hierarchical-f64"][0]["racks"] == [0, 1, 1]
 
 
 @pytest.mark.parametrize("algorithm", ["library", "ring", "ddp"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from allreduce.auto import MESSAGE_S, choose, predict
+from allreduce.auto import ALGORITHMS, MESSAGE_S, choose, crowding, pieces, predict
 
 
 def test_the_model_of_each_algorithm():
@@ -18,27 +18,29 @@ def test_the_model_of_each_algorithm():
 
 
 @pytest.mark.parametrize("nbytes,world,delay_s,bandwidth,expected", [
-    (64 * 1024, 8, 0.005, None, "halving-doubling"),  # 5 ms a message: 6 steps against the ring's 14
-    (64 << 20, 8, 0.0, None, "halving-doubling"),      # the ring's bytes in 6 steps, not 14
+    (64 * 1024, 8, 0.005, None, "tree"),               # 5 ms a round: 6 one-way hops against the ring's 14 exchanges
+    (1 << 20, 8, 0.0, None, "halving-doubling"),       # the ring's bytes in 6 exchanges, not 14
     (64 << 20, 6, 0.0, None, "ring"),                  # 6 ranks: halving-doubling's fold moves whole tensors
-    (1024, 5, 0.005, None, "halving-doubling"),        # 5 ms a message: its fold costs 2 steps, the ring 8
     (64 << 20, 3, 0.0, 12.5e6, "ring"),                # 100mbit, 3 ranks: whole-tensor steps are the worst
 ])
 def test_auto_picks_the_fastest_by_the_model(nbytes, world, delay_s, bandwidth, expected):
     assert choose(nbytes, world, delay_s, bandwidth) == expected
-    alpha = MESSAGE_S + delay_s
     b = bandwidth or 1.2e9
-    best = min(predict(a, nbytes, world, alpha, b) for a in ("ring", "halving-doubling", "tree"))
-    assert predict(expected, nbytes, world, alpha, b) == best
+    n = pieces(nbytes)
+    best = min(predict(a, nbytes, world, delay_s, b, npieces=n, per_message=MESSAGE_S) for a in ALGORITHMS)
+    assert predict(expected, nbytes, world, delay_s, b, npieces=n, per_message=MESSAGE_S) == best
 
 
-def test_the_unpipelined_tree_never_beats_halving_doubling_in_this_model():
-    """Both take 2 log2 steps; the tree moves the whole tensor in each (it wins only pipelined,
-    as NCCL's is), so auto never picks it."""
-    for world in range(2, 17):
-        for nbytes in (1024, 1 << 20, 64 << 20):
-            assert choose(nbytes, world, 0.005) != "tree" and choose(nbytes, world) != "tree"
+def test_the_tree_wins_small_messages_and_never_large_ones():
+    """A tree's hop is one message to each rank it touches, an exchange two: where messages'
+    fixed costs decide, the tree wins; its whole-tensor rounds lose wherever bytes decide."""
+    for world in range(3, 17):
+        assert choose(1024, world) == "tree" and choose(1024, world, 0.005) == "tree"
+        assert choose(64 << 20, world) != "tree" and choose(16 << 20, world, 0.005) != "tree"
 
 
-def test_two_ranks_tie_and_take_the_ring():
-    assert choose(4 << 20, 2) == "ring"  # every algorithm is one exchange each way on 2 ranks
+def test_ranks_that_share_cores_pay_more_per_message():
+    assert crowding(8, cores=2) == 4.0 and crowding(1, cores=16) == 1.0
+    # 256 KB on 8 ranks: at 4 ranks a core, halving-doubling's 12 messages a rank cost more
+    # than the tree's whole-tensor hops, 6 messages a rank
+    assert choose(256 << 10, 8) == "halving-doubling" and choose(256 << 10, 8, crowded=4) == "tree"

@@ -15,7 +15,8 @@ MB = 1 << 20
 
 
 def row(topology, nbytes, algorithm, time_us, model_us, link_us, ran=None):
-    return {"topology": topology, "bytes": nbytes, "algorithm": algorithm, "ran": ran or algorithm,
+    return {"topology": topology, "bytes": nbytes, "ranks": 4, "burst_bytes": 500_000,
+            "algorithm": algorithm, "ran": ran or algorithm,
             "time_us": time_us, "busbw_gbs": nbytes / time_us / 1e3, "model_us": model_us, "model_link_us": link_us}
 
 

@@ -79,8 +79,11 @@ def test_racks_are_checked_against_the_run_once_every_override_is_in():
     assert [separate.net.server_rack(s, 2) for s in range(2)] == [1, 1]
     # A non-ps engine runs no shards: the list waits for a run that has them (one grid, many engines).
     build_config("quickstart", [*RACKS, "net.placement=separate", "net.server_racks=1,1,1"], engine="allreduce")
+    # Without --net, racks only group the workers (hierarchical all-reduce on a real cluster).
+    assert build_config("quickstart", ["net.racks=2"], engine="allreduce", workers=4).net.worker_rack(3, 4) == 1
     for overrides, engine, message in [
-        (["net.racks=2"], "allreduce", "net.racks=2 needs an emulated network: give --net RATE too"),
+        (["net.racks=2", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit shapes an emulated network: "
+                                                             "give --net RATE too"),
         (["net.rate=200mbit", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit joins racks to the core: "
                                                                   "set net.racks above 1 too"),
         ([*RACKS, "net.worker_racks=0,1,1"], "allreduce", "net.worker_racks='0,1,1' places 3 hosts; the run has 2"),
