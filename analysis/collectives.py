@@ -37,9 +37,10 @@ def size_text(nbytes: int) -> str:
 def sweep_rows(data: dict) -> list[dict]:
     """One row per (topology, size, algorithm) with its time against the model and the best."""
     best: dict[tuple, float] = {}
-    for r in data["rows"]:
+    for r in data["rows"]:  # auto is not an algorithm of its own: it runs one of them
         key = (r["topology"], r["bytes"])
-        best[key] = min(best.get(key, float("inf")), r["time_us"])
+        if r["algorithm"] != "auto":
+            best[key] = min(best.get(key, float("inf")), r["time_us"])
     out = []
     for r in data["rows"]:
         out.append({"topology": r["topology"], "size": size_text(r["bytes"]), "bytes": r["bytes"],
@@ -53,13 +54,14 @@ def sweep_rows(data: dict) -> list[dict]:
 
 
 def winner_rows(sweep: list[dict]) -> list[dict]:
-    """Per (topology, size): the fastest algorithm, the ring's and auto's times against it."""
+    """Per (topology, size): the fastest algorithm (auto aside), the ring's and auto's times
+    against it."""
     cells: dict[tuple, dict[str, dict]] = {}
     for r in sweep:
         cells.setdefault((r["topology"], r["bytes"]), {})[r["algorithm"]] = r
     out = []
     for (topology, _), algos in cells.items():
-        name, fastest = min(algos.items(), key=lambda kv: kv[1]["time_ms"])
+        name, fastest = min(((a, r) for a, r in algos.items() if a != "auto"), key=lambda kv: kv[1]["time_ms"])
         auto, ring = algos.get("auto"), algos.get("ring")
         out.append({"topology": topology, "size": fastest["size"], "best": name, "best_ms": fastest["time_ms"],
                     "ring_x": ring["vs_best"] if ring else None,
@@ -82,15 +84,16 @@ def model_error(sweep: list[dict]) -> str:
 def figure(sweep: list[dict], out_dir: Path) -> Path:
     """Bus bandwidth against size, a panel per topology; the model dashed."""
     topologies = list(dict.fromkeys(r["topology"] for r in sweep))
-    cols = min(3, len(topologies))
+    colours = {a: f"C{i}" for i, a in enumerate(dict.fromkeys(r["algorithm"] for r in sweep))}
+    cols = 2 if len(topologies) == 4 else min(3, len(topologies))
     rows = -(-len(topologies) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
     for ax, topo in zip(axes.flat, topologies):
         here = [r for r in sweep if r["topology"] == topo]
-        for i, algo in enumerate(dict.fromkeys(r["algorithm"] for r in here)):
+        for algo in dict.fromkeys(r["algorithm"] for r in here):
             pts = sorted((r["bytes"], r["busbw_gbs"], r["busbw_gbs"] * r["time_ms"] / r["model_ms"])
                          for r in here if r["algorithm"] == algo)
-            colour = f"C{i}"
+            colour = colours[algo]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colour, label=algo)
             if algo != "auto":
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=colour, alpha=0.5)
@@ -101,7 +104,8 @@ def figure(sweep: list[dict], out_dir: Path) -> Path:
         ax.set_ylabel("bus bandwidth GB/s")
     for ax in list(axes.flat)[len(topologies):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines() if not h.get_label().startswith("_")}
+    axes.flat[0].legend(handles.values(), handles.keys(), fontsize=8)
     fig.suptitle("all-reduce algorithms: measured (solid) and the alpha-beta model (dashed)")
     path = save_figure(fig, out_dir, "collectives.png")
     plt.close(fig)
@@ -136,8 +140,10 @@ def train_rows(runs: list[Run]) -> list[dict]:
     return out
 
 
-def _only(rows: list[dict], columns) -> list[dict]:
-    return [{k: r.get(k) for k, _ in columns} for r in rows]
+def _write(rows: list[dict], out_dir: Path, columns, name: str) -> list[Path]:
+    """name.csv and name.md of rows' columns."""
+    only = [{k: r.get(k) for k, _ in columns} for r in rows]
+    return list(write(only, out_dir, columns, name, markdown(only, columns, missing="")))
 
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
@@ -150,13 +156,13 @@ def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
         winners = winner_rows(sweep)
         parts += ["where each algorithm wins", markdown(winners, WINNER_COLUMNS, missing=""),
                   "model error on link-bound rows", model_error(sweep)]
-        paths += list(write(_only(winners, WINNER_COLUMNS), out_dir, WINNER_COLUMNS, "collectives-winners"))
-        paths += list(write(_only(sweep, SWEEP_COLUMNS), out_dir, SWEEP_COLUMNS, "collectives-sweep"))
+        paths += _write(winners, out_dir, WINNER_COLUMNS, "collectives-winners")
+        paths += _write(sweep, out_dir, SWEEP_COLUMNS, "collectives-sweep")
         paths.append(figure(sweep, out_dir))
     if runs:
         train = train_rows(runs)
         parts += ["training on two racks", markdown(train, TRAIN_COLUMNS, missing="")]
-        paths += list(write(_only(train, TRAIN_COLUMNS), out_dir, TRAIN_COLUMNS, "collectives-training"))
+        paths += _write(train, out_dir, TRAIN_COLUMNS, "collectives-training")
     text = "\n\n".join(parts)
     (out_dir / "collectives.md").write_text(text + "\n")
     return text, [out_dir / "collectives.md"] + paths

@@ -27,8 +27,12 @@ def collectives_goals(out: Path, echo: Callable[[str], None] = print) -> dict:
         return {}
     from experiments.comparisons.collectives import measure
 
-    path = measure(Path(out) / "collectives", echo=echo)
-    sweep = sweep_rows(json.loads(path.read_text()))
+    return goals(measure(Path(out) / "collectives", echo=echo), echo)
+
+
+def goals(path: Path, echo: Callable[[str], None] = print) -> dict:
+    """The goals read off a sweep's collectives.json (psar compare collectives writes one too)."""
+    sweep = sweep_rows(json.loads(Path(path).read_text()))
     cells: dict[tuple, dict[str, dict]] = {}
     for r in sweep:
         cells.setdefault((r["topology"], r["bytes"]), {})[r["algorithm"]] = r
