@@ -35,6 +35,11 @@ LINK_MESSAGE_S = 3e-4
 cores at 1gbit, 4 KB took 6.6 ms on the ring (4 ranks, 6 exchanges), 5.4 on halving-doubling
 (4 exchanges) and 2.6 on the tree (4 one-way hops): 0.55 to 0.68 ms a message with 2 ranks
 a core, 0.86 to 1.1 ms on 8 ranks (4 a core). Ranks that share cores pay it `crowding` times."""
+EMULATED_BURST_S = 0.004
+"""What an emulated link lets through at once after an idle spell, in seconds of its rate
+(experiments/runtime/netns.py's burst_bytes: tbf and htb need one): a message below it
+crosses faster than the rate there. On two racks at 1gbit a 64 KB tree took 2.2 ms where
+its rounds at the rate take 5.5."""
 LOOPBACK_BYTES_S = 1.2e9
 """A link's bandwidth without an emulated network: psar bench's busbw on 2 ranks, 1.15 to 1.3
 GB/s from 4 MiB on this 2-core machine."""
@@ -49,10 +54,11 @@ def pieces(nbytes: float) -> int:
 
 def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float,
             racks: tuple[int, ...] | None = None, uplink: float | None = None, npieces: int = 1,
-            per_message: float = 0.0) -> float:
+            per_message: float = 0.0, burst_s: float = 0.0) -> float:
     """The model's seconds for one all-reduce of nbytes on `world` ranks, in npieces pieces;
     alpha: a round's latency, per_message: a message's cost to each rank that sends or
-    receives it; racks: the rack of each rank, uplink: their uplinks' bytes/s."""
+    receives it; racks: the rack of each rank, uplink: their uplinks' bytes/s; burst_s: the
+    links' burst (plancost.Links)."""
     if world == 1:
         return 0.0
     if algorithm == "hierarchical":
@@ -61,7 +67,7 @@ def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: 
         plan = _PLANS[algorithm]
     else:
         raise ValueError(f"no model of algorithm {algorithm!r}")
-    links = Links(bandwidth, racks, uplink)
+    links = Links(bandwidth, racks, uplink, burst_s)
     return predict_plan(plan, max(1, int(nbytes // npieces)), world, links, alpha, npieces, per_message)
 
 
@@ -80,8 +86,10 @@ def crowding(local_ranks: int, cores: int | None = None) -> float:
 def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | None = None,
            racks: tuple[int, ...] | None = None, uplink: float | None = None, crowded: float = 1.0) -> str:
     """The fastest algorithm by the model (the ring where they tie). bandwidth: the emulated
-    links' bytes/s (None: loopback, whose messages cost less); crowded: crowding()."""
-    per = (MESSAGE_S if bandwidth is None else LINK_MESSAGE_S) * crowded
-    b, n = bandwidth or LOOPBACK_BYTES_S, pieces(nbytes)
+    links' bytes/s (None: loopback, whose messages cost less; emulated links burst);
+    crowded: crowding()."""
+    emulated = bandwidth is not None
+    per = (LINK_MESSAGE_S if emulated else MESSAGE_S) * crowded
+    b, n, burst = bandwidth or LOOPBACK_BYTES_S, pieces(nbytes), EMULATED_BURST_S if emulated else 0.0
     return min(candidates(racks),
-               key=lambda a: (predict(a, nbytes, world, delay_s, b, racks, uplink, n, per), a != "ring"))
+               key=lambda a: (predict(a, nbytes, world, delay_s, b, racks, uplink, n, per, burst), a != "ring"))

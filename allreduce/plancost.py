@@ -6,7 +6,8 @@ so a new algorithm is priced as it runs.
 only when its peer's current step receives it): each round is the set of messages that can
 cross at once; a plan that cannot finish raises. A round costs alpha (the links' latency),
 the fixed cost of each message its busiest rank sends or receives (per_message), and its
-busiest link's bytes over that link's bandwidth, where a
+busiest link's bytes over that link's bandwidth (less what the link's burst lets through at
+once where it has had time to refill: Links.burst_s), where a
 message loads its sender's link out, its receiver's link in and, between racks, the uplinks
 of both racks (Links). A tensor cut into P pieces runs the plan once per piece, piece j a
 round behind piece j-1 (the pipelining of allreduce/steps.py, whose pieces leave one after
@@ -30,6 +31,9 @@ class Links:
     host: float
     racks: tuple[int, ...] | None = None
     uplink: float | None = None
+    burst_s: float = 0.0
+    """Seconds of its rate a link lets through at once after an idle spell (a token bucket's
+    burst: the emulated links' tbf and htb hold 4 ms; a real NIC or switch port none)."""
 
     def loads(self, src: int, dst: int) -> list[tuple[tuple, float]]:
         """The links a message from src to dst crosses, with each one's bandwidth."""
@@ -100,12 +104,26 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
         loads.append(load)
         handled.append(max(count.values()))
     total = len(loads) * alpha + per_message * sum(handled)
+    tokens: dict[tuple, tuple[float, float]] = {}  # a link's burst left, and when it was counted
+    clock = 0.0
     for t in range(len(loads) + pieces - 1):
         slot: dict[tuple, list[float]] = {}
         for r in range(max(0, t - pieces + 1), min(t, len(loads) - 1) + 1):
             for link, (nbytes, bw) in loads[r].items():
                 slot.setdefault(link, [0.0, bw])[0] += nbytes
-        total += max((nbytes / bw for nbytes, bw in slot.values()), default=0.0)
+        took = 0.0
+        for link, (nbytes, bw) in slot.items():
+            cap = bw * links.burst_s
+            left, since = tokens.get(link, (cap, 0.0))
+            left = min(cap, left + bw * (clock - since))  # refilled while it waited
+            took = max(took, max(0.0, nbytes - left) / bw)
+        for link, (nbytes, bw) in slot.items():
+            cap = bw * links.burst_s
+            left, since = tokens.get(link, (cap, 0.0))
+            left = min(cap, left + bw * (clock + took - since))
+            tokens[link] = (max(0.0, left - nbytes), clock + took)
+        clock += took
+        total += took
     return total
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from allreduce.auto import LINK_MESSAGE_S, crowding, pieces, predict
+from allreduce.auto import EMULATED_BURST_S, LINK_MESSAGE_S, crowding, pieces, predict
 from analysis.linkmodel import PAYLOAD
 from experiments.rundir import files
 from experiments.runtime.launcher import run_ranks
@@ -62,14 +62,14 @@ def topologies(cores: int | None = None) -> tuple[Topology, ...]:
 
 def model_s(algorithm: str, nbytes: int, topo: Topology, net: NetConfig, alpha: bool = True) -> float:
     """The alpha-beta model's seconds for what ran (the library's: Gloo's ring, in rank order),
-    at the links' TCP payload rate (analysis/linkmodel.py's PAYLOAD), its messages' cost for
-    ranks sharing this machine's cores; alpha=False: its links' part alone."""
+    at the links' TCP payload rate (analysis/linkmodel.py's PAYLOAD) with their burst, its
+    messages' cost for ranks sharing this machine's cores; alpha=False: its links' part alone."""
     racks = tuple(net.worker_rack(r, topo.ranks) for r in range(topo.ranks)) if topo.racks > 1 else None
     uplink = parse_rate(net.uplink) * PAYLOAD / 8 if net.uplink else None
     a, per = (topo.latency_ms / 1e3, LINK_MESSAGE_S * crowding(topo.ranks)) if alpha else (0.0, 0.0)
     algo = "ring" if algorithm == "library" else algorithm
     return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) * PAYLOAD / 8, racks, uplink,
-                   pieces(nbytes), per)
+                   pieces(nbytes), per, EMULATED_BURST_S)
 
 
 def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> Path:

@@ -83,3 +83,16 @@ def test_a_plan_that_cannot_finish_is_named():
     from allreduce.steps import Step
     with pytest.raises(ValueError, match="deadlock"):
         seconds([[Step(1, (0, 0), (0, 4), True)], [Step(0, (0, 0), (0, 4), True)]], Links(1.0), 0.0)
+
+
+def test_a_links_burst_lets_small_messages_through_and_barely_shortens_large_ones():
+    B = 125e6
+    # 4 ranks, 4 KB: each round's bytes fit the 4 ms burst, so only the messages' costs remain
+    assert predict("tree", 4096, 4, 0.0, B, per_message=1e-3, burst_s=0.004) == pytest.approx(4 * 1e-3)
+    # 64 MB on the ring: the burst is 0.5 MB of 96 MB a link carries
+    big, bursting = predict("ring", 64 << 20, 4, 0.0, B, npieces=4), \
+        predict("ring", 64 << 20, 4, 0.0, B, npieces=4, burst_s=0.004)
+    assert 0.99 * big < bursting < big
+    # on two racks at 4:1, 64 KB: the tree's hops fit the bursts, its link rounds do not
+    racks = (0, 1, 0, 1)
+    assert choose(64 << 10, 4, 0.0, B, racks, B / 2, crowded=2.0) == "tree"
