@@ -112,10 +112,15 @@ def run_algorithm(algorithm: str, buf: torch.Tensor, rank: int, world: int, dela
     return algorithm
 
 
+SMALL_BYTES = 1 << 20
+"""sweep() runs sizes up to this twice as many rounds."""
+
+
 def sweep(rank: int, world: int, spec: dict) -> list[dict]:
     """Every size of spec["sizes"] by every algorithm of spec["algorithms"] on this job's
     links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
-    spec gives them. The algorithms take turns in spec["rounds"] rounds (median), each timing
+    spec gives them. The algorithms take turns in spec["rounds"] rounds (twice as many up to
+    SMALL_BYTES; the median), each timing
     enough repetitions to fill spec["budget_s"] seconds, after one warm-up each."""
     racks = tuple(spec["racks"]) if spec.get("racks") else None
     args = dict(delay_s=spec.get("delay_s", 0.0), racks=racks, bandwidth=spec.get("bandwidth"),
@@ -133,7 +138,9 @@ def sweep(rank: int, world: int, spec: dict) -> list[dict]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             first[algorithm] = elapsed.item()
         times: dict[str, list[float]] = {a: [] for a in spec["algorithms"]}
-        for _ in range(spec.get("rounds", 3)):
+        # A few ms apart, a small size's algorithms differ by less than a busy machine's
+        # noise in 3 rounds (auto and the algorithm it ran came 11 to 18% apart): twice as many.
+        for _ in range(spec.get("rounds", 3) * (2 if nbytes <= SMALL_BYTES else 1)):
             for algorithm in spec["algorithms"]:
                 iters = max(1, min(100, int(spec.get("budget_s", 0.3) / max(first[algorithm], 1e-6))))
                 dist.barrier()
