@@ -22,10 +22,11 @@ Every rank computes the same choice from the same numbers: no message is needed 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 from . import halving, hierarchical, ringplan, tree
 from .plancost import Links, predict_plan
-from .ring import MAX_PIECES, PIECE_BYTES
+from .ring import piece_count
 
 MESSAGE_S = 1e-4
 """A message's fixed cost to a rank that sends or receives it, on loopback Gloo with a core
@@ -49,7 +50,7 @@ _PLANS = {"ring": ringplan.plan, "halving-doubling": halving.plan, "tree": tree.
 
 def pieces(nbytes: float) -> int:
     """How many pipelined pieces a tensor of nbytes runs as on the CPU (allreduce/steps.py)."""
-    return max(1, min(MAX_PIECES, -(-int(nbytes) // PIECE_BYTES)))
+    return piece_count(int(nbytes))
 
 
 def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float,
@@ -83,6 +84,7 @@ def crowding(local_ranks: int, cores: int | None = None) -> float:
     return max(1.0, local_ranks / max(1, cores or os.cpu_count() or 1))
 
 
+@lru_cache(maxsize=1024)  # asked for every bucket of every step, with the same few sizes
 def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | None = None,
            racks: tuple[int, ...] | None = None, uplink: float | None = None, crowded: float = 1.0) -> str:
     """The fastest algorithm by the model (the ring where they tie). bandwidth: the emulated

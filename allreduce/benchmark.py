@@ -19,26 +19,13 @@ import torch.distributed as dist
 from . import hierarchical
 from .auto import choose
 from .collective import PLANNED
-from .halving import halving_doubling_allreduce
 from .ring import ring_allreduce
-from .tree import tree_allreduce
 
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
 ALGORITHMS = ("library", "ring", "halving-doubling")
 LATENCY = dict(nbytes=64 * 1024, delay_s=0.005, iters=3)
 """The latency row (--latency): 64 KiB with 5 ms injected per message, ring against
 halving-doubling and tree: 2(N-1) steps against 2 log2 N."""
-
-
-def _once(algorithm: str, buf: torch.Tensor, rank: int, world: int, delay_s: float = 0.0) -> None:
-    if algorithm == "library":
-        dist.all_reduce(buf)
-    elif algorithm == "ring":
-        ring_allreduce(buf, rank, world, delay_s=delay_s)
-    elif algorithm == "tree":
-        tree_allreduce(buf, rank, world, delay_s=delay_s)
-    else:
-        halving_doubling_allreduce(buf, rank, world, delay_s=delay_s)
 
 
 def measure_latency(rank: int, world: int, rounds: int = 3) -> list[dict]:
@@ -51,7 +38,7 @@ def measure_latency(rank: int, world: int, rounds: int = 3) -> list[dict]:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(LATENCY["iters"]):
-                _once(algorithm, buf, rank, world, LATENCY["delay_s"])
+                run_algorithm(algorithm, buf, rank, world, LATENCY["delay_s"])
             elapsed = torch.tensor([(time.perf_counter() - start) / LATENCY["iters"]], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())
@@ -73,13 +60,13 @@ def measure(rank: int, world: int, sizes=SIZES, device: str = "cpu", rounds: int
         iters = _iterations(nbytes)
         times: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
         for algorithm in ALGORITHMS:
-            _once(algorithm, buf, rank, world)  # warm-up: connections, allocations
+            run_algorithm(algorithm, buf, rank, world)  # warm-up: connections, allocations
         for _ in range(rounds):
             for algorithm in ALGORITHMS:
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(iters):
-                    _once(algorithm, buf, rank, world)
+                    run_algorithm(algorithm, buf, rank, world)
                 if device != "cpu":
                     torch.cuda.synchronize()
                 elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)

@@ -111,17 +111,13 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
         for r in range(max(0, t - pieces + 1), min(t, len(loads) - 1) + 1):
             for link, (nbytes, bw) in loads[r].items():
                 slot.setdefault(link, [0.0, bw])[0] += nbytes
-        took = 0.0
+        ready = {}  # each link's burst at the slot's start, refilled while it waited
+        for link, (_, bw) in slot.items():
+            left, since = tokens.get(link, (bw * links.burst_s, clock))
+            ready[link] = min(bw * links.burst_s, left + bw * (clock - since))
+        took = max((max(0.0, nbytes - ready[link]) / bw for link, (nbytes, bw) in slot.items()), default=0.0)
         for link, (nbytes, bw) in slot.items():
-            cap = bw * links.burst_s
-            left, since = tokens.get(link, (cap, 0.0))
-            left = min(cap, left + bw * (clock - since))  # refilled while it waited
-            took = max(took, max(0.0, nbytes - left) / bw)
-        for link, (nbytes, bw) in slot.items():
-            cap = bw * links.burst_s
-            left, since = tokens.get(link, (cap, 0.0))
-            left = min(cap, left + bw * (clock + took - since))
-            tokens[link] = (max(0.0, left - nbytes), clock + took)
+            tokens[link] = (max(0.0, min(bw * links.burst_s, ready[link] + bw * took) - nbytes), clock + took)
         clock += took
         total += took
     return total

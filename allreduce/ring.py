@@ -64,6 +64,11 @@ def post_exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None
     return ops, [op(t, peer, group, tag) for op, t, peer in ops]
 
 
+def piece_count(nbytes: int, piece_bytes: int = PIECE_BYTES) -> int:
+    """How many pipelined pieces nbytes go as: pieces of piece_bytes or more, at most MAX_PIECES."""
+    return max(1, min(MAX_PIECES, -(-nbytes // piece_bytes)))
+
+
 def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
     """Split `numel` elements into `world` contiguous chunks whose sizes differ by at most one."""
     if world < 1 or numel < 0:
@@ -104,7 +109,7 @@ def ring_allreduce(
     itemsize = torch.empty(0, dtype=wire).element_size()
     bounds = chunk_bounds(flat.numel(), world)
     longest = bounds[0][1] - bounds[0][0]
-    pieces = max(1, min(-(-longest * itemsize // piece_bytes), MAX_PIECES))
+    pieces = piece_count(longest * itemsize, piece_bytes)
     right, left = (rank + 1) % world, (rank - 1) % world
     if group is not None:
         right = dist.get_global_rank(group, right)

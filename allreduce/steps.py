@@ -9,11 +9,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
-from .ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, post_exchange, scratch_buffer
+from .ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, piece_count, post_exchange, scratch_buffer
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,11 @@ def shifted(steps: list[Step], offset: int) -> list[Step]:
     return [Step(st.peer, move(st.send), move(st.recv), st.add, move(st.round_owned), st.src) for st in steps]
 
 
-def pieces(plan, numel: int, rank: int, world: int, itemsize: int, piece_bytes: int, max_pieces: int,
+def pieces(plan, numel: int, rank: int, world: int, itemsize: int, piece_bytes: int,
            cuda: bool = False) -> list[list[Step]]:
-    """The plan of each piece of the tensor (at most max_pieces of piece_bytes or more; one on
-    CUDA, where NCCL matches a pair's messages by their order alone)."""
-    count = 1 if cuda else max(1, min(max_pieces, -(-numel * itemsize // piece_bytes)))
+    """The plan of each piece of the tensor (ring.piece_count's; one on CUDA, where NCCL
+    matches a pair's messages by their order alone)."""
+    count = 1 if cuda else piece_count(numel * itemsize, piece_bytes)
     return [shifted(plan(b - a, rank, world), a) for a, b in chunk_bounds(numel, count)]
 
 
@@ -62,14 +63,12 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
     messages go in its steps' order on both, so Gloo matches them right."""
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("an all-reduce needs a contiguous 1-D tensor")
-    counts = {len(p) for p in plans}
-    if len(counts) > 1:
-        raise ValueError(f"pieces' plans have {sorted(counts)} steps; every piece needs the same")
+    if not any(plans):
+        return 0, 0
     wire = wire_dtype or flat.dtype
     itemsize = torch.empty(0, dtype=wire).element_size()
-    nsteps = counts.pop() if counts else 0
     # One scratch for every piece: piece j's ranges lie in its own part of the tensor.
-    scratch = scratch_buffer(flat.numel(), wire, flat.device) if nsteps else None
+    scratch = scratch_buffer(flat.numel(), wire, flat.device)
 
     def post(j: int, step: Step, moved: list[int]) -> tuple[list, torch.Tensor | None]:
         if step.round_owned is not None and wire != flat.dtype:
@@ -101,8 +100,6 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
                     flat[r0:r1] = into
         return moved
 
-    if not nsteps:
-        return 0, 0
     if len(plans) == 1:
         return tuple(run_piece(0))
     # Each piece on a thread of its own: piece j's next step leaves the moment its last one is
@@ -138,11 +135,12 @@ def planned(plan):
         """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received).
         The tensor goes in pipelined pieces of piece_bytes or more (at most MAX_PIECES)."""
         itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
-        plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, MAX_PIECES, flat.device.type != "cpu")
+        plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, flat.device.type != "cpu")
         return execute(plans, flat, wire_dtype, group, delay_s)
 
+    @lru_cache(maxsize=256)  # asked for every bucket of every step
     def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES) -> int:
         """What rank `rank` sends for a tensor of numel elements of itemsize bytes (on the CPU)."""
-        return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes, MAX_PIECES), itemsize)
+        return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes), itemsize)
 
     return allreduce, sent_bytes
