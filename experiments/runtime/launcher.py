@@ -16,7 +16,8 @@ from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from experiments.settings.config import RunConfig
 from experiments.engines import get_engine
-from experiments.runtime.sites import free_port, sites_for
+from experiments.runtime.sites import Loopback, sites_for
+from experiments.runtime.sites import free_port  # noqa: F401 (callers take it from here)
 from experiments.rundir.trace import merge as merge_trace
 from experiments.harness.loop import prepare_run_dir
 from experiments.runtime.worker import SERVERS_FILE
@@ -80,9 +81,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             addresses = [f"tcp://{sites.server(s).addr}:{sites.server_port(s)}" for s in range(nservers)]
             files.write_json(run_dir / SERVERS_FILE, addresses)
         dirs = [str(d) for d in run_dirs]
-        base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                    MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(sites.master_port()),
-                    PYTHONUNBUFFERED="1")
+        base = _job_env(sites, nprocs)
         again = ["--resume"] if resume else []
         procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.runtime.shard",
                                                         *again, str(s), *dirs]), base)
@@ -91,9 +90,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         if script:
             base[RUN_DIR_ENV] = dirs[0]
             base[RESUME_ENV] = "1" if resume else "0"
-        procs += [(f"rank {r}", sites.worker(r).wrap(worker),
-                   _gloo_interface(dict(base, RANK=str(r), LOCAL_RANK=str(r)), sites.worker(r).ifname))
-                  for r in range(nprocs)]
+        procs += _rank_procs(sites, worker, nprocs, base)
         run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume,
                       echo_rank0=script is not None and not quiet)
         network = sites.record()
@@ -112,9 +109,22 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     return summaries
 
 
-def _gloo_interface(env: dict[str, str], ifname: str) -> dict[str, str]:
-    """On an emulated host Gloo must use the host's link, not whatever its hostname resolves to."""
-    return dict(env, GLOO_SOCKET_IFNAME=ifname) if ifname else env
+def _job_env(sites, nprocs: int) -> dict[str, str]:
+    """The environment every process of a job of nprocs ranks shares (env:// rendezvous at
+    rank 0's site)."""
+    return dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(sites.master_port()), PYTHONUNBUFFERED="1")
+
+
+def _rank_procs(sites, argv: list[str], nprocs: int, base: dict[str, str]) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, env) of ranks 0..nprocs-1, each at its site. On an emulated host Gloo must
+    use the host's link, not whatever its hostname resolves to."""
+    procs = []
+    for r in range(nprocs):
+        site = sites.worker(r)
+        env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+        procs.append((f"rank {r}", site.wrap(argv), dict(env, GLOO_SOCKET_IFNAME=site.ifname) if site.ifname else env))
+    return procs
 
 
 def require_checkpoints(cfg: RunConfig, run_dir: Path) -> None:
@@ -152,17 +162,9 @@ def run_ranks(argv: list[str], nprocs: int, log_dir: Path, deadline_s: float | N
               show_progress: bool = False, env: dict[str, str] | None = None, sites=None) -> None:
     """Start `argv` as ranks 0..nprocs-1 of a job and wait until all exit 0: on loopback, or
     rank r on sites.worker(r) of an entered Sites (experiments/runtime/sites.py)."""
-    master = (sites.worker(0).addr, sites.master_port()) if sites is not None else ("127.0.0.1", free_port())
-    base = dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), PYTHONUNBUFFERED="1")
-    base.update(env or {})
-    procs = []
-    for r in range(nprocs):
-        site = sites.worker(r) if sites is not None else None
-        rank_env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append((f"rank {r}", site.wrap(argv) if site else argv,
-                      _gloo_interface(rank_env, site.ifname) if site else rank_env))
-    run_processes(procs, log_dir, deadline_s, show_progress)
+    sites = sites or Loopback()
+    base = dict(_job_env(sites, nprocs), **(env or {}))
+    run_processes(_rank_procs(sites, argv, nprocs, base), log_dir, deadline_s, show_progress)
 
 
 STACK_DUMP_S = 0.5
