@@ -11,7 +11,7 @@ from pathlib import Path
 from .plots import save_figure  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time, measured_step
 from .results import Run
-from .table import markdown, write
+from .table import markdown, write_columns
 
 import matplotlib.pyplot as plt
 
@@ -128,11 +128,8 @@ def train_rows(runs: list[Run]) -> list[dict]:
         ideal = link_ideal(run, PAYLOAD)
         compute = compute_time(run)
         step = measured_step(run)
-        net = run.summary.get("network", {})
-        racks = net.get("rack_of") or {}
-        shards = [h for h in racks if h.startswith("s")]
         out.append({"label": run.label, "shards": run.config.get("servers") if run.spec.family == "ps" else "",
-                    "placement": ",".join(str(racks[h]) for h in sorted(shards)) if shards else "",
+                    "placement": run.shard_racks,
                     "step_s": step, "compute_s": compute,
                     "uplink_mb": ideal["uplink_bytes"] / 1e6 if ideal else None,
                     "ideal_s": compute + ideal["seconds"] if ideal else None,
@@ -142,8 +139,7 @@ def train_rows(runs: list[Run]) -> list[dict]:
 
 def _write(rows: list[dict], out_dir: Path, columns, name: str) -> list[Path]:
     """name.csv and name.md of rows' columns."""
-    only = [{k: r.get(k) for k, _ in columns} for r in rows]
-    return list(write(only, out_dir, columns, name, markdown(only, columns, missing="")))
+    return list(write_columns(rows, out_dir, columns, name)[1:])
 
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:

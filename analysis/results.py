@@ -88,10 +88,15 @@ class Run:
             return None
         phased = self.config.get("ps", {}).get("exchange") == "phased"
         where = net.get("placement", "colocated")
-        rack_of = net.get("rack_of") or {}
         if int(net.get("racks") or 1) > 1 and where == "separate":  # the shards' racks tell runs apart
-            where += " in racks " + ",".join(str(rack_of[h]) for h in sorted(rack_of) if h.startswith("s"))
+            where += " in racks " + self.shard_racks
         return where + (", phased" if phased else "")
+
+    @property
+    def shard_racks(self) -> str:
+        """The racks of the shards on hosts of their own, in shard order ("0,1"); "" where none."""
+        rack_of = (self.summary.get("network") or {}).get("rack_of") or {}
+        return ",".join(str(rack_of[h]) for h in sorted(rack_of) if h.startswith("s"))
 
     def records(self) -> list[dict]:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]

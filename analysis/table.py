@@ -230,6 +230,15 @@ def markdown(table: list[dict], columns=None, optional=None, missing: str = "-")
     return "\n".join(lines) + "\n"
 
 
+def write_columns(rows: list[dict], out_dir: Path, columns, name: str) -> tuple[str, Path, Path]:
+    """name.csv and name.md of rows' columns alone, empty cells blank: (the markdown, the csv
+    path, the md path). The named comparisons' own reports."""
+    only = [{key: r.get(key) for key, _ in columns} for r in rows]
+    text = markdown(only, columns, missing="")
+    csv_path, md_path = write(only, out_dir, columns, name, text)
+    return text, csv_path, md_path
+
+
 def write(table: list[dict], out_dir: Path, columns=None, name: str = "summary",
           text: str | None = None) -> tuple[Path, Path]:
     """name.csv and name.md in out_dir (the comparison table's columns by default; text: the
