@@ -176,6 +176,18 @@ class PSConfig:
         fetch_every above 1)."""
         return self.push_every > 1 or self.fetch_every > 1
 
+    def check_downpour(self, engine: str, sync: bool, compression: str = "none") -> None:
+        """Downpour's settings against the engine's (`sync`: one averaged update a round) and
+        compress.method's: ValueError naming what does not go together."""
+        if not self.downpour:
+            return
+        if sync and self.push_every != self.fetch_every:
+            raise ValueError(f"ps.push_every={self.push_every} and ps.fetch_every={self.fetch_every} under "
+                             f"{engine}: a sync round pushes, then takes the step's values; they must be equal")
+        if compression != "none":
+            raise ValueError(f"ps.push_every/ps.fetch_every above 1 with compress.method={compression}: "
+                             "one at a time")
+
     def loss_policy(self, mode: str) -> str:
         """on_worker_loss as it applies to a shard in `mode` ("sync", "async" or "ssp")."""
         if self.on_worker_loss != "mode":

@@ -89,12 +89,7 @@ class PSEngine:
         self._deferred: list[int] = []  # parameters whose push waits for clip_mode to be known
         self._scale: float | None = None  # the clip coefficient of this step
         self.updates_lost = 0
-        if config.downpour:
-            if mode == "sync" and config.push_every != config.fetch_every:
-                raise ValueError(f"ps.push_every={config.push_every} and ps.fetch_every={config.fetch_every} under "
-                                 "ps-sync: a sync round pushes, then takes the step's values; they must be equal")
-            if compression is not None:
-                raise ValueError("ps.push_every or ps.fetch_every above 1 with compress.method: one at a time")
+        config.check_downpour(f"ps-{mode}", mode == "sync", self.compressor.name if self.compressor else "none")
         self.row_pulls = {"prefetched": 0, "at_lookup": 0}  # this worker's pulls of table rows
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:

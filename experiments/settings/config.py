@@ -173,15 +173,10 @@ class RunConfig:
 
     def check_downpour(self) -> None:
         """Downpour's settings against the run's (after every override)."""
-        ps = self.ps
-        if not ps.downpour or not get_engine(self.engine).reads_setting("ps.push_every"):
+        ps, spec = self.ps, get_engine(self.engine)
+        if not ps.downpour or not spec.reads_setting("ps.push_every"):
             return
-        if get_engine(self.engine).consistency == "sync" and ps.push_every != ps.fetch_every:
-            raise ValueError(f"ps.push_every={ps.push_every} and ps.fetch_every={ps.fetch_every} under "
-                             f"{self.engine}: a sync round pushes, then takes the step's values; they must be equal")
-        if self.compress.method != "none":
-            raise ValueError(f"ps.push_every/ps.fetch_every above 1 with compress.method={self.compress.method}: "
-                             "one at a time")
+        ps.check_downpour(self.engine, spec.consistency == "sync", self.compress.method)
         if self.checkpoint.every:
             raise ValueError("ps.push_every/ps.fetch_every above 1 with checkpoint.every: a worker's own steps "
                              "and unpushed gradients are not in the shards' checkpoints")
