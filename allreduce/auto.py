@@ -48,6 +48,15 @@ ALGORITHMS = ("ring", "halving-doubling", "tree")
 _PLANS = {"ring": ringplan.plan, "halving-doubling": halving.plan, "tree": tree.plan}
 
 
+def plan_of(algorithm: str, racks: tuple[int, ...]):
+    """The plan(numel, rank, world) of one of our algorithms (hierarchical's over `racks`)."""
+    if algorithm == "hierarchical":
+        return hierarchical.plan_for(racks)
+    if algorithm not in _PLANS:
+        raise ValueError(f"no model of algorithm {algorithm!r}")
+    return _PLANS[algorithm]
+
+
 def pieces(nbytes: float) -> int:
     """How many pipelined pieces a tensor of nbytes runs as on the CPU (allreduce/steps.py)."""
     return piece_count(int(nbytes))
@@ -62,12 +71,7 @@ def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: 
     links' burst (plancost.Links)."""
     if world == 1:
         return 0.0
-    if algorithm == "hierarchical":
-        plan = hierarchical.plan_for(racks or (0,) * world)
-    elif algorithm in _PLANS:
-        plan = _PLANS[algorithm]
-    else:
-        raise ValueError(f"no model of algorithm {algorithm!r}")
+    plan = plan_of(algorithm, racks or (0,) * world)
     links = Links(bandwidth, racks, uplink, burst_s)
     return predict_plan(plan, max(1, int(nbytes // npieces)), world, links, alpha, npieces, per_message)
 

@@ -17,17 +17,15 @@ from __future__ import annotations
 from .results import Run, family
 
 
-def _plan(run: Run):
-    from allreduce import halving, hierarchical, ringplan, tree
+def _plan(run: Run, racks: tuple[int, ...]):
+    """The plan of the algorithm the run's all-reduce ran (the library's and ddp's: the ring)."""
+    from allreduce.auto import plan_of
 
     algorithm = run.config.get("allreduce", {}).get("algorithm", "library") if run.spec.name != "ddp" else "ring"
     if algorithm == "auto":
         chosen = run.summary.get("algorithms_chosen") or {"ring": 1}
         algorithm = max(chosen, key=chosen.get)
-    if algorithm == "hierarchical":
-        return lambda racks: hierarchical.plan_for(racks)
-    plan = {"halving-doubling": halving.plan, "tree": tree.plan}.get(algorithm, ringplan.plan)
-    return lambda racks: plan
+    return plan_of("ring" if algorithm == "library" else algorithm, racks)
 
 
 def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
@@ -40,7 +38,7 @@ def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
         from allreduce.plancost import rounds
 
         racks = tuple(rack_of[f"w{r}"] for r in range(n))
-        plan = _plan(run)(racks)
+        plan = _plan(run, racks)
         numel = int(nbytes)
         for moves in rounds([plan(numel, r, n) for r in range(n)]):
             for i, j, mine, _ in moves:
