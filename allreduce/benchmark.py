@@ -16,10 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import hierarchical
 from .auto import choose
-from .collective import PLANNED
-from .ring import ring_allreduce
+from .collective import ours
 
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
 ALGORITHMS = ("library", "ring", "halving-doubling")
@@ -90,12 +88,8 @@ def run_algorithm(algorithm: str, buf: torch.Tensor, rank: int, world: int, dela
         if delay_s:
             time.sleep(2 * (world - 1) * delay_s)  # as LibraryAllReduce delays it
         dist.all_reduce(buf)
-    elif algorithm == "ring":
-        ring_allreduce(buf, rank, world, delay_s=delay_s)
-    elif algorithm == "hierarchical":
-        hierarchical.algorithm(racks)[0](buf, rank, world, delay_s=delay_s)
     else:
-        PLANNED[algorithm][0](buf, rank, world, delay_s=delay_s)
+        ours(algorithm, racks)[0](buf, rank, world, delay_s=delay_s)
     return algorithm
 
 

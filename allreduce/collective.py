@@ -23,6 +23,18 @@ PLANNED = {"halving-doubling": (halving.halving_doubling_allreduce, halving.sent
 sends) (allreduce/steps.py)."""
 
 
+def ours(algorithm: str, racks: tuple[int, ...] | None = None) -> tuple[Callable, Callable | None]:
+    """(all-reduce, the bytes a rank sends) of our `algorithm` (hierarchical's over `racks`);
+    the ring's bytes are bus_bytes (None)."""
+    if algorithm == "hierarchical":
+        return hierarchical.algorithm(racks)
+    if algorithm in PLANNED:
+        return PLANNED[algorithm]
+    if algorithm != "ring":
+        raise ValueError(f"{algorithm!r} is not one of our all-reduce algorithms")
+    return ring_allreduce, None
+
+
 class Handle(Protocol):
     def wait(self) -> None: ...
 
@@ -116,12 +128,11 @@ class RingAllReduce:
                                self.racks, self.uplink, self.crowded)
             self.chosen[algorithm] = self.chosen.get(algorithm, 0) + 1
             name = f"{name} [{algorithm}]"
-        planned = hierarchical.algorithm(self.racks) if algorithm == "hierarchical" else PLANNED.get(algorithm)
-        fn = ring_allreduce if planned is None else planned[0]
+        fn, sent_bytes = ours(algorithm, self.racks)
         future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
-        if planned is not None:  # what this rank sends under its plan
-            return _FutureHandle(future), planned[1](flat.numel(), itemsize, self.rank, self.world)
+        if sent_bytes is not None:  # what this rank sends under its plan
+            return _FutureHandle(future), sent_bytes(flat.numel(), itemsize, self.rank, self.world)
         return _FutureHandle(future), bus_bytes(flat.numel() * itemsize, self.world)
 
     def close(self) -> None:
