@@ -42,6 +42,7 @@ changes more than the learning rate.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -103,8 +104,7 @@ def init(engine: str | None = None, out: str | Path | None = None, overrides: Se
     if spec.uses_servers and not servers:
         raise ValueError(f"engine {cfg.engine} needs the server shards' addresses: start the script with "
                          f"psar launch, or set {SERVERS_ENV}=tcp://HOST:PORT,... (see psar server)")
-    return Job(cfg, DistEnv(env.rank, env.world, env.local_rank, env.local_world, tuple(servers), env.master),
-               run_dir, resume=resume)
+    return Job(cfg, dataclasses.replace(env, servers=tuple(servers)), run_dir, resume=resume)
 
 
 def _export_rendezvous(env: DistEnv) -> None:

@@ -213,6 +213,7 @@ _PS_READS = ("ps.", "compress.method", "compress.ratio", "compress.levels", "com
              "compress.error_feedback", "compress.pull", "servers", "fault.delay_ms")
 _PS_COMPRESSIONS = ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd")
 _EASGD = ("ps.easgd_alpha", "ps.easgd_tau")
+_SYNC_ONLY = ("ps.backup_workers",)
 
 for _spec in [
     EngineSpec("local", "one process accumulates every shard's gradient: the reference",
@@ -247,17 +248,18 @@ for _spec in [
     EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
                "experiments.harness.builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
                synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange",
-                                                          "compress.pull") + _EASGD,
+                                                          "compress.pull") + _EASGD + _SYNC_ONLY,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
                "experiments.harness.builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
-               synchronous=False, reads=_PS_READS, skips=("ps.window_mb", "ps.exchange", "compress.pull") + _EASGD,
+               synchronous=False, reads=_PS_READS,
+               skips=("ps.window_mb", "ps.exchange", "compress.pull") + _EASGD + _SYNC_ONLY,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-easgd", "parameter server, elastic averaging: each worker's model tied to a centre on the shards",
                "experiments.harness.builders:ps", "ps", "#637939", uses_servers=True, consistency="async",
                synchronous=False, reads=("ps.", "compress.method", "servers", "fault.delay_ms"),
                skips=("ps.staleness", "ps.window_mb", "ps.exchange", "ps.async_scale", "ps.push_every",
-                      "ps.fetch_every", "ps.bucket_kb"),
+                      "ps.fetch_every", "ps.bucket_kb") + _SYNC_ONLY,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=("none", "fp16", "bf16")),  # its elastic moves cast
 ]:
     register(_spec)

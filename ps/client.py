@@ -149,6 +149,7 @@ class PSClient:
         self._joins_lock = threading.Lock()  # a join and the heartbeat thread's verdict on a reply
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._hb_tick = 0.0  # when the heartbeat thread last woke
 
     def _transport(self, address: str, send_timeout_s: float | None = None) -> ClientTransport:
         return ClientTransport(address, self._max_bytes, send_timeout_s or self.timeout_s, self._context,
@@ -168,14 +169,17 @@ class PSClient:
                             [values[k].detach().cpu().contiguous().reshape(-1) for k in keys])
         self.wait(self._start("init", per_shard))
 
-    def join(self, settings: dict[str, Any] | None = None) -> tuple[Layout, int, dict[int, torch.Tensor]]:
+    def join(self, settings: dict[str, Any] | None = None,
+             rejoin: bool = False) -> tuple[Layout, int, dict[int, torch.Tensor]]:
         """Register with every shard: (layout, smallest version, {key id: initial values}).
         settings: this worker's {name: scalar} run settings, which the shards compare with
-        theirs (a mismatch is a PSError naming each). Blocks (at most timeout_s); starts the
-        heartbeat thread."""
+        theirs (a mismatch is a PSError naming each). rejoin: this process takes the place of
+        a worker of the same id that was lost or died; a sync shard answers once it counts it
+        in again (at its next step). Blocks (at most timeout_s); starts the heartbeat thread."""
         if settings is not None:
             self.settings = dict(settings)  # kept for a rejoin
-        header = {"op": "join", **({"settings": self.settings} if self.settings is not None else {})}
+        header = {"op": "join", **({"settings": self.settings} if self.settings is not None else {}),
+                  **({"rejoin": 1} if rejoin else {})}
         h = self._start("join", {s: (header, None) for s in range(len(self.addresses))})
         self._wait_replies(h, self.timeout_s)
         layouts, body_of = {}, {}
@@ -518,6 +522,8 @@ class PSClient:
             return
         silence_s = max(3 * self.heartbeat_s, 2.0)
         now = time.monotonic()
+        if now - self._hb_tick > silence_s:  # the heartbeats did not run (this process stopped): nothing known
+            return
         pending = sorted(set(h.pending.values()))
         # Any shard, not only those this wait is for: a reply from another shard may be held
         # back until the other workers take their next step, which needs that shard rejoined.
@@ -585,6 +591,7 @@ class PSClient:
     def _start_heartbeat(self) -> None:
         if self._hb_thread is None:
             self.last_heard = {s: time.monotonic() for s in range(len(self.addresses))}
+            self._hb_tick = time.monotonic()
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"ps-heartbeat-{self.worker}",
                                                daemon=True)
             self._hb_thread.start()
@@ -593,6 +600,12 @@ class PSClient:
         transports = [self._transport(a, send_timeout_s=self.heartbeat_s) for a in self.addresses]
         try:
             while not self._hb_stop.wait(self.heartbeat_s):
+                now = time.monotonic()
+                if now - self._hb_tick > 2 * self.heartbeat_s + 1.0:
+                    # This process was stopped (SIGSTOP, a preempted VM): the shards' silence
+                    # meanwhile is ours; they get a fresh interval to answer.
+                    self.last_heard = {s: now for s in self.last_heard}
+                self._hb_tick = now
                 joins = self.joins
                 header = encode({"op": "heartbeat", "worker": self.worker, "req": joins})
                 for s, t in enumerate(transports):

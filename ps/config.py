@@ -124,6 +124,12 @@ class PSConfig:
     its own (1: every step). Under ps-sync it must equal push_every (a round: K local steps,
     one push of their sum, the step's new values)."""
 
+    backup_workers: int = 0
+    """ps-sync with backup workers (Chen et al. 2016; TensorFlow's SyncReplicasOptimizer with
+    replicas_to_aggregate = N - b): each key of a step is updated with the mean of the first
+    N - b live workers' pushes of it; later pushes of that step are dropped and counted, and
+    their worker takes the new values and goes on at the shards' step. 0: every live worker."""
+
     easgd_alpha: float = 0.1
     """ps-easgd: the moving rate alpha in (0, 1) by which a worker's model and the centre move
     towards each other at each exchange (the paper's beta = N * alpha; 0.9 / N is its choice)."""
@@ -137,6 +143,8 @@ class PSConfig:
             raise ValueError(f"ps.easgd_alpha={self.easgd_alpha!r}: must be in (0, 1)")
         if type(self.easgd_tau) is not int or self.easgd_tau < 1:
             raise ValueError(f"ps.easgd_tau={self.easgd_tau!r}: must be an int >= 1")
+        if type(self.backup_workers) is not int or self.backup_workers < 0:
+            raise ValueError(f"ps.backup_workers={self.backup_workers!r}: must be an int >= 0 (0: none)")
         for name in ("push_every", "fetch_every"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

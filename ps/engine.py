@@ -61,14 +61,16 @@ class PSEngine:
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
                  mode: str, config: PSConfig, trace=None, settings: dict | None = None,
-                 initializer=None, compression=None) -> None:
+                 initializer=None, compression=None, rejoin: bool = False) -> None:
         """trace: optional callable(name, start, end, thread=...) for every push and pull;
         settings: the run settings the shards compare with theirs at join;
         initializer: for shards started without a model (a user's script): a callable
         (model, make_optimizer) -> (layout, {key: initial values}, optimizer settings) that
         worker 0 sends them (init) before anyone joins;
         compression: (compressor, error-feedback memory or None) of compress.method, whose
-        messages the pushes carry (ps.codec); None: pushes leave whole."""
+        messages the pushes carry (ps.codec); None: pushes leave whole;
+        rejoin: this process replaces a worker of the same rank that died (a restart): it
+        joins the running shards again and goes on at their step (sync) or clock."""
         if mode not in MODES:
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
@@ -76,6 +78,7 @@ class PSEngine:
         self.rank, self.world, self.device, self.mode, self.config = rank, world, device, mode, config
         self.addresses = list(addresses)
         self.trace, self.settings, self.initializer = trace, settings, initializer
+        self.rejoin = rejoin
         self.compressor, self.memory = compression if compression is not None else (None, None)
         self.compress_s = 0.0  # this step's time compressing pushes (error feedback included)
         self.shards = [rank]
@@ -105,7 +108,7 @@ class PSEngine:
                                compression=self.config.compression,
                                window_mb=self.config.window_mb if self.mode == "sync" else 0.0,
                                compressor=self.compressor)
-        if self.initializer is not None and self.rank == 0:
+        if self.initializer is not None and self.rank == 0 and not self.rejoin:
             self.client.init(*self.initializer(model, make_optimizer))
         layout, version, values = self._join()
         mine = [ParamSpec.of(n, p) for n, p in self._named]
@@ -153,7 +156,7 @@ class PSEngine:
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:
-                return self.client.join(self.settings)
+                return self.client.join(self.settings, rejoin=self.rejoin)
             except PSError as err:
                 if self.initializer is None or err.code != "not_initialized" or time.monotonic() > deadline:
                     raise
@@ -287,6 +290,10 @@ class PSEngine:
         if self.mode != "sync":
             raise NotImplementedError(f"job.clip_grad_norm_ under ps-{self.mode}: each push is applied on "
                                       f"arrival, so there is no averaged gradient to clip; use ps-sync")
+        if self.config.backup_workers:
+            raise NotImplementedError(f"job.clip_grad_norm_ with ps.backup_workers={self.config.backup_workers}: "
+                                      "a step's late pushes are dropped, so no worker knows the averaged "
+                                      "gradient's norm before the update")
         if self._tables:
             raise NotImplementedError("job.clip_grad_norm_ with row-sparse tables on the shards: their rows "
                                       "are not held for a clip; set ps.sparse=dense")
@@ -500,6 +507,8 @@ class PSEngine:
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._pushes_made += int(self._pushing())
         self._step += 1
+        if self.config.backup_workers:  # a dropped push: on at the shards' step
+            self._step = max(self._step, min(self.client.versions.values()))
         out = {"comm_s": time.perf_counter() - start, **self._traffic(),
                "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
         if self.compressor is not None:  # pushes compressed, and pulled gradients decompressed
@@ -569,10 +578,29 @@ class PSEngine:
         finally:
             self.client.close()
 
+    @property
+    def next_step(self) -> int:
+        """The step this worker runs next: one more than the last, or under backup workers the
+        shards' step, past the ones the others finished while this worker's push was late."""
+        return self._step
+
     def report(self) -> dict:
         out = {"updates_lost": self.updates_lost}
+        if self.config.backup_workers and self._server_stats:
+            out["dropped_pushes"] = dropped_per_step(self._server_stats)
         if self._tables:
             out["row_pulls"] = dict(self.row_pulls)
         if self._server_stats:
             out["server_stats"] = self._server_stats
         return out
+
+
+def dropped_per_step(stats: list[dict]) -> list[int]:
+    """For each step the shards finished, how many workers had a push of it dropped (on any
+    shard: a worker counts once), from the shards' stats."""
+    steps = min(st["version"] for st in stats)
+    dropped: dict[int, set] = {}
+    for st in stats:
+        for step, workers in st.get("dropped", {}).items():
+            dropped.setdefault(int(step), set()).update(workers)
+    return [len(dropped.get(s, ())) for s in range(steps)]

@@ -56,7 +56,7 @@ OPS = REQUESTS + REPLIES
 _TENSORS = {"keys", "dtypes", "shapes"}
 OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "init": ({"body"} | _TENSORS, set()),
-    "join": (set(), {"settings"}),
+    "join": (set(), {"settings", "rejoin"}),
     "push": ({"step", "version"} | _TENSORS, {"rows", "pull", "min_version", "clock", "lr", "hold", "parts", "meta"}),
     "pull": ({"keys"}, {"min_version", "clock", "wait_left", "rows", "scale"}),
     "wait": ({"min_version"}, set()),
@@ -71,7 +71,7 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
 }
 BASE_FIELDS = ("op", "v", "worker", "req")
 _INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "staleness", "wait_left", "pull",
-               "waited_us", "hold")
+               "waited_us", "hold", "rejoin")
 _FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
 
@@ -303,8 +303,9 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     for name in _FLOAT_FIELDS:
         if name in h and (type(h[name]) not in (int, float) or not math.isfinite(h[name]) or h[name] < 0):
             _fail(f"header field {name!r} is {h[name]!r}; expected a finite number >= 0")
-    if h.get("hold") not in (None, 0, 1):
-        _fail(f"header field 'hold' is {h['hold']}; expected 0 or 1")
+    for flag in ("hold", "rejoin"):
+        if h.get(flag) not in (None, 0, 1):
+            _fail(f"header field {flag!r} is {h[flag]}; expected 0 or 1")
 
     keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
     seen = set()

@@ -118,6 +118,16 @@ def resume_option(what: str, note: str):
                         f"({note}). A finished run is continued only as a copy in --out.")
 
 
+def restarts_option(fn):
+    """--max-restarts K, for `psar run` and `psar launch`."""
+    return click.option("--max-restarts", "max_restarts", type=click.IntRange(min=0), default=None, metavar="K",
+                        help="When a worker dies, restart as torchrun does, at most K times: allreduce and ddp "
+                        "stop every worker and go on from the last checkpoint (--set checkpoint.every=N; "
+                        "from the start without one); the parameter-server engines start the dead worker "
+                        "again, which rejoins the running shards. summary.json gains restarts, steps_lost "
+                        "and recovery_s.")(fn)
+
+
 def overwrite_option(fn):
     return click.option("--overwrite", is_flag=True, default=False,
                          help="Replace a finished run already in --out (refused without it).")(fn)

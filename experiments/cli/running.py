@@ -14,7 +14,7 @@ from experiments.settings.presets import build_config
 
 from experiments.cli.options import (
     EngineChoice, serves, one_per_worker, friendly, run_options_for, run_options, process_counts,
-    net_option, overwrite_option, resume_option, refuse_finished, run_fields, resumed_dir, with_net,
+    net_option, overwrite_option, restarts_option, resume_option, refuse_finished, run_fields, resumed_dir, with_net,
     with_board, with_curve, warn_unused, describe_summary, default_run_dir, ENGINES,
 )
 
@@ -50,11 +50,12 @@ def list_cmd() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override an engine setting, e.g. --set allreduce.algorithm=ring.")
 @resume_option("the script's run", "--set checkpoint.every=K; the script starts its loop at job.start_step")
+@restarts_option
 @overwrite_option
 @net_option
 @friendly
 def launch(script, script_args, workers, servers, out, engine, device, trace, overrides, net, overwrite,
-           resume_dir) -> None:
+           resume_dir, max_restarts) -> None:
     """Run your own training SCRIPT (with ARGS) on N workers with one engine, as torchrun
     would, plus the parameter-server shards; the script uses experiments.api (see
     docs/your-own-script.md). Options come before SCRIPT; what follows it is the script's.
@@ -86,7 +87,8 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
         warn_unused([cfg], overrides, servers is not None)
         run_dir = out or Path("runs") / f"{script.stem}-{cfg.engine}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}"
         refuse_finished(run_dir, overwrite)
-    summary = launch_batch([(cfg, run_dir)], resume=resume_dir is not None, script=[str(script), *script_args])[0]
+    summary = launch_batch([(cfg, run_dir)], resume=resume_dir is not None, script=[str(script), *script_args],
+                           max_restarts=max_restarts)[0]
     click.echo(describe_summary(summary))
     click.echo(f"run directory: {run_dir}")
 
@@ -97,12 +99,13 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run directory (default: runs/EXPERIMENT-ENGINE-wN-TIME).")
 @resume_option("the run", "its config; --steps and --set may change it")
+@restarts_option
 @overwrite_option
 @net_option
 @run_options
 @friendly
-def run(experiment, workers, servers, out, resume_dir, overwrite, net, engine, steps, seed, device, curve, trace,
-        tensorboard, overrides) -> None:
+def run(experiment, workers, servers, out, resume_dir, max_restarts, overwrite, net, engine, steps, seed, device,
+        curve, trace, tensorboard, overrides) -> None:
     """Train EXPERIMENT with one engine on this machine and write a run directory.
 
     EXPERIMENT is one of `psar list`'s. Example:
@@ -130,7 +133,7 @@ def run(experiment, workers, servers, out, resume_dir, overwrite, net, engine, s
         warn_unused([cfg], overrides, servers is not None)
         run_dir = out or default_run_dir(cfg)
         refuse_finished(run_dir, overwrite)
-    summary = launch(cfg, run_dir, resume=resume_dir is not None)
+    summary = launch(cfg, run_dir, resume=resume_dir is not None, max_restarts=max_restarts)
     click.echo(describe_summary(summary))
     click.echo(f"run directory: {run_dir}")
 
@@ -143,9 +146,12 @@ def run(experiment, workers, servers, out, resume_dir, overwrite, net, engine, s
               help="Parameter-server shards, comma-separated tcp://HOST:PORT in shard order.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Run directory (shared, or one per host; rank 0 writes the summary).")
+@click.option("--rejoin", is_flag=True, default=False,
+              help="Take the place of this rank's worker, which died, in a running parameter-server job: "
+                   "join the shards again and go on at their step (ps-sync counts it in from the next).")
 @run_options
 @friendly
-def worker(experiment, rank, world, addresses, out, engine, steps, seed, device, curve, trace, tensorboard,
+def worker(experiment, rank, world, addresses, out, rejoin, engine, steps, seed, device, curve, trace, tensorboard,
            overrides) -> None:
     """Run one worker of a multi-node job (torchrun, Slurm or by hand).
 
@@ -165,10 +171,17 @@ def worker(experiment, rank, world, addresses, out, engine, steps, seed, device,
     from experiments.runtime.worker import run_worker
 
     env = DistEnv.from_environ(rank, world, addresses)
+    if rejoin:
+        import dataclasses
+
+        env = dataclasses.replace(env, restarts=max(1, env.restarts))
     cfg = build_config(experiment, overrides, engine=engine, workers=env.world,
                        servers=len(addresses) or None, steps=steps, seed=seed, device=device, trace=trace)
     if ENGINES[cfg.engine].uses_servers and not addresses:
         raise click.UsageError(f"--engine {cfg.engine} needs --servers tcp://HOST:PORT,...")
+    if rejoin and not ENGINES[cfg.engine].uses_servers:
+        raise click.UsageError(f"--rejoin joins running parameter-server shards; --engine {cfg.engine} has none "
+                               "(restart its workers together, as torchrun --max-restarts does)")
     warn_unused([cfg], overrides, bool(addresses))
     if ENGINES[cfg.engine].rendezvous and not env.master:
         raise click.UsageError(

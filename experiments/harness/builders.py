@@ -55,7 +55,7 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
 
         return EASGDEngine(env.rank, env.world, device, list(env.servers), cfg.ps, **common)
     return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
-                    compression=compression(cfg), **common)
+                    compression=compression(cfg), rejoin=env.restarts > 0, **common)
 
 
 def compression(cfg: RunConfig):

@@ -20,6 +20,9 @@ class DistEnv:
     """Parameter-server shard addresses, shard order (ps-* engines)."""
     master: str = ""
     """MASTER_ADDR:MASTER_PORT of torch.distributed's env:// rendezvous; "" when either is unset."""
+    restarts: int = 0
+    """How many times the launcher has restarted this job's workers (0: the first attempt);
+    $PSAR_RESTARTS, or torchrun's $TORCHELASTIC_RESTART_COUNT."""
 
     @classmethod
     def from_environ(cls, rank: int | None = None, world: int | None = None,
@@ -35,7 +38,13 @@ class DistEnv:
         addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
         if not addr and env.get("SLURM_JOB_NODELIST"):  # Slurm: rank 0 runs on the job's first host
             addr, port = first_host(env["SLURM_JOB_NODELIST"]), port or str(SLURM_PORT)
-        return cls(rank, world, local_rank, local_world, tuple(servers), f"{addr}:{port}" if addr and port else "")
+        restarts = _int(env, RESTARTS_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
+        return cls(rank, world, local_rank, local_world, tuple(servers), f"{addr}:{port}" if addr and port else "",
+                   restarts)
+
+
+RESTARTS_ENV = "PSAR_RESTARTS"
+"""Set by `psar run` and `psar launch --max-restarts K` to the number of restarts so far."""
 
 
 SLURM_PORT = 29500

@@ -4,7 +4,7 @@ written on, so that both write the same run directory the same way.
 
     job = Job(cfg, env, run_dir)              # threads, device, engine, checkpoints
     module = job.attach(model, make_opt)      # agree on parameters (or restore them), hooks
-    for step in range(job.start_step, ...):   # 0, or the checkpoint's step under --resume
+    for step in job.steps(total):             # from 0, or the checkpoint's step under --resume
         job.backward(loss(module(x), y))      # per micro-batch; communication inside
         job.step()                            # update; metrics, TensorBoard, progress, checkpoint
     job.close(evaluate)                       # rank 0: model.pt, eval, summary.json, trace
@@ -26,6 +26,7 @@ from experiments.rundir import files
 from experiments.settings.agreement import check_rendezvous_peers
 from experiments.rundir.tensorboard_log import RankBoard
 from experiments.rundir.checkpoint import WorkerCheckpoints
+from experiments.rundir.starts import record_start
 from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
 from experiments.engines import get_engine
@@ -35,6 +36,7 @@ from experiments.rundir.progress import Progress
 from experiments.rundir.trace import Tracer
 from experiments.rundir.trace import merge as merge_trace
 from experiments.harness.devices import pick_device, set_threads
+from experiments.harness.inject import inject
 
 MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -49,21 +51,27 @@ class Job:
 
     def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False,
                  steps: int | None = None) -> None:
+        began = time.time()
         spec = get_engine(cfg.engine)
         self.config, self.run_dir = cfg, Path(run_dir)
         self.rank, self.world_size, self.local_rank = env.rank, env.world, env.local_rank
+        self._restarts = env.restarts
         set_threads(cfg, env)
         self.device = pick_device(cfg, env)
         self._checkpoints = WorkerCheckpoints(self.run_dir, env.rank, cfg.checkpoint.every, resume)
         self._tracer = Tracer(self.run_dir, f"rank {env.rank}", cfg.trace)
+        loaded = time.time()
         self._engine = spec.make(cfg, env, self.device, self._tracer.record if cfg.trace else None)
+        # this start's phases, for a restarted job's recovery time (experiments/rundir/starts.py)
+        self._began, self._phases = began, {"checkpoint_s": loaded - began, "rendezvous_s": time.time() - loaded}
         self._uses_servers = spec.uses_servers
         self._progress = Progress(steps, env.rank == 0, label=f"{cfg.experiment}/{cfg.engine}")
         self._state = "created"
         self._model: torch.nn.Module | None = None
         self._losses: list[torch.Tensor] = []
         self._samples = 0
-        self._step = self.start_step
+        self._first = self._checkpoints.start_step
+        self._step = self._first
         self._forward_at: float | None = None  # time.time() of the forward under way, for the trace
         self._computing: float | None = None  # after this step's stall: its compute starts
         self._last_compute = 0.0
@@ -74,29 +82,54 @@ class Job:
 
     @property
     def start_step(self) -> int:
-        """The first step to run: 0, or the step the checkpoint was taken after (--resume)."""
-        return self._checkpoints.start_step
+        """The first step to run: 0, or the step the checkpoint was taken after (--resume);
+        after attach, for a worker started again to rejoin running shards, their step."""
+        return self._first
 
     @property
     def shards(self) -> list[int]:
         """The data shards this process trains on each step: [rank], or every one (local)."""
         return list(self._engine.shards)
 
+    @property
+    def next_step(self) -> int:
+        """The step the job runs next: one more than the last, or, under ps-sync with backup
+        workers, the shards' step when this worker's push came late (the steps between ran
+        without it)."""
+        return self._step
+
+    def steps(self, total: int):
+        """The steps to run, from start_step while below total: `for step in job.steps(N)`,
+        each ending with job.step(); it skips what next_step skips."""
+        while self._step < total:
+            at = self._step
+            yield at
+            if self._step == at:
+                raise RuntimeError(f"step {at} of job.steps() ended without job.step()")
+
     def attach(self, model: torch.nn.Module, make_optimizer: MakeOptimizer) -> torch.nn.Module:
         """Agree on the initial parameters (rank 0's, or the checkpoint's), install the engine's
         hooks and build the optimizer; return the module to call forward on, whose state_dict
         has the model's own keys under every engine. Once, before any backward."""
         self._need("created", "attach")
+        start = time.time()
         check_rendezvous_peers(self.config, self.rank)
+        restore = time.time()
         self._checkpoints.restore_model(model)
+        restored = time.time()
         self._model = model
         module = self._engine.attach(model, self._checkpoints.optimizer_factory(make_optimizer))
+        self._phases["checkpoint_s"] += restored - restore
+        self._phases["rendezvous_s"] += time.time() - restored + restore - start
+        record_start(self.run_dir, self.rank, self._restarts, self._began, **self._phases)
         if self._uses_servers:  # the shards step; the script schedules this one
             self._engine.schedule = make_optimizer([p for p in model.parameters() if p.requires_grad])
             self._engine.allow_clip()
         module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)
-        self._writer = MetricsWriter(self.run_dir, self.rank, keep_before=self.start_step)
+        # a worker that rejoined running shards goes on at their step: its earlier records stay
+        self._first = self._step = max(self._step, getattr(self._engine, "next_step", self._step))
+        self._writer = MetricsWriter(self.run_dir, self.rank, keep_before=self._step)
         self._board = RankBoard(self.run_dir, to_dict(self.config), self.rank) if self.config.tensorboard else None
         self._state = "attached"
         self._start = self._mark = time.perf_counter()
@@ -137,7 +170,8 @@ class Job:
             prefetch(row_ids)
 
     def _before_forward(self, _module, args) -> None:
-        if self._computing is None:  # the step's first forward: a straggler stalls here
+        if self._computing is None:  # the step's first forward: faults strike here, a straggler stalls
+            inject(self.config.fault, self.rank, self._step, self._restarts, self.run_dir)
             self.config.fault.stall(self.rank, self._last_compute)
             self._computing = time.perf_counter()
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -174,7 +208,8 @@ class Job:
         self._writer.write(record)
         if self._board is not None:
             self._board.step(record)
-        self._step += 1
+        # ps-sync with backup workers: a worker whose push came late goes on at the shards' step
+        self._step = max(self._step + 1, getattr(self._engine, "next_step", 0))
         self._progress.update(self._step, loss)
         self._checkpoints.after_step(self._step, self._model)
         self._last_compute = computed - (self._computing if self._computing is not None else self._mark)

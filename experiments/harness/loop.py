@@ -35,14 +35,14 @@ def train(cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False) -> 
     torch.manual_seed(cfg.seed)  # every rank builds the identical initial model
     model = cfg.model.build().to(device=job.device, dtype=dtype)
     module = job.attach(model, cfg.optim.build)
-    first = job.start_step
+    first = job.start_step  # the checkpoint's step, or the shards' for a worker that rejoined them
     torch.manual_seed(cfg.seed + 1 + env.rank + first)  # runtime randomness (dropout) differs by rank
     feeders = [BatchFeeder(dataset, shard, cfg.workers, cfg.batch_size, cfg.seed, dtype, job.device)
                for shard in job.shards]
     # Engines that move embedding rows may fetch the next batch's rows early, where the model
     # says which rows a batch reads.
     row_ids = getattr(model, "row_ids", None) if len(feeders) == 1 else None
-    for step in range(first, cfg.steps):
+    for step in job.steps(cfg.steps):  # under backup workers a late worker skips to the shards' step
         for feeder in feeders:
             inputs, targets = feeder.batch(step)
             job.backward(task.loss(module(*inputs), targets))

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
@@ -19,7 +20,9 @@ from experiments.engines import get_engine
 from experiments.runtime.sites import Loopback, sites_for
 from experiments.runtime.sites import free_port  # noqa: F401 (callers take it from here)
 from experiments.rundir.trace import merge as merge_trace
+from experiments.harness.distenv import RESTARTS_ENV
 from experiments.harness.loop import prepare_run_dir
+from experiments.runtime.restarts import Restarts, check_restartable
 from experiments.runtime.worker import SERVERS_FILE
 from experiments.runtime.zygote import Forked, Zygote, can_fork, shared as shared_zygote
 
@@ -30,7 +33,12 @@ RESUME_ENV = "PSAR_RESUME"
 
 
 class LaunchError(RuntimeError):
-    """A process of the run failed; the message names it and quotes its last words."""
+    """A process of the run failed; the message names it and quotes its last words.
+    failed_at: the wall time the launcher saw it fail (None: the run was out of time)."""
+
+    def __init__(self, text: str, failed_at: float | None = None) -> None:
+        super().__init__(text)
+        self.failed_at = failed_at
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -44,17 +52,19 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 
 def launch(cfg: RunConfig, run_dir: Path, deadline_s: float | None = None,
-           quiet: bool = False, resume: bool = False) -> dict:
+           quiet: bool = False, resume: bool = False, max_restarts: int | None = None) -> dict:
     """Run `cfg` on loopback, one process per worker; return summary.json's contents.
 
     deadline_s bounds the whole run (tests use it so that a hang fails fast); without it,
     each process's own timeouts (cfg.timeout_s) bound every wait on a peer.
+    max_restarts: see launch_batch.
     """
-    return launch_batch([(cfg, run_dir)], deadline_s, quiet, resume)[0]
+    return launch_batch([(cfg, run_dir)], deadline_s, quiet, resume, max_restarts=max_restarts)[0]
 
 
 def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = None,
-                 quiet: bool = False, resume: bool = False, script: list[str] | None = None) -> list[dict]:
+                 quiet: bool = False, resume: bool = False, script: list[str] | None = None,
+                 max_restarts: int | None = None) -> list[dict]:
     """Run several configs one after another in the same processes.
 
     The processes serve all of them, so a batch pays their start-up (forks from the zygote,
@@ -64,15 +74,22 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     script: [SCRIPT, ARGS...] a user's training script each worker runs in place of psar's
     loop (one job; the script finds the run directory in $PSAR_RUN_DIR and whether it resumes
     in $PSAR_RESUME, see experiments.api).
+    max_restarts: when a worker fails, stop every worker and start them all again from the
+    checkpoint they share (or from the start without one), as torchrun does; under the
+    parameter servers start the dead worker alone, which rejoins the running shards; at most
+    this many times (experiments/runtime/restarts.py); one job. summary.json then says what
+    the restarts cost. None: a failure fails the run.
     """
-    if script is not None and len(jobs) != 1:
-        raise ValueError("a script runs one job")
+    if (script is not None or max_restarts is not None) and len(jobs) != 1:
+        raise ValueError("a script, or a run with restarts, runs one job")
     shapes = {process_shape(cfg) for cfg, _ in jobs}
     if len(shapes) != 1:
         raise ValueError(f"jobs of one batch need the same processes, got {sorted(shapes)}")
     if len(jobs) > 1 and any(cfg.net.rate for cfg, _ in jobs):  # each its own network and counters
         return [launch_batch([job], deadline_s, quiet, resume)[0] for job in jobs]
     nprocs, nservers = shapes.pop()
+    if max_restarts is not None:
+        check_restartable(jobs[0][0])
     for cfg, run_dir in jobs if resume else []:  # before anything in the run directory changes
         require_checkpoints(cfg, run_dir)
     with sites_for(jobs[0][0].net, nprocs, nservers) as sites:
@@ -81,18 +98,53 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             addresses = [f"tcp://{sites.server(s).addr}:{sites.server_port(s)}" for s in range(nservers)]
             files.write_json(run_dir / SERVERS_FILE, addresses)
         dirs = [str(d) for d in run_dirs]
-        base = _job_env(sites, nprocs)
         again = ["--resume"] if resume else []
-        procs = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.runtime.shard",
-                                                        *again, str(s), *dirs]), base)
-                 for s in range(nservers)]
-        worker = [sys.executable, *script] if script else [sys.executable, "-m", "experiments.runtime.worker", *again, *dirs]
-        if script:
-            base[RUN_DIR_ENV] = dirs[0]
-            base[RESUME_ENV] = "1" if resume else "0"
-        procs += _rank_procs(sites, worker, nprocs, base)
-        run_processes(procs, run_dirs[0] / "logs", deadline_s, show_progress=not quiet, append=resume,
-                      echo_rank0=script is not None and not quiet)
+        servers = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.runtime.shard",
+                                                          *again, str(s), *dirs]), _job_env(sites, nprocs))
+                   for s in range(nservers)]
+        restarts = Restarts(run_dirs[0], nprocs, max_restarts) if max_restarts is not None else None
+        started, attempt = time.monotonic(), 0
+
+        def ranks(attempt: int, again: list[str]) -> list[tuple[str, list[str], dict[str, str]]]:
+            base = _job_env(sites, nprocs, attempt)
+            worker = [sys.executable, *script] if script else \
+                [sys.executable, "-m", "experiments.runtime.worker", *again, *dirs]
+            if script:
+                base[RUN_DIR_ENV] = dirs[0]
+                base[RESUME_ENV] = "1" if again else "0"
+            return _rank_procs(sites, worker, nprocs, base)
+
+        def rejoin(name: str, failure: str, failed_at: float):
+            """Under the parameter servers a dead worker alone starts again and rejoins."""
+            if not (nservers and restarts is not None and restarts.left and name.startswith("rank ")):
+                return None
+            rank = int(name.split()[1])
+            restarts.failed_one(rank, failure, failed_at)
+            if not quiet:
+                print(f"psar: {failure}; starting rank {rank} again ({restarts.count} of {max_restarts}), "
+                      "to rejoin the shards", file=sys.stderr)
+            _, argv, env = ranks(restarts.count, [])[rank]
+            return argv, env
+
+        while True:
+            procs = (servers if attempt == 0 else []) + ranks(attempt, again)
+            left = None if deadline_s is None else deadline_s - (time.monotonic() - started)
+            try:
+                run_processes(procs, run_dirs[0] / "logs", left, show_progress=not quiet,
+                              append=resume or attempt > 0, echo_rank0=script is not None and not quiet,
+                              restarting=restarts is not None and restarts.left and not nservers,
+                              respawn=rejoin)
+                break
+            except LaunchError as err:
+                if restarts is None or not restarts.left or err.failed_at is None or nservers:
+                    raise
+                step = restarts.failed(str(err), err.failed_at)
+                again = ["--resume"] if step is not None else []
+                attempt += 1
+                if not quiet:
+                    print(f"psar: {err}; restarting every worker ({attempt} of {max_restarts}) from "
+                          f"{f'the checkpoint of step {step}' if step is not None else 'the start'}",
+                          file=sys.stderr)
         network = sites.record()
     summaries = []
     for (cfg, _), run_dir in zip(jobs, run_dirs):
@@ -104,16 +156,20 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         summary = json.loads((run_dir / "summary.json").read_text())
         if network is not None:
             summary["network"] = network
+        if restarts is not None:
+            summary.update(restarts.finished())
+        if network is not None or restarts is not None:
             files.write_json(run_dir / "summary.json", summary)
         summaries.append(summary)
     return summaries
 
 
-def _job_env(sites, nprocs: int) -> dict[str, str]:
+def _job_env(sites, nprocs: int, restarts: int = 0) -> dict[str, str]:
     """The environment every process of a job of nprocs ranks shares (env:// rendezvous at
-    rank 0's site)."""
+    rank 0's site, a new one after each restart; the restarts so far, as torchrun says them)."""
     return dict(os.environ, WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(sites.master_port()), PYTHONUNBUFFERED="1")
+                MASTER_ADDR=sites.worker(0).addr, MASTER_PORT=str(sites.master_port(restarts)), PYTHONUNBUFFERED="1",
+                **{RESTARTS_ENV: str(restarts), "TORCHELASTIC_RESTART_COUNT": str(restarts)})
 
 
 def _rank_procs(sites, argv: list[str], nprocs: int, base: dict[str, str]) -> list[tuple[str, list[str], dict[str, str]]]:
@@ -178,14 +234,18 @@ before they are stopped: a failing script is reported within a few seconds on ev
 
 def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: Path,
                   deadline_s: float | None = None, show_progress: bool = False,
-                  append: bool = False, echo_rank0: bool = False) -> None:
+                  append: bool = False, echo_rank0: bool = False, restarting: bool = False,
+                  respawn: Callable[[str, str, float], tuple[list[str], dict[str, str]] | None] | None = None) -> None:
     """Start (name, argv, env) processes and wait until all exit 0.
 
     Each one's output goes to log_dir/<name>.log (rank 0's stderr stays on the terminal when
     it is one, for the progress bar); append: after what is there (a resumed run's logs keep
     the first part's); echo_rank0: rank 0's stdout also reaches this terminal (a user's
     script prints there). A failing process fails the job, naming it; the logs of those then
-    stopped say why, above their threads' stacks.
+    stopped say why, above their threads' stacks. restarting: the job will be started again,
+    so the others are stopped at once, without their stacks. respawn(name, failure, failed_at):
+    for a process that failed, the (argv, env) to start in its place (its log goes on), or
+    None: then its failure fails the job.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -195,20 +255,32 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
     why = "the launcher was interrupted"
     # Processes of this interpreter fork from one that has imported torch once.
     zygote = shared_zygote(procs[0][2]) if procs and all(can_fork(argv) for _, argv, _ in procs) else None
+
+    def spawn(name: str, argv: list[str], env: dict[str, str], fresh: bool) -> subprocess.Popen | Forked:
+        log_path = log_dir / f"{name.replace(' ', '')}.log"
+        echo = echo_rank0 and name == "rank 0"
+        if fresh:
+            open(log_path, "w").close()
+        with open(log_path, "a") as log:  # appending: the launcher's own lines are never overwritten
+            proc = _start(zygote, argv, env, log, echo, stderr_tty=name == "rank 0" and tty)
+        if echo:
+            echoes.append(threading.Thread(target=_tee, args=(proc.stdout, log_path), daemon=True))
+            echoes[-1].start()
+        started.append((name, proc, log_path))
+        return proc
+
+    def again(name: str, failure: str, failed_at: float) -> subprocess.Popen | Forked | None:
+        replacement = respawn(name, failure, failed_at) if respawn is not None else None
+        if replacement is None:
+            return None
+        started[:] = [entry for entry in started if entry[0] != name]
+        return spawn(name, *replacement, fresh=False)
+
     try:
         for name, argv, env in procs:
-            log_path = log_dir / f"{name.replace(' ', '')}.log"
-            echo = echo_rank0 and name == "rank 0"
-            if not append:
-                open(log_path, "w").close()
-            with open(log_path, "a") as log:  # appending: the launcher's own lines are never overwritten
-                proc = _start(zygote, argv, env, log, echo, stderr_tty=name == "rank 0" and tty)
-            if echo:
-                echoes.append(threading.Thread(target=_tee, args=(proc.stdout, log_path), daemon=True))
-                echoes[-1].start()
-            started.append((name, proc, log_path))
+            spawn(name, argv, env, fresh=not append)
         try:
-            _watch(started, deadline_s)
+            _watch(started, deadline_s, grace_s=0.0 if restarting else FAILURE_GRACE_S, again=again)
         except LaunchError as err:
             why = str(err)
             raise
@@ -216,9 +288,11 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
         running = [(name, proc, log) for name, proc, log in started if proc.poll() is None]
         for name, proc, log in running:  # a process held somewhere writes where, to its log, before it is killed
             with open(log, "a") as f:
-                f.write(f"\npsar: {name} stopped by the launcher because {why}; its threads' stacks follow\n")
-            proc.send_signal(signal.SIGUSR1)
-        if running:
+                f.write(f"\npsar: {name} stopped by the launcher because {why}"
+                        + (" to restart\n" if restarting else "; its threads' stacks follow\n"))
+            if not restarting:
+                proc.send_signal(signal.SIGUSR1)
+        if running and not restarting:
             time.sleep(STACK_DUMP_S)
         for _, proc, _ in running:
             proc.kill()
@@ -263,7 +337,10 @@ def _tee(stream, log_path: Path) -> None:
             sys.stdout.flush()
 
 
-def _watch(procs, deadline_s: float | None, grace_s: float = FAILURE_GRACE_S) -> None:
+def _watch(procs, deadline_s: float | None, grace_s: float = FAILURE_GRACE_S, again=None) -> None:
+    """Wait until every process of procs (a list that again() may change) exits 0. A failed
+    process is started anew where again(name, failure, failed_at) gives one in its place;
+    otherwise its failure fails the job (LaunchError), once the others had grace_s to end."""
     start = time.monotonic()
     failed_at = None
     failure = None
@@ -274,11 +351,16 @@ def _watch(procs, deadline_s: float | None, grace_s: float = FAILURE_GRACE_S) ->
         bad = [(name, code, log) for name, code, log in codes if code not in (None, 0)]
         if bad and failure is None:
             name, code, log = bad[0]
-            failure = f"{name} exited with code {code}: {_tail(log)} (log: {log})"
-            failed_at = time.monotonic()
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                else f"exited with code {code}"
+            text = f"{name} {how}: {_tail(log) or 'no last words'} (log: {log})"
+            if again is not None and again(name, text, time.time()) is not None:
+                continue
+            failure = text
+            failed_at, failed_wall = time.monotonic(), time.time()
         if failure and (all(code is not None for _, code, _ in codes)
                         or time.monotonic() - failed_at > grace_s):
-            raise LaunchError(failure)
+            raise LaunchError(failure, failed_wall)
         if deadline_s is not None and time.monotonic() - start > deadline_s:
             running = [name for name, code, _ in codes if code is None]
             raise LaunchError(f"run exceeded its {deadline_s:.0f} s deadline; {', '.join(running)} "

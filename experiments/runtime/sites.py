@@ -89,7 +89,7 @@ class Loopback:
     def server(self, shard: int) -> Site:
         return Site()
 
-    def master_port(self) -> int:
+    def master_port(self, restarts: int = 0) -> int:
         return free_port()
 
     def server_port(self, shard: int) -> int:
@@ -148,8 +148,10 @@ class Emulated:
         separate = self.net.placement == "separate"
         return self._site(f"s{shard}" if separate else f"w{shard % self.workers}")
 
-    def master_port(self) -> int:
-        return MASTER_PORT
+    def master_port(self, restarts: int = 0) -> int:
+        """The rendezvous port on rank 0's host: a new one after each restart, so that a
+        listening socket of the stopped job never stands in the way."""
+        return MASTER_PORT + restarts
 
     def server_port(self, shard: int) -> int:
         return SERVER_PORT + shard  # co-located shards share a host, not a port

@@ -30,8 +30,9 @@ import threading
 import time
 import traceback
 
-PRELOAD = ("torch", "torch.distributed", "torch.optim", "numpy", "zmq", "msgpack")
-"""What every process of a run imports and no process should import again."""
+PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "numpy", "zmq", "msgpack")
+"""What every process of a run imports and no process should import again (torch._dynamo:
+the first optimizer a process builds imports it, about 1 s of CPU each)."""
 MAX_MESSAGE = 1 << 20
 READY_TIMEOUT_S = 120.0
 """How long the launcher waits for the zygote's imports (torch on a loaded machine)."""

@@ -146,6 +146,7 @@ class RunConfig:
         self.check_pulls()
         self.check_period()
         self.check_downpour()
+        self.check_backups()
         spec = get_engine(self.engine)
         self.net.check(self.workers if spec.processes_per_worker else 1,
                        self.servers if spec.uses_servers and self.net.placement == "separate" else None)
@@ -180,6 +181,21 @@ class RunConfig:
         if self.checkpoint.every:
             raise ValueError("ps.push_every/ps.fetch_every above 1 with checkpoint.every: a worker's own steps "
                              "and unpushed gradients are not in the shards' checkpoints")
+
+    def check_backups(self) -> None:
+        """Backup workers against the run's other settings (after every override)."""
+        b, spec = self.ps.backup_workers, get_engine(self.engine)
+        if not b or not spec.reads_setting("ps.backup_workers"):
+            return
+        if b >= self.workers:
+            raise ValueError(f"ps.backup_workers={b} with {self.workers} workers: a step needs at least one "
+                             "worker's push (at most workers - 1 backups)")
+        if self.ps.downpour:
+            raise ValueError(f"ps.backup_workers={b} with ps.push_every/ps.fetch_every above 1: one at a time")
+        if self.compress.method not in ("none", *CASTS) and self.compress.pull:
+            raise ValueError(f"ps.backup_workers={b} with compress.method={self.compress.method} and "
+                             "compress.pull: each worker applies every update's gradient itself, and one "
+                             "whose push came late would skip some; set compress.pull=false")
 
     def check_pulls(self) -> None:
         """Compressed pulls leave each worker's optimizer to step on its own; a worker that

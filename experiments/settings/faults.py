@@ -1,4 +1,5 @@
-"""Faults injected on purpose, to show how each engine copes with a straggler."""
+"""Faults injected on purpose, to show how each engine copes with a straggler, a pause and
+the loss of a worker (experiments/harness/inject.py carries them out)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,28 @@ class FaultConfig:
     """One-way latency added to every message: each step of our ring, 2(N-1) of them before
     each library all-reduce, and two (request and reply) on every parameter-server round trip."""
 
+    kill_rank: int = -1
+    """Rank that dies (SIGKILL, no goodbye) before the compute of step kill_step (-1: none);
+    on the job's first attempt only, so that a restarted job runs through."""
+    kill_step: int = 0
+    """The step at whose start kill_rank dies."""
+    pause_rank: int = -1
+    """Rank whose process stops, every thread of it (SIGSTOP, as a preempted VM or a
+    stop-the-world pause), for pause_s seconds once, at the start of step pause_step (-1: none)."""
+    pause_step: int = 0
+    """The step at whose start pause_rank stops."""
+    pause_s: float = 0.0
+    """How long pause_rank stays stopped."""
+
     def __post_init__(self) -> None:
+        for name in ("kill_rank", "pause_rank"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"fault.{name}={getattr(self, name)}: a rank, or -1 for none")
+        for name in ("kill_step", "pause_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"fault.{name}={getattr(self, name)}: must be >= 0")
+        if not 0 <= self.pause_s < 3600:
+            raise ValueError(f"fault.pause_s={self.pause_s}: seconds, >= 0 and below an hour")
         if self.slow_factor < 1.0:
             raise ValueError(f"fault.slow_factor={self.slow_factor}: must be >= 1")
         if self.slow_rank < -1:
@@ -33,3 +55,11 @@ class FaultConfig:
         sleeps (slow_factor - 1) times it, so its compute takes slow_factor times as long."""
         if rank == self.slow_rank and self.slow_factor > 1.0:
             time.sleep((self.slow_factor - 1.0) * compute_s)
+
+    def kills(self, rank: int, step: int, restarts: int) -> bool:
+        """Whether rank dies at the start of step (the job's first attempt only)."""
+        return rank == self.kill_rank and step == self.kill_step and restarts == 0
+
+    def pauses(self, rank: int, step: int, restarts: int) -> bool:
+        """Whether rank stops for pause_s at the start of step (the first attempt only)."""
+        return rank == self.pause_rank and step == self.pause_step and restarts == 0

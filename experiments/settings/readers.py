@@ -33,9 +33,15 @@ def unused(cfg: RunConfig, overrides=(), servers_given: bool = False) -> list[st
         names = readers(key)
         if names is not None and cfg.engine not in names:
             out.append(f"{key} has no effect on --engine {cfg.engine}; only {', '.join(names)} read it")
-    if cfg.fault.slow_rank >= cfg.workers:
-        out.append(f"fault.slow_rank={cfg.fault.slow_rank} has no effect: there are {cfg.workers} "
-                   f"workers, ranks 0..{cfg.workers - 1}")
+    for name in ("slow_rank", "kill_rank", "pause_rank"):
+        if getattr(cfg.fault, name) >= cfg.workers:
+            out.append(f"fault.{name}={getattr(cfg.fault, name)} has no effect: there are {cfg.workers} "
+                       f"workers, ranks 0..{cfg.workers - 1}")
+    for rank, step in (("kill_rank", "kill_step"), ("pause_rank", "pause_step")):
+        if getattr(cfg.fault, rank) >= 0 and getattr(cfg.fault, step) >= cfg.steps:
+            out.append(f"fault.{step}={getattr(cfg.fault, step)} has no effect: the run has {cfg.steps} steps")
+    if cfg.fault.pause_rank >= 0 and not cfg.fault.pause_s:
+        out.append(f"fault.pause_rank={cfg.fault.pause_rank} has no effect with fault.pause_s=0")
     if cfg.fault.slow_rank >= 0 and cfg.fault.slow_factor == 1.0:
         out.append(f"fault.slow_rank={cfg.fault.slow_rank} has no effect with fault.slow_factor=1")
     return out

@@ -9,6 +9,11 @@ never its mode's name.
   updated the step is complete and the version goes up by one. The keys that become ready
   together (a bucket's) are updated in one optimizer call (ps.shard.optim); each key's update
   is what one optimizer step over all of them does to it (the optimizers here are per tensor).
+  With backup workers (ps.backup_workers=b) a key is ready once the first N - b live workers
+  pushed it; the late pushes of a step (a key already updated, or a step already done) are
+  dropped, counted by step, and their pull answered with the new values. A worker that rejoins
+  (a new process in a lost one's place) is counted from the next step: its join is answered
+  when the step under way is done, and its pushes of steps already done are dropped.
   A step may hold its update for a clip by the global norm (see ps.protocol): the shard keeps
   the averaged gradient, answers 'norm' with its sum of squares, and the first pull with the
   clip 'scale' makes the update.
@@ -46,7 +51,7 @@ class Host(Protocol):
     chunks: dict[int, torch.Tensor]  # key -> flat, or (rows, dim)
     workers: Workers
     config: PSConfig
-    counters: dict[str, int]  # a rule counts "updates" and "row_collisions"
+    counters: dict[str, int]  # a rule counts "updates", "row_collisions" and "dropped_keys"
 
     def apply(self, keys: Sequence[int], label: str, count: bool = True, lr: float | None = None) -> None:
         """One optimizer step over the chunks of keys, whose .grad the rule has set."""
@@ -63,6 +68,7 @@ class Rule:
 
     def __init__(self, host: Host) -> None:
         self.host = host
+        self.dropped: dict[int, set[int]] = {}  # step -> workers with a push of it dropped (backup workers)
 
     @property
     def versions_per_step(self) -> int:
@@ -123,6 +129,11 @@ class Rule:
     def worker_gone(self) -> None:
         """A worker left or was dropped: what waited for it may go on."""
 
+    def rejoin(self, w: int) -> bool:
+        """A new process in worker w's place joined (Workers.rejoin done): whether its join is
+        answered now (False: once Workers.joining no longer holds it)."""
+        return True
+
 
 class AsyncRule(Rule):
     """Every push is applied on arrival; a version is one worker-step on this shard."""
@@ -152,6 +163,14 @@ class AsyncRule(Rule):
 
     def read(self, w: int) -> None:
         self.rows.read(w, self.host.counters["updates"])
+
+    def rejoin(self, w: int) -> bool:
+        """It goes on from the slowest other live worker's clock (its own if later), so that
+        under ssp nobody waits for it to redo the clocks it missed."""
+        workers = self.host.workers
+        others = [workers.clocks[o] for o in workers.live() if o != w]
+        workers.clocks[w] = max([workers.clocks[w]] + ([min(others)] if others else []))
+        return True
 
 
 class SSPRule(AsyncRule):
@@ -190,12 +209,17 @@ class SyncRule(Rule):
         self._scale: dict[int, float] = {}  # held step -> the clip coefficient it was updated with
 
     def check_step(self, w: int, step: int) -> None:
+        if step < self.host.version and (self.host.config.backup_workers or w in self.host.workers.rejoined):
+            return  # late: dropped, and answered with the new values
         if step != self.host.version:
             raise Reject(f"sync push for step {step}, but the shard is at step {self.host.version}; "
                          f"pull with min_version={step} first")
 
     def check_push(self, w: int, step: int, msg: Message) -> None:
         hold, lr = bool(msg.get("hold")), msg.get("lr")
+        if hold and self.host.config.backup_workers:
+            raise Reject(f"worker {w} holds step {step} for a clip, but with ps.backup_workers="
+                         f"{self.host.config.backup_workers} a step's late pushes are dropped: no clip")
         if hold and (msg.get("pull") or any(i is not None for i in msg.ids)):
             raise Reject(HOLD_ONLY_SYNC)
         if self._step_hold is not None and hold != self._step_hold:
@@ -206,6 +230,14 @@ class SyncRule(Rule):
                          f"lr={self._step_lr:g}: every worker must run the same learning-rate schedule")
 
     def push(self, w, step, keys, grads, ids, lr, hold) -> None:
+        self.host.workers.note_keys(w, step, keys)
+        if step < self.host.version or any(k in self._updated for k in keys):
+            late = [j for j, k in enumerate(keys) if step < self.host.version or k in self._updated]
+            self.dropped.setdefault(step, set()).add(w)
+            self.host.counters["dropped_keys"] += len(late)
+            if len(late) == len(keys):
+                return
+            keys, grads, ids = ([x[j] for j in range(len(keys)) if j not in late] for x in (keys, grads, ids))
         self._step_lr = lr if lr is not None else self._step_lr
         self._step_hold = hold
         for k, g, i in zip(keys, grads, ids):
@@ -216,8 +248,11 @@ class SyncRule(Rule):
             else:
                 self._sum[k] = g  # built on the received frame, which is ours to keep and write
             self._pushed.setdefault(k, set()).add(w)
-        self.host.workers.note_keys(w, step, keys)
         self._update_ready()
+
+    def needed(self, live: set[int]) -> int:
+        """How many live workers' pushes of a key make it ready: all, or all but the backups."""
+        return max(1, len(live) - self.host.config.backup_workers)
 
     def version_of(self, keys: Sequence[int]) -> int:
         """Keys updated in the current step are one ahead of the shard."""
@@ -228,14 +263,24 @@ class SyncRule(Rule):
     def worker_gone(self) -> None:
         self._update_ready()
 
+    def rejoin(self, w: int) -> bool:
+        """Counted in from the next step: at once if this one has not started here, else once
+        it is done (it may now finish without w), when the join is answered with its values."""
+        if not (self._pushed or self._updated or self._held):
+            return True
+        self.host.workers.joining.add(w)
+        self._update_ready()
+        return w not in self.host.workers.joining
+
     def _update_ready(self) -> None:
         """Update each key every live worker has pushed; once all are, the step is done. A held
         step (a clip) keeps the averaged gradients until a pull brings the scale."""
         host, live = self.host, self.host.workers.live()
         if not live:
             return
+        needed = self.needed(live)
         ready = [k for k in self._pushed if k not in self._updated and k not in self._held
-                 and live <= self._pushed[k]]
+                 and len(live & self._pushed[k]) >= needed]
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed
@@ -262,6 +307,7 @@ class SyncRule(Rule):
             self._end_step()
 
     def _end_step(self) -> None:
+        self.host.workers.joining.clear()  # rejoined workers count from the next step
         self.host.counters["updates"] += 1
         self._step_lr = self._step_hold = None
         self._updated.clear()

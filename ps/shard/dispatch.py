@@ -66,7 +66,7 @@ class Dispatcher:
             w = msg.worker
             if msg.op in REPLIES:
                 raise Reject(f"expected a request, got a {msg.op!r} message")
-            if w in self.workers.lost:
+            if w in self.workers.lost and not (msg.op == "join" and msg.get("rejoin")):
                 raise Reject(f"worker {w} was declared lost: {self.workers.lost[w]}")
             if msg.op != "join" and w not in self.workers.seen:
                 raise Reject(f"worker {w} has not joined; send join first", code="not_joined")

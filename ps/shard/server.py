@@ -97,7 +97,8 @@ class ShardServer:
         self.version = 0
         self.workers = Workers(num_workers, len(self.keys))
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
-                             rows_pushed=0, rows_pulled=0, row_collisions=0, codec_us=0)
+                             rows_pushed=0, rows_pulled=0, row_collisions=0, codec_us=0,
+                             dropped_keys=0)
         self.rule = rule(self)
         self.mode = self.rule.name
         self.checkpoint_every = checkpoint_every * self.rule.versions_per_step
@@ -159,15 +160,27 @@ class ShardServer:
     # -- ops -----------------------------------------------------------------------------------
 
     def _on_join(self, peer: bytes, msg: Message) -> list[Reply]:
-        if msg.worker in self.workers.left:
-            raise Reject(f"worker {msg.worker} has already left this run")
-        self.settings.check(msg.worker, msg.get("settings"))
-        self.workers.joined.add(msg.worker)
+        """Register the worker and send it the layout and values; a rejoin (a new process in
+        a lost or dead one's place) is answered when its rule counts it in."""
+        w = msg.worker
+        if w in self.workers.left:
+            raise Reject(f"worker {w} has already left this run")
+        self.settings.check(w, msg.get("settings"))
+        self.workers.joined.add(w)
         self.counters["joins"] += 1
+        if msg.get("rejoin"):
+            self.workers.rejoin(w)
+            log.info("shard %d: worker %d rejoined at version %d", self.shard, w, self.version)
+            if not self.rule.rejoin(w):
+                self.waiting.add(peer, msg, self.clock(), self.config.timeout_s, {})
+                return []
+        return [self._join_reply(peer, msg)]
+
+    def _join_reply(self, peer: bytes, msg: Message) -> Reply:
         body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,
                 "num_workers": self.num_workers, "fingerprint": self.layout.fingerprint,
                 "clock": self.workers.clocks[msg.worker]}
-        return [self._values(peer, msg, self.keys, exact=True, body=body)]
+        return self._values(peer, msg, self.keys, exact=True, body=body)
 
     def _on_init(self, peer: bytes, msg: Message) -> list[Reply]:
         raise Reject("this shard already has its model; init is sent once, by worker 0, before any join")
@@ -265,6 +278,8 @@ class ShardServer:
         """The reply to a pull (its values), a wait (the version) or a norm whose condition holds."""
         if msg.op == "wait":
             return self._ok(peer, msg, version=self.version, **fields)
+        if msg.op == "join":
+            return self._join_reply(peer, msg)
         if msg.op == "norm":
             return self._ok(peer, msg, version=self.version, sq=self.rule.norm_of(msg.get("step")), **fields)
         self._note_gap(msg)
@@ -274,6 +289,8 @@ class ShardServer:
         min_version = msg.get("min_version")
         if msg.op == "wait":
             return self.version >= min_version
+        if msg.op == "join":
+            return msg.worker not in self.workers.joining
         if msg.op == "norm":
             return self.rule.norm_ready(msg.get("step"))
         if msg.get("wait_left") and any(w != msg.worker for w in self.workers.live()):
@@ -286,6 +303,8 @@ class ShardServer:
         parts = []
         if msg.op == "norm":
             parts.append(self.rule.norm_waits_for(msg.get("step")))
+        if msg.op == "join":
+            parts.append(f"step {self.version} to finish, to count rejoined worker {msg.worker} in from the next")
         if msg.get("min_version") is not None:
             parts.append(f"version >= {msg.get('min_version')} (shard at version {self.version})")
         rule_reason = self.rule.pull_waits_for(msg)
@@ -412,9 +431,10 @@ class ShardServer:
             "staleness": {str(s): n for s, n in sorted(self.staleness.items())},
             "queue_wait": dict(self.waiting.waits), "deferred": len(self.waiting),
             "joined_workers": sorted(workers.joined), "live_workers": sorted(workers.live()),
-            "left_workers": sorted(workers.left),
+            "left_workers": sorted(workers.left), "rejoined_workers": sorted(workers.rejoined),
             "lost_workers": {str(w): why for w, why in workers.lost.items()},
             "clocks": {str(w): c for w, c in workers.clocks.items()}, "aborted": self.aborted,
             "max_clock_gap": self.max_clock_gap,
+            "dropped": {str(s): sorted(ws) for s, ws in sorted(self.rule.dropped.items())},
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
         }

@@ -1,4 +1,5 @@
-"""The workers of a shard: who joined, who is heard from, who left or is lost, their clocks.
+"""The workers of a shard: who joined, who is heard from, who left or is lost (or rejoined in
+a new process), their clocks.
 
 A worker's clock on a shard is 1 + the last step whose keys it has all pushed there. A worker
 that has not joined within timeout_s of the shard's start, or is silent for worker_timeout_s,
@@ -21,11 +22,20 @@ class Workers:
         self.joined: set[int] = set()  # every worker that ever joined
         self.left: set[int] = set()  # workers done with all their steps
         self.lost: dict[int, str] = {}  # worker -> why
+        self.joining: set[int] = set()  # rejoined workers a sync step does not count in yet
+        self.rejoined: set[int] = set()  # workers that joined again (a new process in a lost one's place)
         self.clocks = {w: 0 for w in self.ids}
         self._partial: dict[int, dict[int, set[int]]] = {w: {} for w in self.ids}  # worker -> step -> keys
 
     def live(self) -> set[int]:
-        return set(self.ids) - set(self.lost) - self.left
+        return set(self.ids) - set(self.lost) - self.left - self.joining
+
+    def rejoin(self, w: int) -> None:
+        """A new process in worker w's place: no longer lost; what its predecessor pushed of
+        unfinished steps stays where it was summed, and its own pushes start afresh."""
+        self.lost.pop(w, None)
+        self.rejoined.add(w)
+        self._partial[w] = {}
 
     @property
     def finished(self) -> bool:
