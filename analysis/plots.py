@@ -89,7 +89,7 @@ def loss_over_time(run: Run) -> tuple[list[float], list[float]]:
     for record in run.records():
         by_step[record["step"]].append(record)
     steps = [by_step[s] for s in sorted(by_step)]
-    return [max(r["time"] for r in rs) for rs in steps], [mean(r["loss"] for r in rs) for rs in steps]
+    return [max(run.since_start(r) for r in rs) for rs in steps], [mean(r["loss"] for r in rs) for rs in steps]
 
 
 def save_figure(fig, out_dir: Path, name: str) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from dataclasses import dataclass
@@ -70,6 +71,19 @@ class Run:
         return 1
 
     @property
+    def fault(self) -> str:
+        """The fault injected into the run (fault.*), in words; "" for none. Runs that differ
+        here are different cells of a comparison, never repeats of one."""
+        fault = self.config.get("fault") or {}
+        if fault.get("kill_rank", -1) >= 0:
+            return f"rank {fault['kill_rank']} killed at step {fault.get('kill_step', 0)}"
+        if fault.get("pause_rank", -1) >= 0 and fault.get("pause_s"):
+            return f"rank {fault['pause_rank']} stops {fault['pause_s']:g} s at step {fault.get('pause_step', 0)}"
+        if fault.get("slow_rank", -1) >= 0 and fault.get("slow_factor", 1.0) > 1.0:
+            return f"rank {fault['slow_rank']} {fault['slow_factor']:g}x slower"
+        return ""
+
+    @property
     def engine_known(self) -> bool:
         """Whether this process knows the run's engine (its module imported, see $PSAR_ENGINES)."""
         try:
@@ -101,6 +115,20 @@ class Run:
     def records(self) -> list[dict]:
         return [r for rank in sorted(self.metrics) for r in self.metrics[rank]]
 
+    @functools.cached_property
+    def started(self) -> float | None:
+        """Wall time the earliest rank's loop started (None where records have no wall time)."""
+        firsts = [recs[0] for recs in self.metrics.values() if recs]
+        if not firsts or any("wall" not in r for r in firsts):
+            return None
+        return min(r["wall"] - r["time"] for r in firsts)
+
+    def since_start(self, record: dict) -> float:
+        """Seconds from the run's start to the end of record's step, on the wall clock: across
+        a restart too, whose processes count their own time from their own start."""
+        started = self.started
+        return record["wall"] - started if started is not None else record["time"]
+
     def steady_records(self) -> list[dict]:
         """The records after the warm-up step 0 (connection set-up, allocation), if any remain."""
         records = self.records()
@@ -127,7 +155,7 @@ def time_to_target(run: Run, target: float | None = None) -> tuple[int, float] |
         records = by_step[step]
         window = (window + [sum(r["loss"] for r in records) / len(records)])[-TARGET_WINDOW:]
         if len(window) == TARGET_WINDOW and sum(window) / TARGET_WINDOW <= target:
-            return step + 1, max(r["time"] for r in records)
+            return step + 1, max(run.since_start(r) for r in records)
     return None
 
 

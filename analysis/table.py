@@ -102,13 +102,16 @@ def rate_of(run: Run) -> str:
 def cell_of(run: Run, rated: bool = False) -> tuple:
     """The grid cell a run belongs to: repeats of one cell are summarised in one row. The
     name is the engine's label, with its compression ("allreduce/library +topk 0.01"). On an
-    emulated network a ps-* run's servers say where the shards were: "2 separate", and runs
-    of one grid on links of several rates name theirs ("ps-sync +topk 0.01 @100mbit")."""
+    emulated network a ps-* run's servers say where the shards were: "2 separate", runs of
+    one grid on links of several rates name theirs ("ps-sync +topk 0.01 @100mbit"), and a
+    run with an injected fault says it ("ps-sync (rank 3 3x slower)")."""
     name = f"{run.label} +{run.compression}" if run.compression else run.label
     if run.period != 1 or run.engine == "ps-easgd":
         name += f" every {run.period}"
     if rated:
         name += f" @{rate_of(run) or 'loopback'}"
+    if run.fault:
+        name += f" ({run.fault})"
     if not run.spec.uses_servers:
         return name, run.summary["workers"], ""
     servers = run.summary.get("servers", 1)

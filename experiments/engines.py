@@ -199,6 +199,10 @@ def _allreduce_label(config: Mapping) -> str:
     return label + "+allgather" if settings.get("sparse") == "allgather" else label
 
 
+def _ps_sync_label(config: Mapping) -> str:
+    return "ps-sync+backup" if (config.get("ps") or {}).get("backup_workers") else "ps-sync"
+
+
 def _allreduce_rows(cfg: Any, problem: str | None) -> tuple[str, bool]:
     return "allreduce.sparse=allgather", cfg.allreduce.sparse == "allgather"
 
@@ -244,7 +248,9 @@ for _spec in [
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
                reads=_PS_READS, skips=("ps.staleness", "ps.async_scale") + _EASGD, own=_PS_OWN, row_sparse=_ps_rows,
-               compressions=_PS_COMPRESSIONS),
+               compressions=_PS_COMPRESSIONS, label_of=_ps_sync_label,
+               variants=(Label("ps-sync", "#2ca02c"),                            # green
+                         Label("ps-sync+backup", "#006d2c"))),                    # dark green
     EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
                "experiments.harness.builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
                synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange",

@@ -12,6 +12,7 @@ from typing import Callable
 
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
+from experiments.bench.faults import faults_goals
 from experiments.bench.startup import format_startup, startup
 from experiments.rundir import files
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
@@ -221,7 +222,9 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     compression = compression_goals(out, echo)
     echo("")
     collectives = collectives_goals(out, echo)
-    report = {"collectives": collectives, "allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
+    echo("")
+    fault_report = faults_goals(out, echo)
+    report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "sparse": sparse, "compression": compression}
     files.write_json(out / "bench.json", report)

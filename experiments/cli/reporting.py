@@ -123,7 +123,8 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
 
         importlib.import_module(f"experiments.comparisons.{grid.prelude}").measure(out, echo=click.echo)
     run_dirs, failures = run_grid(experiment, variants, worker_counts, out, overrides,
-                                  steps, seed, device, trace, echo=click.echo, repeats=repeats, script=script)
+                                  steps, seed, device, trace, echo=click.echo, repeats=repeats, script=script,
+                                  max_restarts=grid.max_restarts if grid else None)
     runs = load_runs(run_dirs)
     table = rows(runs) + failed_rows(failures)
     csv_path, md_path = write(table, out)

@@ -47,10 +47,13 @@ class Comparison:
     """Link rates every variant runs at, one grid after the other (--net gives one instead)."""
     report: str = ""
     """A report beside the table, the analysis module that makes it: "compression"
-    (analysis.compression), "period" (analysis.period), "collectives" (analysis.collectives)."""
+    (analysis.compression), "period" (analysis.period), "collectives" (analysis.collectives),
+    "faults" (analysis.faults)."""
     prelude: str = ""
     """Measurements before the grid, the module of experiments.comparisons whose measure(out,
     echo) makes them in the output directory (the report reads them): "collectives"."""
+    max_restarts: int | None = None
+    """Every run's --max-restarts (None: a failure fails the run)."""
 
     def variants_at(self, net: str | None) -> tuple[Variant, ...]:
         """The variants, at every rate of `rates` unless a --net rate was given."""
@@ -71,6 +74,21 @@ def _compression_variants() -> tuple[Variant, ...]:
     return tuple(Variant(engine, "N" if engine == "ps-sync" else 1,
                          ((f"compress.method={m}",) if m != "none" else ()) + settings[m])
                  for engine, methods in carried.items() for m in methods)
+
+
+FAULTS = {"none": (), "straggler": ("fault.slow_rank=3", "fault.slow_factor=3"),
+          "pause": ("fault.pause_rank=3", "fault.pause_step=50", "fault.pause_s=10"),
+          "kill": ("fault.kill_rank=3", "fault.kill_step=50")}
+"""The faults comparison's scenarios: rank 3 of 4 is 3x slower, stops for 10 s once, or dies."""
+
+
+def _fault_variants() -> tuple[Variant, ...]:
+    """Every scenario on the ring and DDP (restart-all from the checkpoint of every 20 steps),
+    ps-sync with and without a backup worker, ps-async and ps-ssp (the dead worker rejoins);
+    one shard."""
+    engines = (("allreduce", ()), ("ddp", ()), ("ps-sync", ()), ("ps-sync", ("ps.backup_workers=1",)),
+               ("ps-async", ()), ("ps-ssp", ()))
+    return tuple(Variant(engine, 1, extra + fault) for fault in FAULTS.values() for engine, extra in engines)
 
 
 def _period_variants() -> tuple[Variant, ...]:
@@ -148,6 +166,14 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "uplink, a ring placed round-robin crosses it at every hop, hierarchical all-reduce "
               "with only 1/k of the tensor per host, and a parameter server's pushes and pulls "
               "with every shard outside the worker's rack."),
+    Comparison(
+        "faults", "cnn", ("allreduce", "ddp", "ps-sync", "ps-async", "ps-ssp"), (4,), steps=120, net="1gbit",
+        overrides=("checkpoint.every=20", "target_loss=0.02"), variants=_fault_variants(), max_restarts=1,
+        report="faults",
+        claim="When one worker of four is 3x slower, stops for 10 s, or dies: the ring, DDP and ps-sync wait "
+              "for it every step, a backup worker lets ps-sync go on with the first three, the asynchronous "
+              "shards never wait (ssp within its bound); a dead all-reduce worker restarts every worker from "
+              "the last checkpoint, losing the steps since, while a parameter-server worker rejoins alone."),
     Comparison(
         "comm-bound", "mlp-wide", ("ddp", "allreduce", "ps-sync", "ps-async"), (1, 2), (1, 2),
         steps=12,

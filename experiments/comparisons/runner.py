@@ -21,7 +21,7 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
              out: Path, overrides=(), steps: int | None = None, seed: int | None = None,
              device: str | None = None, trace: bool | None = None,
              echo: Callable[[str], None] = print, repeats: int = 1,
-             script: list[str] | None = None) -> tuple[list[Path], list[dict]]:
+             script: list[str] | None = None, max_restarts: int | None = None) -> tuple[list[Path], list[dict]]:
     """Launch every (variant, workers) run into out/runs/, `repeats` times: the whole grid
     once, then again, so that a noisy minute touches one run of each cell, not all of them
     (run directories get -r2, -r3, ... after the first).
@@ -29,7 +29,7 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
     Returns the directories of the runs that finished, and one dict per run that failed
     (engine, workers, servers, error): a failed cell is reported, the grid goes on.
     script: [SCRIPT, ARGS...] a user's training script (experiments.api) in place of the
-    experiment, which then only names it.
+    experiment, which then only names it. max_restarts: every run's --max-restarts.
     """
     cells = []
     for variant in variants:
@@ -56,7 +56,7 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
             run_dir = Path(out) / "runs" / (name + (f"-r{repeat}" if repeat > 1 else ""))
             echo(f"running {experiment} with {cfg.engine} on {shape} -> {run_dir}")
             try:
-                launch_batch([(cfg, run_dir)], script=script)
+                launch_batch([(cfg, run_dir)], script=script, max_restarts=max_restarts)
             except LaunchError as err:
                 echo(f"  failed: {err}")
                 failures.append({"engine": cfg.engine, "workers": cfg.workers,

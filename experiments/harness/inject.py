@@ -1,11 +1,13 @@
 """Carries out the faults of fault.* in a worker at the start of a step: it dies (SIGKILL),
 or its whole process stops for a while (SIGSTOP, continued by a helper), after writing what
-and when to RUN_DIR/logs/fault-rank<r>.json for the tables and figures."""
+and when to RUN_DIR/logs/fault-rank<r>.json for the tables and figures; or, a straggler, it
+sleeps before each step's compute."""
 
 from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -42,3 +44,36 @@ def inject(fault: FaultConfig, rank: int, step: int, restarts: int, run_dir: Pat
         os.kill(os.getpid(), signal.SIGSTOP)
         files.write_json(fault_path(run_dir, rank), {"kind": "pause", "rank": rank, "step": step, "wall": start,
                                                      "pause_s": fault.pause_s, "resumed": time.time()})
+
+
+REFERENCE_STEPS = 3
+"""A straggler's steps 1..REFERENCE_STEPS run at full speed; their median compute is what it
+then takes slow_factor times of (step 0 pays for allocation)."""
+
+
+class Straggler:
+    """fault.slow_rank's stall before each step's compute, so that its compute takes
+    slow_factor times what it took in its reference steps, when every worker computed alike.
+
+    Taking slow_factor times its own last compute instead would slow it by less wherever
+    workers share cores (4 workers on 2 here): while it sleeps the others have its cores, and
+    it then computes alone, faster than before. Measured with cnn on 4 workers, a 3x straggler
+    made so cost the ring 0.65x of its steps per second, where a worker 3x slower than the
+    others costs a synchronous engine about a third.
+    """
+
+    def __init__(self, fault: FaultConfig, rank: int) -> None:
+        self.on = rank == fault.slow_rank and fault.slow_factor > 1.0
+        self.factor = fault.slow_factor
+        self.reference: list[float] = []
+
+    def stall(self, step_index: int, last_compute_s: float) -> None:
+        """Before the compute of the step_index-th step this process runs (0: its first),
+        given the last one's compute time."""
+        if not self.on or step_index <= 1:  # nothing measured yet, or step 0's (allocation)
+            return
+        if len(self.reference) < REFERENCE_STEPS:
+            self.reference.append(last_compute_s)
+            if len(self.reference) < REFERENCE_STEPS:
+                return
+        time.sleep(max(0.0, self.factor * statistics.median(self.reference) - last_compute_s))

@@ -3,7 +3,6 @@ the loss of a worker (experiments/harness/inject.py carries them out)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 
@@ -12,7 +11,8 @@ class FaultConfig:
     slow_rank: int = -1
     """Rank whose compute is slowed down (-1: none)."""
     slow_factor: float = 1.0
-    """That rank's forward+backward takes this many times as long (it sleeps the difference)."""
+    """That rank's forward+backward takes this many times as long as its steps took before the
+    slowdown began (it sleeps the difference; experiments/harness/inject.py)."""
     delay_ms: float = 0.0
     """One-way latency added to every message: each step of our ring, 2(N-1) of them before
     each library all-reduce, and two (request and reply) on every parameter-server round trip."""
@@ -49,12 +49,6 @@ class FaultConfig:
     @property
     def delay_s(self) -> float:
         return self.delay_ms / 1000.0
-
-    def stall(self, rank: int, compute_s: float) -> None:
-        """Called before each step's compute with the last step's compute time; the slow rank
-        sleeps (slow_factor - 1) times it, so its compute takes slow_factor times as long."""
-        if rank == self.slow_rank and self.slow_factor > 1.0:
-            time.sleep((self.slow_factor - 1.0) * compute_s)
 
     def kills(self, rank: int, step: int, restarts: int) -> bool:
         """Whether rank dies at the start of step (the job's first attempt only)."""
