@@ -24,7 +24,7 @@ from .plots import loss_over_time, save_figure  # first: analysis.style selects 
 from .costmodel import compute_time, measured_step
 from .results import Run, median, time_to_target
 from .table import markdown as table_markdown
-from .table import rate_of, write_columns
+from .table import rate_of, write_report
 
 import matplotlib.pyplot as plt
 
@@ -225,6 +225,5 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
     """compression.md (and .csv) of rows(runs), and the two figures."""
-    text, csv_path, md_path = write_columns(rows(runs), out_dir, COLUMNS, "compression")
-    figures = [p for p in (loss_vs_time(runs, out_dir), speedup_vs_rate(runs, out_dir)) if p]
-    return text, [md_path, csv_path, *figures]
+    return write_report(rows(runs), out_dir, COLUMNS, "compression",
+                        [loss_vs_time(runs, out_dir), speedup_vs_rate(runs, out_dir)])

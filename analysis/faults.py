@@ -5,10 +5,13 @@ One row per (engine, fault), each against the same engine's run without a fault:
 - steps/s: the model's steps per second from the end of step 0 to the end of the run, on
   the wall clock (the redone steps of a restart and the time it took are in it). A step is
   one update by every worker's gradient, or by the first N - b under backup workers; under
-  ps-async and ps-ssp N pushes make one.
-- predicted (straggler rows): the algorithm's ideal with the no-fault run's median step t0
-  and compute c, and one worker's compute k times as long. A synchronous step waits for it,
-  t0 + (k-1)c; with b >= 1 backup workers it never waits; ps-async's other N-1 workers go on
+  ps-async and ps-ssp N pushes make one, counted while every worker was training (each
+  runs its own steps, so a run's end is the slowest one's tail).
+- predicted (straggler rows): the algorithm's with the no-fault run's median step t0 and
+  compute c, and one worker's compute k times as long. A synchronous step waits for it,
+  t0 + (k-1)c (the ring's: its communication starts with the last gradient; ps-sync's shard
+  takes the others' pushes while the slow one computes, so it can beat this); with b >= 1
+  backup workers it never waits; ps-async's other N-1 workers go on
   at 1/t0 and the slow one adds 1/(t0 + (k-1)c); ps-ssp's workers can be at most its bound
   ahead, so in the long run every one goes at the slow one's pace.
 - steps lost and recovery: a restart's (summary.json: experiments/runtime/restarts.py).
@@ -23,7 +26,7 @@ from pathlib import Path
 from .plots import save_figure  # first: analysis.style selects the Agg backend
 from .results import Run, median, time_to_target
 from .style import colour
-from .table import write_columns
+from .table import write_report
 
 import matplotlib.pyplot as plt
 
@@ -43,10 +46,14 @@ def fault_of(run: Run) -> str:
 
 def _model_steps(run: Run) -> list[float]:
     """Wall times (since the run's start) at which the model took a step: rank 0's steps
-    under a synchronous engine, every N-th push of all workers under an asynchronous one."""
+    under a synchronous engine; under an asynchronous one every N-th push of all workers,
+    while every worker was training (each runs its own steps: once a fast one is done, the
+    rest is a slow one's tail)."""
     if run.spec.synchronous:
         return [run.since_start(r) for r in run.metrics.get(0, [])]
-    walls = sorted(run.since_start(r) for r in run.records())
+    ranks = [recs for recs in run.metrics.values() if recs]
+    first, last = max(run.since_start(recs[0]) for recs in ranks), min(run.since_start(recs[-1]) for recs in ranks)
+    walls = sorted(w for w in (run.since_start(r) for r in run.records()) if first <= w <= last)
     return walls[run.summary["workers"] - 1::run.summary["workers"]]
 
 
@@ -140,6 +147,4 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
     """faults.md (and .csv) of rows(runs), and the figure."""
-    text, csv_path, md_path = write_columns(rows(runs), out_dir, COLUMNS, "faults")
-    figure = loss_vs_time(runs, out_dir)
-    return text, [md_path, csv_path] + ([figure] if figure else [])
+    return write_report(rows(runs), out_dir, COLUMNS, "faults", [loss_vs_time(runs, out_dir)])

@@ -15,7 +15,7 @@ from pathlib import Path
 from .plots import loss_over_time, save_figure  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time
 from .results import Run, time_to_target
-from .table import write_columns
+from .table import write_report
 
 import matplotlib.pyplot as plt
 
@@ -91,6 +91,4 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
     """period.md (and .csv) of rows(runs), and the figure."""
-    text, csv_path, md_path = write_columns(rows(runs), out_dir, COLUMNS, "period")
-    figure = loss_vs_time(runs, out_dir)
-    return text, [md_path, csv_path] + ([figure] if figure else [])
+    return write_report(rows(runs), out_dir, COLUMNS, "period", [loss_vs_time(runs, out_dir)])

@@ -242,6 +242,13 @@ def write_columns(rows: list[dict], out_dir: Path, columns, name: str) -> tuple[
     return text, csv_path, md_path
 
 
+def write_report(rows: list[dict], out_dir: Path, columns, name: str, figures) -> tuple[str, list[Path]]:
+    """A named comparison's report: write_columns, and the figures made (None: not made);
+    (the markdown, [md, csv, figures...])."""
+    text, csv_path, md_path = write_columns(rows, out_dir, columns, name)
+    return text, [md_path, csv_path, *(f for f in figures if f)]
+
+
 def write(table: list[dict], out_dir: Path, columns=None, name: str = "summary",
           text: str | None = None) -> tuple[Path, Path]:
     """name.csv and name.md in out_dir (the comparison table's columns by default; text: the

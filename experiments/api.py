@@ -23,7 +23,8 @@ with --trace, TensorBoard files with --set tensorboard=true), and `psar plot`, `
 and `psar model` read it unchanged. `job.close(evaluate)` puts evaluate(model)'s dict in
 summary.json. With `--set checkpoint.every=K` every rank checkpoints every K steps, and
 `psar launch --resume RUN_DIR train.py` goes on from the last: start the loop at
-`job.start_step`. The module attach() returns has the model's own state_dict keys under
+`job.start_step` (after attach; for a worker restarted into running shards, their step), or
+write it `for step in job.steps(N):`, which also follows ps-sync's backup workers. The module attach() returns has the model's own state_dict keys under
 every engine (DDP's would be "module.X").
 
 Under the parameter-server engines the optimizer runs on the shards: make_optimizer is

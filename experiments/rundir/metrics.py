@@ -75,7 +75,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     """Summary of a finished run from its metrics files.
 
     samples_per_sec: see `throughput`; over the steps from first_step on (a resumed run's).
-    final_loss: mean training loss of the last 10% of steps (at least one) over every rank.
+    final_loss: mean training loss of the last 10% of steps (at least one) over every rank
+    that ran them.
     bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged;
     sent_bytes_per_worker_per_step and recv_bytes_per_worker_per_step: each direction apart
     (a compressed push and its pull, or an all-gather, differ).
@@ -86,7 +87,10 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     per_rank = read_metrics(run_dir)
     steps = len(per_rank.get(0, []))
     tail = max(1, steps // 10)
-    losses = [r["loss"] for recs in per_rank.values() for r in recs[-tail:]]
+    last = max((recs[-1]["step"] for recs in per_rank.values() if recs), default=0)
+    # by step number: a rank that stopped early (killed, or a late worker gone on at the
+    # shards' step) has no say in the last steps' loss
+    losses = [r["loss"] for recs in per_rank.values() for r in recs if r["step"] > last - tail]
     # A resumed run's throughput is its own segment's: earlier records are another session's.
     samples_per_sec = throughput({r: [x for x in recs if x["step"] >= first_step]
                                   for r, recs in per_rank.items()})

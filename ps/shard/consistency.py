@@ -99,6 +99,10 @@ class Rule:
         """The rule's own condition on a pull (beyond min_version and wait_left)."""
         return True
 
+    def over(self) -> bool:
+        """No step will come any more: a pull waiting for one is answered with what there is."""
+        return False
+
     def pull_waits_for(self, msg: Message) -> str | None:
         """What a pull that is not ready waits for, by the rule's own condition; None: nothing."""
         return None
@@ -231,8 +235,9 @@ class SyncRule(Rule):
 
     def push(self, w, step, keys, grads, ids, lr, hold) -> None:
         self.host.workers.note_keys(w, step, keys)
-        if step < self.host.version or any(k in self._updated for k in keys):
-            late = [j for j, k in enumerate(keys) if step < self.host.version or k in self._updated]
+        over = self.over()
+        if over or step < self.host.version or any(k in self._updated for k in keys):
+            late = [j for j, k in enumerate(keys) if over or step < self.host.version or k in self._updated]
             self.dropped.setdefault(step, set()).add(w)
             self.host.counters["dropped_keys"] += len(late)
             if len(late) == len(keys):
@@ -249,6 +254,11 @@ class SyncRule(Rule):
                 self._sum[k] = g  # built on the received frame, which is ours to keep and write
             self._pushed.setdefault(k, set()).add(w)
         self._update_ready()
+
+    def over(self) -> bool:
+        """With backups, once a worker has left the run is over: a worker still pushing (its
+        loop ran past the shards' last step) must not go on training alone."""
+        return bool(self.host.config.backup_workers and self.host.workers.left)
 
     def needed(self, live: set[int]) -> int:
         """How many live workers' pushes of a key make it ready: all, or all but the backups."""

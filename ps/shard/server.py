@@ -295,7 +295,8 @@ class ShardServer:
             return self.rule.norm_ready(msg.get("step"))
         if msg.get("wait_left") and any(w != msg.worker for w in self.workers.live()):
             return False
-        if min_version is not None and self.rule.version_of(msg.keys or self.keys) < min_version:
+        if min_version is not None and self.rule.version_of(msg.keys or self.keys) < min_version \
+                and not self.rule.over():
             return False
         return self.rule.pull_ready(msg)
 

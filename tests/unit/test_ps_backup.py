@@ -100,3 +100,15 @@ def test_backup_workers_must_be_a_count(bad):
     with pytest.raises(ValueError, match="ps.backup_workers"):
         make("sync", workers=3, backup_workers=bad)
 
+
+def test_with_backups_a_push_after_a_worker_left_is_dropped():
+    """The others finished and left: a worker whose loop runs on must not train alone."""
+    server, init = make("sync", workers=3, backup_workers=1)
+    push(server, 0, 0, grads_of(G[0]))
+    push(server, 1, 0, grads_of(G[1]))
+    after = init - 0.5 * (G[0] + G[1]) / 2
+    for w in (0, 1):
+        assert call(server, w, "leave")[0].op == "ok"
+    (reply,) = push(server, 2, 1, grads_of(G[2]), version=1, pull=1, min_version=2)
+    assert reply.op == "ok" and server.version == 1 and torch.equal(values(server), after)
+    assert server.stats()["dropped"] == {"1": [2]}
