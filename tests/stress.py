@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = ("tests/process/test_ps_processes.py", "tests/process/test_ps_restart.py",
          "tests/process/test_process_loss.py", "tests/process/test_multihost.py",
          "tests/unit/test_ps_cluster.py", "tests/process/test_files.py", "tests/process/test_network.py",
-         "tests/process/test_racks.py", "tests/process/test_teardown.py", "tests/process/test_zygote.py")
+         "tests/process/test_racks.py", "tests/process/test_teardown.py", "tests/process/test_zygote.py",
+         "tests/process/test_faults.py")
 
 
 def _spin() -> None:

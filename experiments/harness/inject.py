@@ -23,27 +23,46 @@ def fault_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"fault-rank{rank}.json"
 
 
-def inject(fault: FaultConfig, rank: int, step: int, restarts: int, run_dir: Path) -> None:
-    """Before step's compute on rank: die or stop there if fault says so; else nothing."""
-    if fault.kills(rank, step, restarts):
-        files.write_json(fault_path(run_dir, rank), {"kind": "kill", "rank": rank, "step": step, "wall": time.time()})
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault.pauses(rank, step, restarts) and fault.pause_s > 0:
-        start = time.time()
-        files.write_json(fault_path(run_dir, rank), {"kind": "pause", "rank": rank, "step": step, "wall": start,
-                                                     "pause_s": fault.pause_s})
+class Faults:
+    """fault.* as one worker process meets them, before each step's compute: it dies, stops
+    once, or stalls as a straggler. Only a job's first attempt is struck by a kill or a stop
+    (a restarted process runs through), at the first step it runs from the one named on (a
+    worker going on at the shards' step may never run that one)."""
+
+    def __init__(self, fault: FaultConfig, rank: int, restarts: int, run_dir: Path) -> None:
+        self.fault, self.rank, self.run_dir = fault, rank, Path(run_dir)
+        self.first = restarts == 0
+        self.paused = False
+        self.straggler = Straggler(fault, rank)
+        self.steps_run = 0
+
+    def before_step(self, step: int, last_compute_s: float) -> None:
+        if self.first and self.fault.kills(self.rank, step):
+            self._record({"kind": "kill", "step": step, "wall": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.first and not self.paused and self.fault.pauses(self.rank, step):
+            self.paused = True
+            self._pause(step)
+        self.straggler.stall(self.steps_run, last_compute_s)
+        self.steps_run += 1
+
+    def _record(self, event: dict) -> None:
+        files.write_json(fault_path(self.run_dir, self.rank), {"rank": self.rank, **event})
+
+    def _pause(self, step: int) -> None:
+        start, pause_s = time.time(), self.fault.pause_s
+        self._record({"kind": "pause", "step": step, "wall": start, "pause_s": pause_s})
         # Every thread of this process stops (heartbeats too); the helper, a process of its
         # own, continues it. SIGKILL still ends a stopped process, so nothing outlives a launcher.
         # It counts from the moment the process is stopped, so a SIGCONT never comes first.
         pid = os.getpid()
         script = (f"while ! grep -q '^State:[[:space:]]*T' /proc/{pid}/status 2>/dev/null; do "
-                  f"[ -e /proc/{pid} ] || exit 0; sleep 0.01; done; sleep {fault.pause_s}; kill -CONT {pid}")
+                  f"[ -e /proc/{pid} ] || exit 0; sleep 0.01; done; sleep {pause_s}; kill -CONT {pid}")
         _helpers.append(subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          start_new_session=True))
-        os.kill(os.getpid(), signal.SIGSTOP)
-        files.write_json(fault_path(run_dir, rank), {"kind": "pause", "rank": rank, "step": step, "wall": start,
-                                                     "pause_s": fault.pause_s, "resumed": time.time()})
+        os.kill(pid, signal.SIGSTOP)
+        self._record({"kind": "pause", "step": step, "wall": start, "pause_s": pause_s, "resumed": time.time()})
 
 
 REFERENCE_STEPS = 3

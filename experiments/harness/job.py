@@ -36,7 +36,7 @@ from experiments.rundir.progress import Progress
 from experiments.rundir.trace import Tracer
 from experiments.rundir.trace import merge as merge_trace
 from experiments.harness.devices import pick_device, set_threads
-from experiments.harness.inject import Straggler, inject
+from experiments.harness.inject import Faults
 
 MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -56,7 +56,7 @@ class Job:
         self.config, self.run_dir = cfg, Path(run_dir)
         self.rank, self.world_size, self.local_rank = env.rank, env.world, env.local_rank
         self._restarts = env.restarts
-        self._straggler, self._steps_run = Straggler(cfg.fault, env.rank), 0
+        self._faults = Faults(cfg.fault, env.rank, env.restarts, self.run_dir)
         set_threads(cfg, env)
         self.device = pick_device(cfg, env)
         self._checkpoints = WorkerCheckpoints(self.run_dir, env.rank, cfg.checkpoint.every, resume)
@@ -172,9 +172,7 @@ class Job:
 
     def _before_forward(self, _module, args) -> None:
         if self._computing is None:  # the step's first forward: faults strike here, a straggler stalls
-            inject(self.config.fault, self.rank, self._step, self._restarts, self.run_dir)
-            self._straggler.stall(self._steps_run, self._last_compute)
-            self._steps_run += 1
+            self._faults.before_step(self._step, self._last_compute)
             self._computing = time.perf_counter()
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         self._samples += first.shape[0] if first is not None and first.dim() else 0

@@ -21,12 +21,12 @@ class FaultConfig:
     """Rank that dies (SIGKILL, no goodbye) before the compute of step kill_step (-1: none);
     on the job's first attempt only, so that a restarted job runs through."""
     kill_step: int = 0
-    """The step at whose start kill_rank dies."""
+    """The step at whose start kill_rank dies (the first it runs from this one on)."""
     pause_rank: int = -1
     """Rank whose process stops, every thread of it (SIGSTOP, as a preempted VM or a
     stop-the-world pause), for pause_s seconds once, at the start of step pause_step (-1: none)."""
     pause_step: int = 0
-    """The step at whose start pause_rank stops."""
+    """The step at whose start pause_rank stops (the first it runs from this one on)."""
     pause_s: float = 0.0
     """How long pause_rank stays stopped."""
 
@@ -50,10 +50,10 @@ class FaultConfig:
     def delay_s(self) -> float:
         return self.delay_ms / 1000.0
 
-    def kills(self, rank: int, step: int, restarts: int) -> bool:
-        """Whether rank dies at the start of step (the job's first attempt only)."""
-        return rank == self.kill_rank and step == self.kill_step and restarts == 0
+    def kills(self, rank: int, step: int) -> bool:
+        """Whether rank dies at the start of step (the first it runs from kill_step on)."""
+        return rank == self.kill_rank and step >= self.kill_step
 
-    def pauses(self, rank: int, step: int, restarts: int) -> bool:
-        """Whether rank stops for pause_s at the start of step (the first attempt only)."""
-        return rank == self.pause_rank and step == self.pause_step and restarts == 0
+    def pauses(self, rank: int, step: int) -> bool:
+        """Whether rank stops at the start of step (the first it runs from pause_step on)."""
+        return rank == self.pause_rank and step >= self.pause_step and self.pause_s > 0

@@ -10,7 +10,7 @@ never its mode's name.
   together (a bucket's) are updated in one optimizer call (ps.shard.optim); each key's update
   is what one optimizer step over all of them does to it (the optimizers here are per tensor).
   With backup workers (ps.backup_workers=b) a key is ready once the first N - b live workers
-  pushed it; the late pushes of a step (a key already updated, or a step already done) are
+  pushed it (once every worker has joined: the first steps wait for all to be there); the late pushes of a step (a key already updated, or a step already done) are
   dropped, counted by step, and their pull answered with the new values. A worker that rejoins
   (a new process in a lost one's place) is counted from the next step: its join is answered
   when the step under way is done, and its pushes of steps already done are dropped.
@@ -138,6 +138,9 @@ class Rule:
         answered now (False: once Workers.joining no longer holds it)."""
         return True
 
+    def joined(self, w: int) -> None:
+        """Worker w joined: what waited for every worker to be there may go on."""
+
 
 class AsyncRule(Rule):
     """Every push is applied on arrival; a version is one worker-step on this shard."""
@@ -261,8 +264,14 @@ class SyncRule(Rule):
         return bool(self.host.config.backup_workers and self.host.workers.left)
 
     def needed(self, live: set[int]) -> int:
-        """How many live workers' pushes of a key make it ready: all, or all but the backups."""
+        """How many live workers' pushes of a key make it ready: all, or all but the backups
+        once every live worker has joined (a run starts when all are there)."""
+        if live - self.host.workers.joined:
+            return len(live)
         return max(1, len(live) - self.host.config.backup_workers)
+
+    def joined(self, w: int) -> None:
+        self._update_ready()
 
     def version_of(self, keys: Sequence[int]) -> int:
         """Keys updated in the current step are one ahead of the shard."""

@@ -174,7 +174,9 @@ class ShardServer:
             if not self.rule.rejoin(w):
                 self.waiting.add(peer, msg, self.clock(), self.config.timeout_s, {})
                 return []
-        return [self._join_reply(peer, msg)]
+        reply = self._join_reply(peer, msg)  # the values as they are, before anything it lets go on
+        self.rule.joined(w)
+        return [reply]
 
     def _join_reply(self, peer: bytes, msg: Message) -> Reply:
         body = {"layout": self.layout.to_wire(), "shard": self.shard, "mode": self.mode,

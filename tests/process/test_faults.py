@@ -77,10 +77,13 @@ def test_a_backup_worker_drops_the_stopped_workers_push_and_trains_on_the_others
         "ps.backup_workers=1", "fault.pause_rank=2", "fault.pause_step=0", "fault.pause_s=3"))
     records = read_metrics(tmp_path / "backup")
     assert [r["step"] for r in records[0]] == list(range(steps))
-    assert [r["step"] for r in records[2]] == [0]  # its step-0 push came after the run's last step
-    assert summary["dropped_pushes"] == [1] + [0] * (steps - 1)
+    # It stopped at its first step (0, or a later one where the others had gone on before it
+    # joined); its push of that step came seconds late: dropped, and it went on at the shards'
+    # step. What each step counted in, the test reads off the shard.
+    stopped = records[2][0]["step"]
+    assert len(records[2]) < steps and summary["dropped_pushes"][stopped] == 1
     counted = counted_in(tmp_path / "backup", summary, steps)
-    assert counted == [[0, 1]] * steps
+    assert counted[stopped] == [0, 1] and all(len(c) >= 2 for c in counted)
     assert max_param_diff(state, local_over(cfg, counted)) < 1e-10
     fault = json.loads((tmp_path / "backup" / "logs" / "fault-rank2.json").read_text())
     assert fault["kind"] == "pause" and fault["resumed"] - fault["wall"] >= 3.0
@@ -123,5 +126,7 @@ def test_a_killed_ps_worker_rejoins_and_is_counted_in_from_the_next_step(tmp_pat
     records = read_metrics(tmp_path / "rejoin")
     assert [r["step"] for r in records[0]] == list(range(steps))
     counted = counted_in(tmp_path / "rejoin", summary, steps)
-    assert counted[kill] == [0, 2] and counted[-1] == [0, 1, 2]
+    # rank 1 counted in until it died and again from the step the shard took it back at
+    first = restart["resumed_step"]
+    assert [1 in c for c in counted] == [s < kill or s >= first for s in range(steps)]
     assert max_param_diff(state, local_over(cfg, counted)) < 1e-10

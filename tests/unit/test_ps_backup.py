@@ -112,3 +112,12 @@ def test_with_backups_a_push_after_a_worker_left_is_dropped():
     (reply,) = push(server, 2, 1, grads_of(G[2]), version=1, pull=1, min_version=2)
     assert reply.op == "ok" and server.version == 1 and torch.equal(values(server), after)
     assert server.stats()["dropped"] == {"1": [2]}
+
+
+def test_with_backups_the_first_step_waits_until_every_worker_has_joined():
+    server, init = make("sync", workers=3, backup_workers=1, joined=(0, 1))
+    push(server, 0, 0, grads_of(G[0]))
+    push(server, 1, 0, grads_of(G[1]))
+    assert server.version == 0  # worker 2 has not joined: the run has not started without it
+    call(server, 2, "join")
+    assert server.version == 1 and torch.equal(values(server), init - 0.5 * (G[0] + G[1]) / 2)

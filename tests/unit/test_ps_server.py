@@ -22,14 +22,14 @@ class FakeClock:
         return self.now
 
 
-def make(mode, workers=2, lr=0.5, clock=None, optimizer=None, **cfg):
+def make(mode, workers=2, lr=0.5, clock=None, optimizer=None, joined=None, **cfg):
     torch.manual_seed(0)
     init = [torch.randn(s.shape, dtype=torch.float64) for s in SPECS]
     opt = optimizer or (lambda p: torch.optim.SGD(p, lr=lr))
     server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), opt, mode, workers,
                          PSConfig(**cfg), clock=clock or FakeClock())
     flat = torch.cat([p.reshape(-1) for p in init])
-    for w in range(workers):
+    for w in range(workers) if joined is None else joined:
         assert call(server, w, "join")[0].op == "ok"
     return server, flat
 

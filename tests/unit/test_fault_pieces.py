@@ -32,10 +32,22 @@ def test_a_straggler_takes_k_times_its_reference_steps_compute(monkeypatch):
     assert len(slept) == 2
 
 
-def test_kill_and_pause_strike_once_on_the_first_attempt():
+def test_kill_and_pause_strike_once_on_the_first_attempt(monkeypatch, tmp_path):
     fault = FaultConfig(kill_rank=2, kill_step=7, pause_rank=1, pause_step=3, pause_s=1.0)
-    assert fault.kills(2, 7, 0) and not fault.kills(2, 7, 1) and not fault.kills(1, 7, 0)
-    assert fault.pauses(1, 3, 0) and not fault.pauses(1, 4, 0) and not fault.pauses(1, 3, 2)
+    assert fault.kills(2, 7) and fault.kills(2, 9) and not fault.kills(2, 6) and not fault.kills(1, 7)
+    assert fault.pauses(1, 3) and fault.pauses(1, 4) and not fault.pauses(1, 2)
+    assert not FaultConfig(pause_rank=1, pause_step=3).pauses(1, 3)  # 0 s: nothing
+    signals = []
+    monkeypatch.setattr(inject.os, "kill", lambda pid, sig: signals.append(sig))
+    monkeypatch.setattr(inject.subprocess, "Popen", lambda *a, **k: None)
+    for rank in (1, 2):
+        for restarts in (0, 1):
+            faults = inject.Faults(fault, rank, restarts, tmp_path)
+            for step in (0, 5, 8, 9):  # a worker gone on at the shards' step skips 3 and 7
+                faults.before_step(step, 0.0)
+    # rank 1 stops once, at step 5; rank 2 is killed at 8 (here the kill returns, and again at
+    # 9); a restarted process is never struck
+    assert signals == [inject.signal.SIGSTOP, inject.signal.SIGKILL, inject.signal.SIGKILL]
     for bad in (dict(kill_rank=-2), dict(kill_step=-1), dict(pause_s=-1.0), dict(pause_s=4000.0)):
         with pytest.raises(ValueError, match="fault."):
             FaultConfig(**bad)
