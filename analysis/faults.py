@@ -119,7 +119,8 @@ def fault_window(run: Run) -> tuple[float, float] | None:
 
 def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
     """Training loss (rank 0's, mean of 5 steps) against wall time, a panel per fault, a line
-    per engine; a pause shaded, a kill a dotted line."""
+    per engine; where a kill or a stop struck, a dotted line in the engine's colour, and a
+    dashed one where the stopped process went on."""
     faults = sorted({fault_of(r) for r in runs}, key=lambda f: (f != NONE, f))
     if not faults:
         return None
@@ -133,11 +134,11 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
                           for i in range(len(losses))]
                 ax.plot([run.since_start(r) for r in recs], smooth, label=run.label, color=colour(run.label), lw=1.2)
                 window = fault_window(run)
-                if window is not None and window[1] > window[0]:
-                    ax.axvspan(*window, color=colour(run.label), alpha=0.08)
-                elif window is not None:
+                if window is not None:
                     ax.axvline(window[0], color=colour(run.label), ls=":", lw=1)
-            ax.set(title=fault, xlabel="wall time (s)", ylabel="training loss (rank 0)")
+                    if window[1] > window[0]:
+                        ax.axvline(window[1], color=colour(run.label), ls="--", lw=0.8)
+            ax.set(title=fault, xlabel="wall time (s)", ylabel="training loss (rank 0)", yscale="log")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="x-small")
         return save_figure(fig, out_dir, "faults_loss_vs_time.png")
