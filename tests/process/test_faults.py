@@ -130,3 +130,46 @@ def test_a_killed_ps_worker_rejoins_and_is_counted_in_from_the_next_step(tmp_pat
     first = restart["resumed_step"]
     assert [1 in c for c in counted] == [s < kill or s >= first for s in range(steps)]
     assert max_param_diff(state, local_over(cfg, counted)) < 1e-10
+
+
+SCRIPT = """
+import sys
+import torch
+from experiments import api as psar
+
+steps = int(sys.argv[1])
+job = psar.init()
+torch.manual_seed(0)
+model = job.attach(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double(),
+                   lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+for step in range(job.start_step, steps):
+    g = torch.Generator().manual_seed(1000 * step + job.rank)  # each step's batch, whenever it runs
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+    job.backward(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())
+    job.step()
+job.close()
+"""
+
+
+@pytest.mark.parametrize("engine,extra", [("allreduce", []), ("ps-sync", ["--servers", "1"])])
+def test_psar_launch_restarts_a_script_whose_worker_died(tmp_path, engine, extra):
+    from click.testing import CliRunner
+
+    from experiments.cli import main
+
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    common = ["launch", "--engine", engine, *extra, "--set", "timeout_s=20", "--set", "checkpoint.every=2"]
+
+    def launch(name, *more):
+        result = CliRunner().invoke(main, [*common, *more, "--out", str(tmp_path / name), str(script), "7"])
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / name / "summary.json").read_text())
+
+    plain = launch("plain")
+    killed = launch("killed", "--max-restarts", "1", "--set", "fault.kill_rank=1", "--set", "fault.kill_step=3")
+    assert killed["restarts"] == 1
+    if engine == "allreduce":  # every rank again from step 2's checkpoint: the same run
+        assert killed["steps_lost"] == 1 and killed["param_sha256"] == plain["param_sha256"]
+    else:  # rank 1 alone again, at the shard's step: nothing redone, and the steps it missed
+        assert killed["steps_lost"] == 0 and killed["restart_log"][0]["resumed_step"] >= 3
