@@ -133,7 +133,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
                 run_processes(procs, run_dirs[0] / "logs", left, show_progress=not quiet,
                               append=resume or attempt > 0, echo_rank0=script is not None and not quiet,
                               restarting=restarts is not None and restarts.left and not nservers,
-                              respawn=rejoin)
+                              respawn=rejoin, fork=attempt == 0)
                 break
             except LaunchError as err:
                 if restarts is None or not restarts.left or err.failed_at is None or nservers:
@@ -235,7 +235,8 @@ before they are stopped: a failing script is reported within a few seconds on ev
 def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: Path,
                   deadline_s: float | None = None, show_progress: bool = False,
                   append: bool = False, echo_rank0: bool = False, restarting: bool = False,
-                  respawn: Callable[[str, str, float], tuple[list[str], dict[str, str]] | None] | None = None) -> None:
+                  respawn: Callable[[str, str, float], tuple[list[str], dict[str, str]] | None] | None = None,
+                  fork: bool = True) -> None:
     """Start (name, argv, env) processes and wait until all exit 0.
 
     Each one's output goes to log_dir/<name>.log (rank 0's stderr stays on the terminal when
@@ -245,7 +246,9 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
     stopped say why, above their threads' stacks. restarting: the job will be started again,
     so the others are stopped at once, without their stacks. respawn(name, failure, failed_at):
     for a process that failed, the (argv, env) to start in its place (its log goes on), or
-    None: then its failure fails the job.
+    None: then its failure fails the job. fork: start them from the zygote where it can (a
+    restarted job's processes, and one started in a failed one's place, start as torchrun
+    starts them, fresh interpreters, so that a restart's time is what it would be there).
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -254,15 +257,16 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
     echoes: list[threading.Thread] = []
     why = "the launcher was interrupted"
     # Processes of this interpreter fork from one that has imported torch once.
-    zygote = shared_zygote(procs[0][2]) if procs and all(can_fork(argv) for _, argv, _ in procs) else None
+    zygote = shared_zygote(procs[0][2]) if procs and fork and all(can_fork(argv) for _, argv, _ in procs) else None
 
-    def spawn(name: str, argv: list[str], env: dict[str, str], fresh: bool) -> subprocess.Popen | Forked:
+    def spawn(name: str, argv: list[str], env: dict[str, str], fresh: bool,
+              forked: bool = True) -> subprocess.Popen | Forked:
         log_path = log_dir / f"{name.replace(' ', '')}.log"
         echo = echo_rank0 and name == "rank 0"
         if fresh:
             open(log_path, "w").close()
         with open(log_path, "a") as log:  # appending: the launcher's own lines are never overwritten
-            proc = _start(zygote, argv, env, log, echo, stderr_tty=name == "rank 0" and tty)
+            proc = _start(zygote if forked else None, argv, env, log, echo, stderr_tty=name == "rank 0" and tty)
         if echo:
             echoes.append(threading.Thread(target=_tee, args=(proc.stdout, log_path), daemon=True))
             echoes[-1].start()
@@ -274,11 +278,11 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
         if replacement is None:
             return None
         started[:] = [entry for entry in started if entry[0] != name]
-        return spawn(name, *replacement, fresh=False)
+        return spawn(name, *replacement, fresh=False, forked=False)  # a restart starts as torchrun's do
 
     try:
         for name, argv, env in procs:
-            spawn(name, argv, env, fresh=not append)
+            spawn(name, argv, env, fresh=not append, forked=fork)
         try:
             _watch(started, deadline_s, grace_s=0.0 if restarting else FAILURE_GRACE_S, again=again)
         except LaunchError as err:

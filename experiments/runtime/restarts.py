@@ -15,6 +15,7 @@ last checkpoint the ranks share. What each restart cost is written to summary.js
 
 Under the parameter servers only the worker that died is started again: it rejoins the
 running shards and goes on at their step (ps.shard.consistency), so nothing is redone.
+Restarted processes are fresh interpreters, as torchrun's are (not forks of the zygote).
 """
 
 from __future__ import annotations

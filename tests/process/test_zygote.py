@@ -1,14 +1,17 @@
 """The zygote forks a run's processes from one that imported torch once: a child runs a script
 or a module as `python ARGV` would, with its own environment, arguments and output, and its
-exit code (or the signal that killed it) reaches the launcher; a bad request is refused
-without harm; when the launcher goes, its children go too."""
+exit code (or the signal that killed it) reaches the launcher; a child for an emulated host
+runs in that host's network namespace; a bad request is refused without harm; when the
+launcher goes, its children go too."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,7 +92,10 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on(zygote, tmp_path):
             zygote.fork(["/bin/sh", "-c", "echo hi"], {}, f.fileno(), f.fileno())
         line = json.dumps({"argv": [sys.executable, "x.py"], "env": {}, "cwd": "/", "extra": 1}).encode() + b"\n"
         socket.send_fds(zygote._sock, [line], [f.fileno(), f.fileno()])
-        assert "has the fields argv, env and cwd" in zygote._read(30.0, "a refusal")["error"]
+        assert "has the fields argv, env, cwd and netns" in zygote._read(30.0, "a refusal")["error"]
+        line = json.dumps({"argv": [sys.executable, "x.py"], "env": {}, "cwd": "/", "netns": "../x"}).encode()
+        socket.send_fds(zygote._sock, [line + b"\n"], [f.fileno(), f.fileno()])
+        assert "is not a network namespace of this host" in zygote._read(30.0, "a refusal")["error"]
         socket.send_fds(zygote._sock, [b"not json\n"], [f.fileno(), f.fileno()])
         assert "not JSON" in zygote._read(30.0, "a refusal")["error"]
     ok, _ = run(zygote, [sys.executable, "-m", "json.tool", "--help"], tmp_path, "after")
@@ -111,6 +117,21 @@ def test_children_end_with_the_launcher(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail(f"pid {held.pid} outlived its zygote")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root and iproute2")
+def test_a_child_for_an_emulated_host_runs_in_its_network_namespace(zygote, tmp_path):
+    name = f"psar-zt{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        argv = ["ip", "netns", "exec", name, sys.executable, str(tmp_path / "ifs.py")]
+        (tmp_path / "ifs.py").write_text("import socket\nprint(sorted(n for _, n in socket.if_nameindex()))\n")
+        assert can_fork(argv)
+        child, read = run(zygote, argv, tmp_path, "ifs")
+        assert child.wait(60) == 0
+        assert read("out").strip() == "['lo']"  # a new namespace has its loopback alone
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 @pytest.mark.parametrize("argv,ok", [
