@@ -14,6 +14,26 @@ from experiments.runtime.launcher import launch, launch_batch, process_shape
 
 RUN_DEADLINE_S = 180
 
+FIT_SCRIPT = """
+import sys
+import torch
+from experiments import api as psar
+
+steps = int(sys.argv[1])
+job = psar.init()
+torch.manual_seed(0)
+model = job.attach(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double(),
+                   lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+for step in range(job.start_step, steps):
+    g = torch.Generator().manual_seed(1000 * step + job.rank)  # each step's batch, whenever it runs
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+    job.backward(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())
+    job.step()
+job.close(lambda m: {"weight_sum": m[0].weight.sum().item()})
+"""
+"""A user's training script on experiments.api, run with `psar launch ... fit.py STEPS`: its
+loop starts at job.start_step, and a step's batch is a function of the step and the rank."""
+
 
 def run_job(tmp_path: Path, experiment: str, engine: str, workers: int = 2, steps: int = 20,
             overrides=(), name: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from conftest import max_param_diff
+from conftest import FIT_SCRIPT as SCRIPT, max_param_diff
 from experiments.rundir.metrics import read_metrics
 from experiments.runtime.launcher import launch
 from experiments.settings.presets import build_config
@@ -130,25 +130,6 @@ def test_a_killed_ps_worker_rejoins_and_is_counted_in_from_the_next_step(tmp_pat
     first = restart["resumed_step"]
     assert [1 in c for c in counted] == [s < kill or s >= first for s in range(steps)]
     assert max_param_diff(state, local_over(cfg, counted)) < 1e-10
-
-
-SCRIPT = """
-import sys
-import torch
-from experiments import api as psar
-
-steps = int(sys.argv[1])
-job = psar.init()
-torch.manual_seed(0)
-model = job.attach(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double(),
-                   lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
-for step in range(job.start_step, steps):
-    g = torch.Generator().manual_seed(1000 * step + job.rank)  # each step's batch, whenever it runs
-    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
-    job.backward(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())
-    job.step()
-job.close()
-"""
 
 
 @pytest.mark.parametrize("engine,extra", [("allreduce", []), ("ps-sync", ["--servers", "1"])])

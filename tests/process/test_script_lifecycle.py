@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import max_param_diff
+from conftest import FIT_SCRIPT as SCRIPT, max_param_diff
 
 from experiments.rundir import tensorboard_log as board
 
@@ -23,23 +23,6 @@ from experiments.cli import main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-SCRIPT = """
-import sys
-import torch
-from experiments import api as psar
-
-steps = int(sys.argv[1])
-job = psar.init()
-torch.manual_seed(0)
-model = job.attach(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double(),
-                   lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
-for step in range(job.start_step, steps):
-    g = torch.Generator().manual_seed(1000 * step + job.rank)  # each step's batch, whenever it runs
-    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
-    job.backward(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())
-    job.step()
-job.close(lambda m: {"weight_sum": m[0].weight.sum().item()})
-"""
 
 
 def launch(*argv: str) -> None:
