@@ -27,6 +27,7 @@ from .plots import save_figure  # first: analysis.style selects the Agg backend
 from .results import Run, median, time_to_target
 from .style import colour
 from .table import write_report
+from experiments.harness.inject import REFERENCE_STEPS
 
 import matplotlib.pyplot as plt
 
@@ -70,13 +71,16 @@ def longest_stall(run: Run) -> float | None:
 def predicted(run: Run, base: Run) -> float | None:
     """The straggler row's steps/s over the no-fault run's, by the algorithm (see above)."""
     fault = run.config.get("fault") or {}
-    k = fault.get("slow_factor", 1.0)
+    rank = fault.get("slow_rank", -1)
     steps = [r["step_s"] for r in base.metrics.get(0, []) if r["step"] >= 1]
     computes = [r["compute_s"] for r in base.steady_records()]
-    if not steps or not computes or fault_of(run) == NONE or fault.get("slow_rank", -1) < 0:
+    if not steps or not computes or fault_of(run) == NONE or rank < 0:
         return None
     t0, c = median(steps), median(computes)
-    slow = t0 / (t0 + (k - 1) * c)
+    # the slow worker's compute as it ran (its stall included), else k times the others'
+    stalled = [r["compute_s"] for r in run.metrics.get(rank, []) if r["step"] > REFERENCE_STEPS]
+    slow_c = median(stalled) if stalled else fault.get("slow_factor", 1.0) * c
+    slow = t0 / (t0 + max(0.0, slow_c - c))
     if run.spec.synchronous:
         return 1.0 if (run.config.get("ps") or {}).get("backup_workers") else slow
     n = run.summary["workers"]

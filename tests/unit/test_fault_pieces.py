@@ -97,7 +97,7 @@ def test_a_restart_costs_the_steps_since_the_checkpoint_and_the_time_to_the_next
     assert log["process_start_s"] == pytest.approx(0.5) and log["rest_s"] == pytest.approx(2.5 - 0.5 - 0.5)
 
 
-def _run(tmp_path, name, engine, fault, walls, backups=0, compute=0.01, step=0.02):
+def _run(tmp_path, name, engine, fault, walls, backups=0, compute=0.01, step=0.02, slow=None):
     path = tmp_path / name
     (path / "metrics").mkdir(parents=True)
     config = {"experiment": "cnn", "engine": engine, "workers": 4, "fault": fault,
@@ -107,7 +107,8 @@ def _run(tmp_path, name, engine, fault, walls, backups=0, compute=0.01, step=0.0
                                                    "final_loss": 0.5, "eval": {"accuracy": 0.9}}))
     for rank, rank_walls in walls.items():
         (path / "metrics" / f"rank{rank}.jsonl").write_text("".join(
-            json.dumps({"step": i, "wall": w, "time": w - 100.0, "loss": 1.0, "compute_s": compute, "step_s": step})
+            json.dumps({"step": i, "wall": w, "time": w - 100.0, "loss": 1.0, "step_s": step,
+                        "compute_s": slow if slow is not None and rank == fault.get("slow_rank") else compute})
             + "\n" for i, w in enumerate(rank_walls)))
     return load_run(path)
 
@@ -115,7 +116,7 @@ def _run(tmp_path, name, engine, fault, walls, backups=0, compute=0.01, step=0.0
 def test_the_report_compares_each_fault_with_the_engines_run_without_one(tmp_path):
     none = _run(tmp_path, "a", "allreduce", {}, {r: [100.0 + 0.02 * i for i in range(11)] for r in range(4)})
     slow = _run(tmp_path, "b", "allreduce", {"slow_rank": 3, "slow_factor": 3.0},
-                {r: [100.0 + 0.04 * i for i in range(11)] for r in range(4)})
+                {r: [100.0 + 0.04 * i for i in range(11)] for r in range(4)}, slow=0.025)
     paused = _run(tmp_path, "c", "allreduce", {"pause_rank": 3, "pause_s": 10.0, "pause_step": 5},
                   {r: [100.0 + 0.02 * i + (10.0 if i >= 5 else 0.0) for i in range(11)] for r in range(4)})
     backup = _run(tmp_path, "d", "ps-sync", {"slow_rank": 3, "slow_factor": 3.0},
@@ -123,7 +124,8 @@ def test_the_report_compares_each_fault_with_the_engines_run_without_one(tmp_pat
     table = {(row["engine"], row["fault"]): row for row in faults.rows([none, slow, paused, backup])}
     assert table[("allreduce/library", "none")]["steps_per_s"] == pytest.approx(50.0)
     row = table[("allreduce/library", "rank 3 3x slower")]
-    assert row["vs_none"] == pytest.approx(0.5) and row["predicted"] == pytest.approx(0.02 / (0.02 + 2 * 0.01))
+    # the slow worker's compute as it ran (0.025 s) against the others' (0.01 s)
+    assert row["vs_none"] == pytest.approx(0.5) and row["predicted"] == pytest.approx(0.02 / (0.02 + 0.015))
     assert table[("allreduce/library", "rank 3 stops 10 s at step 5")]["stall_s"] == pytest.approx(10.02)
     assert table[("ps-sync+backup", "rank 3 3x slower")]["vs_none"] is None  # no run without a fault
     assert faults.predicted(backup, backup) == 1.0
