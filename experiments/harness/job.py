@@ -234,9 +234,10 @@ class Job:
         model, cfg = self._model, self.config
         files.save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
         eval_metrics = evaluate(model) if evaluate is not None else {}
+        report = self._engine.report()
         summary = summarize(self.run_dir, summary_config(cfg), eval_metrics, wall_s, param_sha256(model),
-                            first_step=self.start_step)
-        summary.update(self._engine.report())
+                            first_step=self.start_step, dropped=report.get("dropped_pushes"))
+        summary.update(report)
         files.write_json(self.run_dir / "summary.json", summary)
         if self._board is not None:
             self._board.close(summary, to_dict(cfg))

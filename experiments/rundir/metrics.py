@@ -71,10 +71,12 @@ def param_sha256(model: torch.nn.Module) -> str:
 
 
 def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sha: str,
-              first_step: int = 0) -> dict:
+              first_step: int = 0, dropped: list[int] | None = None) -> dict:
     """Summary of a finished run from its metrics files.
 
-    samples_per_sec: see `throughput`; over the steps from first_step on (a resumed run's).
+    samples_per_sec: see `throughput`; over the steps from first_step on (a resumed run's);
+    with dropped (per step, how many workers' pushes backup workers dropped), the samples
+    the update used (`applied_throughput`).
     final_loss: mean training loss of the last 10% of steps (at least one) over every rank
     that ran them.
     bytes_per_worker_per_step: bytes sent plus received by one worker in one step, averaged;
@@ -92,8 +94,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     # shards' step) has no say in the last steps' loss
     losses = [r["loss"] for recs in per_rank.values() for r in recs if r["step"] > last - tail]
     # A resumed run's throughput is its own segment's: earlier records are another session's.
-    samples_per_sec = throughput({r: [x for x in recs if x["step"] >= first_step]
-                                  for r, recs in per_rank.items()})
+    ours = {r: [x for x in recs if x["step"] >= first_step] for r, recs in per_rank.items()}
+    samples_per_sec = throughput(ours) if dropped is None else applied_throughput(ours, dropped)
     records = [r for recs in per_rank.values() for r in recs]
     traffic = [r["bytes_sent"] + r["bytes_recv"] for r in records]
     return {
@@ -160,6 +162,33 @@ def throughput(per_rank: dict[int, list[dict]], warmup: int = WARMUP_STEPS) -> f
                 for recs in ranks)
     end = min(recs[-1]["wall"] for recs in ranks)
     samples = sum(r["samples"] for recs in ranks for r in recs if start < r["wall"] <= end)
+    return samples / (end - start) if end > start and samples else None
+
+
+def applied_throughput(per_rank: dict[int, list[dict]], dropped: list[int],
+                       warmup: int = WARMUP_STEPS) -> float | None:
+    """Samples per second the updates used, under backup workers: a step's records' samples
+    less the share of the workers whose push was dropped (dropped[step] of them), from the end
+    of the warm-up steps to the end of the last step. A step ends when the first worker has
+    its update (a late worker's record of it ends later, after the others went on), and a
+    late worker that went on at the shards' step has no record of the steps it skipped, so
+    neither `throughput`'s window (the earliest last record) nor its count (every record's
+    samples) is the run's."""
+    by_step: dict[int, list[dict]] = {}
+    for recs in per_rank.values():
+        for r in recs:
+            by_step.setdefault(r["step"], []).append(r)
+    steps = sorted(by_step)
+    if len(steps) <= warmup:
+        return None
+    start = min(r["wall"] for r in by_step[steps[warmup - 1]]) if warmup else \
+        min(r["wall"] - r["step_s"] for r in by_step[steps[0]])
+    end = min(r["wall"] for r in by_step[steps[-1]])
+    samples = 0.0
+    for s in steps[warmup:]:
+        records = by_step[s]
+        late = dropped[s] if s < len(dropped) else 0
+        samples += sum(r["samples"] for r in records) * max(0, len(records) - late) / len(records)
     return samples / (end - start) if end > start and samples else None
 
 

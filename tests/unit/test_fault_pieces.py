@@ -129,3 +129,20 @@ def test_the_report_compares_each_fault_with_the_engines_run_without_one(tmp_pat
     assert table[("allreduce/library", "rank 3 stops 10 s at step 5")]["stall_s"] == pytest.approx(10.02)
     assert table[("ps-sync+backup", "rank 3 3x slower")]["vs_none"] is None  # no run without a fault
     assert faults.predicted(backup, backup) == 1.0
+
+
+def test_backup_workers_throughput_counts_the_samples_the_updates_used():
+    from experiments.rundir.metrics import applied_throughput, throughput
+
+    def recs(steps_walls):
+        return [{"step": s, "wall": w, "step_s": 1.0, "samples": 32} for s, w in steps_walls]
+
+    # Three workers a step each second; the third's push of every step is dropped, and it
+    # records only steps 0 and 3 (it went on at the shards' step), ending later each time.
+    per_rank = {0: recs([(s, 1.0 + s) for s in range(6)]), 1: recs([(s, 1.0 + s) for s in range(6)]),
+                2: recs([(0, 2.5), (3, 4.5)])}
+    dropped = [1, 0, 0, 1, 0, 0]
+    # steps 1..5 end at 2..6: from the warm-up's end (1.0) 5 s; two workers' 32 samples each
+    assert applied_throughput(per_rank, dropped) == pytest.approx(5 * 2 * 32 / 5.0)
+    # the plain window would end at the late worker's last record (4.5) and count its samples
+    assert throughput(per_rank) != pytest.approx(64.0)
