@@ -51,6 +51,9 @@ class Job:
 
     def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False,
                  steps: int | None = None) -> None:
+        # The first optimizer imports it (1 s of CPU in a fresh interpreter, forks from the
+        # zygote have it): here it counts as the process's start, not as its rendezvous.
+        import torch._dynamo  # noqa: F401
         began = time.time()
         spec = get_engine(cfg.engine)
         self.config, self.run_dir = cfg, Path(run_dir)
