@@ -7,13 +7,14 @@ One row per (engine, fault), each against the same engine's run without a fault:
   one update by every worker's gradient, or by the first N - b under backup workers; under
   ps-async and ps-ssp N pushes make one, counted while every worker was training (each
   runs its own steps, so a run's end is the slowest one's tail).
-- predicted (straggler rows): the algorithm's with the no-fault run's median step t0 and
-  compute c, and one worker's compute k times as long. A synchronous step waits for it,
-  t0 + (k-1)c (the ring's: its communication starts with the last gradient; ps-sync's shard
+- predicted (straggler rows): the algorithm's, with the no-fault run's median step t0 and
+  compute c, and the slow worker's median compute c' as it ran in the row's own run (its
+  stall included; k*c where it has no records). A synchronous step waits for it,
+  t0 + c' - c (the ring's: its communication starts with the last gradient; ps-sync's shard
   takes the others' pushes while the slow one computes, so it can beat this); with b >= 1
-  backup workers it never waits; ps-async's other N-1 workers go on
-  at 1/t0 and the slow one adds 1/(t0 + (k-1)c); ps-ssp's workers can be at most its bound
-  ahead, so in the long run every one goes at the slow one's pace.
+  backup workers it never waits; ps-async's other N-1 workers go on at 1/t0 and the slow one
+  adds 1/(t0 + c' - c); ps-ssp's workers can be at most its bound ahead, so in the long run
+  every one goes at the slow one's pace.
 - steps lost and recovery: a restart's (summary.json: experiments/runtime/restarts.py).
 - longest stall: the longest time the model went without a step (a pause, a restart).
 """
@@ -23,13 +24,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .plots import save_figure  # first: analysis.style selects the Agg backend
+from .plots import panels  # first: analysis.style selects the Agg backend
 from .results import Run, median, time_to_target
 from .style import colour
 from .table import write_report
 from experiments.harness.inject import REFERENCE_STEPS
 
-import matplotlib.pyplot as plt
 
 COLUMNS = [
     ("engine", "engine"), ("fault", "fault"), ("steps_per_s", "steps/s"), ("vs_none", "x no fault"),
@@ -125,29 +125,23 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
     """Training loss (rank 0's, mean of 5 steps) against wall time, a panel per fault, a line
     per engine; where a kill or a stop struck, a dotted line in the engine's colour, and a
     dashed one where the stopped process went on."""
+
+    def draw(ax, fault: str) -> None:
+        for run in sorted((r for r in runs if fault_of(r) == fault), key=lambda r: r.label):
+            recs = run.metrics.get(0, [])
+            losses = [r["loss"] for r in recs]
+            smooth = [sum(losses[max(0, i - 4): i + 1]) / len(losses[max(0, i - 4): i + 1])
+                      for i in range(len(losses))]
+            ax.plot([run.since_start(r) for r in recs], smooth, label=run.label, color=colour(run.label), lw=1.2)
+            window = fault_window(run)
+            if window is not None:
+                ax.axvline(window[0], color=colour(run.label), ls=":", lw=1)
+                if window[1] > window[0]:
+                    ax.axvline(window[1], color=colour(run.label), ls="--", lw=0.8)
+
     faults = sorted({fault_of(r) for r in runs}, key=lambda f: (f != NONE, f))
-    if not faults:
-        return None
-    fig, axes = plt.subplots(1, len(faults), figsize=(4.4 * len(faults), 3.6), squeeze=False, sharey=True)
-    try:
-        for ax, fault in zip(axes[0], faults):
-            for run in sorted((r for r in runs if fault_of(r) == fault), key=lambda r: r.label):
-                recs = run.metrics.get(0, [])
-                losses = [r["loss"] for r in recs]
-                smooth = [sum(losses[max(0, i - 4): i + 1]) / len(losses[max(0, i - 4): i + 1])
-                          for i in range(len(losses))]
-                ax.plot([run.since_start(r) for r in recs], smooth, label=run.label, color=colour(run.label), lw=1.2)
-                window = fault_window(run)
-                if window is not None:
-                    ax.axvline(window[0], color=colour(run.label), ls=":", lw=1)
-                    if window[1] > window[0]:
-                        ax.axvline(window[1], color=colour(run.label), ls="--", lw=0.8)
-            ax.set(title=fault, xlabel="wall time (s)", ylabel="training loss (rank 0)", yscale="log")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize="x-small")
-        return save_figure(fig, out_dir, "faults_loss_vs_time.png")
-    finally:
-        plt.close(fig)
+    return panels(faults, draw, out_dir, "faults_loss_vs_time.png", "wall time (s)", "training loss (rank 0)",
+                  width=4.4, yscale="log")
 
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import loss_over_time, save_figure  # first: analysis.style selects the Agg backend
+from .plots import loss_over_time, panels  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time
 from .results import Run, time_to_target
 from .table import write_report
@@ -70,23 +70,16 @@ def rows(runs: list[Run]) -> list[dict]:
 
 def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
     """Training loss against time, a panel per engine, a line per period."""
-    labels = sorted({_family(r) for r in runs})
-    if not labels:
-        return None
-    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.6), squeeze=False, sharey=True)
     periods = sorted({r.period for r in runs})
     cmap = plt.get_cmap("viridis")
-    try:
-        for ax, label in zip(axes[0], labels):
-            for run in sorted((r for r in runs if _family(r) == label), key=lambda r: r.period):
-                ax.plot(*loss_over_time(run), label=f"every {run.period}",
-                        color=cmap(periods.index(run.period) / max(1, len(periods) - 1) * 0.85))
-            ax.set(title=label, xlabel="time (s)", ylabel="training loss")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize="x-small")
-        return save_figure(fig, out_dir, "period_loss_vs_time.png")
-    finally:
-        plt.close(fig)
+
+    def draw(ax, label: str) -> None:
+        for run in sorted((r for r in runs if _family(r) == label), key=lambda r: r.period):
+            ax.plot(*loss_over_time(run), label=f"every {run.period}",
+                    color=cmap(periods.index(run.period) / max(1, len(periods) - 1) * 0.85))
+
+    return panels(sorted({_family(r) for r in runs}), draw, out_dir, "period_loss_vs_time.png",
+                  "time (s)", "training loss")
 
 
 def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:

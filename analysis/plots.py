@@ -101,6 +101,24 @@ def save_figure(fig, out_dir: Path, name: str) -> Path:
     return path
 
 
+def panels(titles: list[str], draw, out_dir: Path, name: str, xlabel: str, ylabel: str,
+           width: float = 4.2, yscale: str = "linear") -> Path | None:
+    """A row of panels sharing the y axis, one per title, each drawn by draw(ax, title), with
+    its labels, grid and legend; written to out_dir/name (None: no titles, no figure)."""
+    if not titles:
+        return None
+    fig, axes = plt.subplots(1, len(titles), figsize=(width * len(titles), 3.6), squeeze=False, sharey=True)
+    try:
+        for ax, title in zip(axes[0], titles):
+            draw(ax, title)
+            ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale=yscale)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="x-small")
+        return save_figure(fig, out_dir, name)
+    finally:
+        plt.close(fig)
+
+
 def _staleness(run: Run) -> list[int]:
     values = []
     for record in run.records():

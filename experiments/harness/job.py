@@ -120,11 +120,11 @@ class Job:
         check_rendezvous_peers(self.config, self.rank)
         restore = time.time()
         self._checkpoints.restore_model(model)
-        restored = time.time()
+        restore_s = time.time() - restore
         self._model = model
         module = self._engine.attach(model, self._checkpoints.optimizer_factory(make_optimizer))
-        self._phases["checkpoint_s"] += restored - restore
-        self._phases["rendezvous_s"] += time.time() - restored + restore - start
+        self._phases["checkpoint_s"] += restore_s
+        self._phases["rendezvous_s"] += time.time() - start - restore_s
         record_start(self.run_dir, self.rank, self._restarts, self._began, **self._phases)
         if self._uses_servers:  # the shards step; the script schedules this one
             self._engine.schedule = make_optimizer([p for p in model.parameters() if p.requires_grad])

@@ -3,7 +3,6 @@ into process start, rendezvous and checkpoint load (experiments/runtime/restarts
 
 RUN_DIR/logs/start-rank<r>.jsonl gains one line per start of rank r:
     restarts       the job's restarts before this start (0: its first attempt)
-    process_start  wall time the process was created (from /proc; else when the job began)
     began          wall time the job object was created (imports and the data are behind)
     checkpoint_s   seconds reading and restoring this rank's checkpoint (0 without one)
     rendezvous_s   seconds meeting the other workers (or the shards) and agreeing on the model
@@ -13,7 +12,6 @@ RUN_DIR/logs/start-rank<r>.jsonl gains one line per start of rank r:
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -22,24 +20,12 @@ def start_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"start-rank{rank}.jsonl"
 
 
-def process_start() -> float | None:
-    """When this process was created (wall clock), from /proc; None where it cannot be read."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # starttime, the 22nd field, counted after the command's ")"
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def record_start(run_dir: Path, rank: int, restarts: int, began: float, checkpoint_s: float,
                  rendezvous_s: float) -> None:
     """Append this start's line (one short write: lines of several starts never mix)."""
     path = start_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = {"restarts": restarts, "process_start": process_start() or began, "began": began,
+    line = {"restarts": restarts, "began": began,
             "checkpoint_s": checkpoint_s, "rendezvous_s": rendezvous_s, "attached": time.time()}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")

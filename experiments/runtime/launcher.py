@@ -282,7 +282,7 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
 
     try:
         for name, argv, env in procs:
-            spawn(name, argv, env, fresh=not append, forked=fork)
+            spawn(name, argv, env, fresh=not append)
         try:
             _watch(started, deadline_s, grace_s=0.0 if restarting else FAILURE_GRACE_S, again=again)
         except LaunchError as err:

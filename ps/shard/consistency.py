@@ -10,8 +10,9 @@ never its mode's name.
   together (a bucket's) are updated in one optimizer call (ps.shard.optim); each key's update
   is what one optimizer step over all of them does to it (the optimizers here are per tensor).
   With backup workers (ps.backup_workers=b) a key is ready once the first N - b live workers
-  pushed it (once every worker has joined: the first steps wait for all to be there); the late pushes of a step (a key already updated, or a step already done) are
-  dropped, counted by step, and their pull answered with the new values. A worker that rejoins
+  pushed it (once every worker has joined: the first steps wait for all to be there); the
+  late pushes of a step (a key already updated, or a step already done) are dropped,
+  counted by step, and their pull answered with the new values. A worker that rejoins
   (a new process in a lost one's place) is counted from the next step: its join is answered
   when the step under way is done, and its pushes of steps already done are dropped.
   A step may hold its update for a clip by the global norm (see ps.protocol): the shard keeps
@@ -238,9 +239,9 @@ class SyncRule(Rule):
 
     def push(self, w, step, keys, grads, ids, lr, hold) -> None:
         self.host.workers.note_keys(w, step, keys)
-        over = self.over()
-        if over or step < self.host.version or any(k in self._updated for k in keys):
-            late = [j for j, k in enumerate(keys) if over or step < self.host.version or k in self._updated]
+        stale = self.over() or step < self.host.version
+        late = {j for j, k in enumerate(keys) if stale or k in self._updated}
+        if late:
             self.dropped.setdefault(step, set()).add(w)
             self.host.counters["dropped_keys"] += len(late)
             if len(late) == len(keys):
