@@ -31,11 +31,12 @@ from .ring import piece_count
 MESSAGE_S = 1e-4
 """A message's fixed cost to a rank that sends or receives it, on loopback Gloo with a core
 per rank: a 1 KiB exchange between 2 ranks (a message each way) took 186 us."""
-LINK_MESSAGE_S = 3e-4
+LINK_MESSAGE_S = 2.5e-4
 """The same over an emulated host's link (a veth, htb and tbf each way, --net RATE): on 2
-cores at 1gbit, 4 KB took 6.6 ms on the ring (4 ranks, 6 exchanges), 5.4 on halving-doubling
-(4 exchanges) and 2.6 on the tree (4 one-way hops): 0.55 to 0.68 ms a message with 2 ranks
-a core, 0.86 to 1.1 ms on 8 ranks (4 a core). Ranks that share cores pay it `crowding` times."""
+cores at 1gbit, 4 KB took 5.65 ms on the ring (4 ranks, 6 exchanges), 4.96 on halving-doubling
+(4 exchanges) and 1.85 on the tree (4 one-way hops): 0.46 to 0.62 ms a message with 2 ranks a
+core (0.55 to 0.68 before each receive was posted a step ahead). Ranks that share cores pay
+it `crowding` times."""
 EMULATED_BURST_S = 0.004
 """What an emulated link lets through at once after an idle spell, in seconds of its rate
 (experiments/runtime/netns.py's burst_bytes: tbf and htb need one): a message below it

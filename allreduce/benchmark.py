@@ -9,6 +9,7 @@ bandwidth each link carries, comparable across world sizes.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -45,36 +46,21 @@ def measure_latency(rank: int, world: int, rounds: int = 3) -> list[dict]:
     return rows
 
 
-def _iterations(nbytes: int) -> int:
-    # Enough repetitions that small sizes are not dominated by timer noise, few for large ones.
-    return max(3, min(200, (64 * 2**20) // max(nbytes, 1) // 16))
+ROUNDS = 7
+BUDGET_S = 0.05
+"""measure(): the algorithms take turns in ROUNDS rounds, each timing as many all-reduces as
+fill BUDGET_S. One all-reduce per timing (as this table had at 4 MiB and above) left the ring
+anywhere from 0.56x to 1.05x of the library at 4 MiB from one run to the next on 2 cores."""
 
 
-def measure(rank: int, world: int, sizes=SIZES, device: str = "cpu", rounds: int = 3) -> list[dict]:
-    """Median time per all-reduce of each size and algorithm; rows as nccl-tests prints them."""
-    rows = []
-    for nbytes in sizes:
-        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        iters = _iterations(nbytes)
-        times: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
-        for algorithm in ALGORITHMS:
-            run_algorithm(algorithm, buf, rank, world)  # warm-up: connections, allocations
-        for _ in range(rounds):
-            for algorithm in ALGORITHMS:
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    run_algorithm(algorithm, buf, rank, world)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the time
-                times[algorithm].append(elapsed.item())
-        for algorithm in ALGORITHMS:
-            t = sorted(times[algorithm])[len(times[algorithm]) // 2]
-            algbw = nbytes / t / 1e9
-            rows.append({"bytes": nbytes, "algorithm": algorithm, "time_us": t * 1e6,
-                         "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (world - 1) / world})
+def measure(rank: int, world: int, sizes=SIZES, device: str = "cpu", rounds: int = ROUNDS) -> list[dict]:
+    """Median time per all-reduce of each size and algorithm; rows as nccl-tests prints them,
+    and vs_library: the library's time over the algorithm's, the median of the rounds' (each
+    round times both a moment apart)."""
+    rows = sweep(rank, world, {"sizes": list(sizes), "algorithms": list(ALGORITHMS), "rounds": rounds,
+                               "budget_s": BUDGET_S}, device)
+    for row in rows:
+        row["algbw_gbs"] = row["bytes"] / row["time_us"] / 1e3
     return rows
 
 
@@ -97,18 +83,20 @@ SMALL_BYTES = 1 << 20
 """sweep() runs sizes up to this twice as many rounds."""
 
 
-def sweep(rank: int, world: int, spec: dict) -> list[dict]:
+def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
     """Every size of spec["sizes"] by every algorithm of spec["algorithms"] on this job's
     links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
     spec gives them. The algorithms take turns in spec["rounds"] rounds (twice as many up to
     SMALL_BYTES; the median), each timing
-    enough repetitions to fill spec["budget_s"] seconds, after one warm-up each."""
+    enough repetitions to fill spec["budget_s"] seconds, after one warm-up each. With the
+    library among them, each row's vs_library is the library's time over its own, the median
+    of the rounds'."""
     racks = tuple(spec["racks"]) if spec.get("racks") else None
     args = dict(delay_s=spec.get("delay_s", 0.0), racks=racks, bandwidth=spec.get("bandwidth"),
                 uplink=spec.get("uplink"), crowded=spec.get("crowded", 1.0))
     rows = []
     for nbytes in spec["sizes"]:
-        buf = torch.ones(max(1, nbytes // 4))
+        buf = torch.ones(max(1, nbytes // 4), device=device)
         first: dict[str, float] = {}
         chosen: dict[str, str] = {}
         for algorithm in spec["algorithms"]:  # warm-up, and how long one takes
@@ -128,13 +116,18 @@ def sweep(rank: int, world: int, spec: dict) -> list[dict]:
                 start = time.perf_counter()
                 for _ in range(iters):
                     run_algorithm(algorithm, buf, rank, world, **args)
+                if device != "cpu":
+                    torch.cuda.synchronize()
                 elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[algorithm].append(elapsed.item())
         for algorithm in spec["algorithms"]:
-            t = sorted(times[algorithm])[len(times[algorithm]) // 2]
-            rows.append({"bytes": nbytes, "algorithm": algorithm, "ran": chosen[algorithm], "time_us": t * 1e6,
-                         "busbw_gbs": nbytes / t / 1e9 * 2 * (world - 1) / world})
+            t = statistics.median(times[algorithm])
+            row = {"bytes": nbytes, "algorithm": algorithm, "ran": chosen[algorithm], "time_us": t * 1e6,
+                   "busbw_gbs": nbytes / t / 1e9 * 2 * (world - 1) / world}
+            if "library" in times:
+                row["vs_library"] = statistics.median(a / b for a, b in zip(times["library"], times[algorithm]))
+            rows.append(row)
     return rows
 
 

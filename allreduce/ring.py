@@ -4,10 +4,13 @@ Each of the N ranks sends and receives 2(N-1) chunks of about 1/N of the tensor,
 link carries 2(N-1)/N of the bytes whatever N is: the bandwidth-optimal algorithm.
 
 Each chunk travels as pieces of `piece_bytes` (at most MAX_PIECES of them, so larger ones for
-a large chunk), pipelined: every piece of a hop is on
-the wire at once, and piece j goes on to the next rank as soon as it has been summed, while
-later pieces are still arriving; the reduction overlaps the transfer instead of following
-it (the way NCCL and Gloo's own rings pipeline their chunks).
+a large chunk), pipelined: every piece of a hop is on the wire at once, and piece j goes on
+to the next rank as soon as it has been summed, while later pieces are still arriving; the
+reduction overlaps the transfer instead of following it (the way NCCL and Gloo's own rings
+pipeline their chunks). Each piece's receives are posted two hops ahead, as Gloo's own ring
+posts its next segments': Gloo sends a message only once the receiver has posted its
+receive, so a receive posted when the previous hop's piece had arrived cost every hop a round
+trip of notices (4 ranks on 1gbit links: 4 KB took 7.1 ms, 5.3 ms posted ahead).
 """
 
 from __future__ import annotations
@@ -48,20 +51,39 @@ def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
 def post_exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
                   group: dist.ProcessGroup | None = None, tag: int = 0) -> tuple[list, list]:
     """Post one step's send of `send` to dst and receive into `recv` from src (None: not this
-    step); (the ops, which keep the sent tensor alive, and their works to wait for). Gloo's
-    isend and irecv are asynchronous each; NCCL needs them grouped (batch_isend_irecv), or two
-    ranks that both send first deadlock, and matches them by order alone (tags are Gloo's).
-    The group costs 70 us a hop on Gloo (257 us against 186 for a 1 KiB exchange)."""
+    step); (the ops, which keep the sent tensor alive, and their works to wait for). dst and
+    src are ranks of `group`. Gloo's isend and irecv are asynchronous each; NCCL needs them
+    grouped (batch_isend_irecv), or two ranks that both send first deadlock, and matches them
+    by order alone (tags are Gloo's)."""
     # The receive is posted first: with the send first, Gloo's exchange of 8 MB each way
     # between two hosts at 1gbit took 67 or 133 ms from one time to the next (one direction
     # waiting on the other), with the receive first 70 ms every time, as bare TCP's.
-    ops = ([(dist.irecv, recv, src)] if recv is not None else []) + \
-        ([(dist.isend, send, dst)] if send is not None else [])
+    ops = ([(P2P.recv, recv, src)] if recv is not None else []) + \
+        ([(P2P.send, send, dst)] if send is not None else [])
     if not ops:
         return ops, []
     if ops[0][1].device.type != "cpu":
-        return ops, dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in ops])
+        return ops, dist.batch_isend_irecv([dist.P2POp(dist.irecv if op is P2P.recv else dist.isend, t,
+                                                       _global(group, peer), group) for op, t, peer in ops])
     return ops, [op(t, peer, group, tag) for op, t, peer in ops]
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class P2P:
+    """Gloo's point-to-point messages, called on the process group itself with the group's
+    own rank numbers (dist.isend and dist.irecv check their arguments on every call: a 1 KiB
+    exchange through them took 200 to 238 us on this machine, 138 to 175 without)."""
+
+    @staticmethod
+    def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+        return (group or dist.group.WORLD).send([tensor], dst, tag)
+
+    @staticmethod
+    def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+        return (group or dist.group.WORLD).recv([tensor], src, tag)
 
 
 def piece_count(nbytes: int, piece_bytes: int = PIECE_BYTES) -> int:
@@ -111,68 +133,82 @@ def ring_allreduce(
     longest = bounds[0][1] - bounds[0][0]
     pieces = piece_count(longest * itemsize, piece_bytes)
     right, left = (rank + 1) % world, (rank - 1) % world
-    if group is not None:
-        right = dist.get_global_rank(group, right)
-        left = dist.get_global_rank(group, left)
-    scratch = scratch_buffer(longest, wire, flat.device)
+    hops = 2 * (world - 1)  # world - 1 of the reduce-scatter, then as many of the all-gather
+    scratch = scratch_buffer(2 * longest, wire, flat.device)
     slots = chunk_bounds(longest, pieces)
+    ordered = flat.device.type != "cpu"  # NCCL: a hop's receive and send are posted together
     moved = [0, 0]  # bytes sent, received
+    kept: list = []  # the sends in flight (their ops keep the tensors they send alive)
 
-    def piece(idx: int, j: int) -> tuple[int, int]:
-        """Elements [a, b) of `flat` that piece j of chunk idx covers."""
-        c0, c1 = bounds[idx]
+    def piece(hop: int, j: int, sent: bool = False) -> tuple[int, int]:
+        """Elements [a, b) of `flat` of piece j of the chunk hop `hop` receives (sent: sends).
+        Hop h receives chunk rank-h-1 and sends chunk rank-h: in the reduce-scatter rank r
+        ends owning chunk r+1, which the all-gather then passes on."""
+        c0, c1 = bounds[(rank - hop - (0 if sent else 1)) % world]
         a, b = chunk_bounds(c1 - c0, pieces)[j]
         return c0 + a, c0 + b
 
-    def post(send_idx: int, recv_idx: int, j: int, into_flat: bool) -> tuple[list, torch.Tensor | None]:
-        """Start piece j's exchange: send piece j of chunk send_idx right, receive piece j of
-        chunk recv_idx from the left, into `flat` itself (into_flat) or into the scratch."""
-        s0, s1 = piece(send_idx, j)
-        r0, r1 = piece(recv_idx, j)
-        # Piece j has its own slot in the scratch (that of the longest chunk's piece j, which
-        # no other chunk's piece j outgrows): the next hop's piece j never lands on a piece
-        # still in flight.
-        slot = slots[j][0]
-        incoming = flat[r0:r1] if into_flat else scratch[slot:slot + r1 - r0]
-        moved[0] += (s1 - s0) * itemsize
-        moved[1] += (r1 - r0) * itemsize
-        return post_exchange(flat[s0:s1].to(wire) if s1 > s0 else None, right,
-                             incoming if r1 > r0 else None, left, group), (incoming if r1 > r0 else None)
+    def target(hop: int, j: int) -> torch.Tensor:
+        """Where piece j of hop `hop` arrives: the all-gather's reduced values in place
+        (uncompressed), anything else in the scratch slot of the hop's parity, piece j's part
+        of it (no later hop of piece j that may be posted while one is in flight shares it)."""
+        r0, r1 = piece(hop, j)
+        if hop >= world - 1 and wire == flat.dtype:
+            return flat[r0:r1]
+        offset = (hop % 2) * longest + slots[j][0]
+        return scratch[offset:offset + r1 - r0]
 
-    def run(phase: list[tuple[int, int]], into_flat: bool, arrived) -> None:
-        """The hops of one phase, (send chunk, receive chunk) each, piece by piece: every piece
-        of the first hop leaves at once, and piece j of the next hop leaves as soon as piece j
-        of this one has arrived and been handled by `arrived(r0, r1, incoming)`, so the link
-        never waits for a whole chunk to be summed."""
-        if delay_s:
+    def post(hop: int, j: int, send: bool, recv: bool) -> list:
+        """Post piece j of hop `hop`: its send right, its receive from the left (tag: the hop
+        and piece, so a receive may wait posted long before its message comes); the works of
+        the receive."""
+        s0, s1 = piece(hop, j, sent=True)
+        r0, r1 = piece(hop, j)
+        out = flat[s0:s1].to(wire) if send and s1 > s0 else None
+        into = target(hop, j) if recv and r1 > r0 else None
+        moved[0] += (s1 - s0) * itemsize if send else 0
+        moved[1] += (r1 - r0) * itemsize if recv else 0
+        ops, works = post_exchange(out, right, into, left, group, tag=hop * pieces + j)
+        if ordered:  # one batch: waited as the hop's
+            kept.append((ops, None))
+            return works
+        if out is not None:  # the send is the last op, its work the last work
+            kept.append((ops, works[-1]))
+            works = works[:-1]
+        return works
+
+    # Each piece's receives are posted two hops ahead (Gloo sends a message only once its
+    # receive is posted: posted late, every hop waits a round trip of notices). A hop's
+    # piece j moves on as soon as it has arrived and been summed.
+    waiting: dict[tuple[int, int], list] = {}
+    for j in range(pieces):
+        for hop in range(0 if ordered else min(2, hops)):
+            waiting[hop, j] = post(hop, j, send=False, recv=True)
+    if delay_s:
+        time.sleep(delay_s)
+    for j in range(pieces):
+        waiting[0, j] = post(0, j, send=True, recv=ordered) + waiting.get((0, j), [])
+    for hop in range(hops):
+        if hop and delay_s:
             time.sleep(delay_s)
-        flights = [post(*phase[0], j, into_flat) for j in range(pieces)]
-        for h, (_, recv_idx) in enumerate(phase):
-            if h and delay_s:
-                time.sleep(delay_s)
-            for j in range(pieces):
-                (_, works), incoming = flights[j]
-                for work in works:
-                    work.wait()
-                if incoming is not None:
-                    arrived(*piece(recv_idx, j), incoming)
-                if h + 1 < len(phase):
-                    flights[j] = post(*phase[h + 1], j, into_flat)
-
-    def add(r0: int, r1: int, incoming: torch.Tensor) -> None:
-        flat[r0:r1] += incoming
-
-    def store(r0: int, r1: int, incoming: torch.Tensor) -> None:
-        if incoming.data_ptr() != flat[r0:r1].data_ptr():
-            flat[r0:r1] = incoming
-
-    # Reduce-scatter: hop s sends the chunk it summed in hop s-1; rank r ends owning chunk r+1.
-    run([((rank - s) % world, (rank - s - 1) % world) for s in range(world - 1)], False, add)
-    owned = (rank + 1) % world
-    if wire != flat.dtype:
-        o0, o1 = bounds[owned]
-        flat[o0:o1] = flat[o0:o1].to(wire)
-    # All-gather: uncompressed, the reduced chunks land in place; compressed, they come in the
-    # wire dtype and are widened into `flat`.
-    run([((rank - s + 1) % world, (rank - s) % world) for s in range(world - 1)], wire == flat.dtype, store)
+        for j in range(pieces):
+            for work in waiting.pop((hop, j)):
+                work.wait()
+            r0, r1 = piece(hop, j)
+            if r1 > r0:
+                into = target(hop, j)
+                if hop < world - 1:
+                    flat[r0:r1] += into
+                    if hop == world - 2 and wire != flat.dtype:  # the owned piece, as the others get it
+                        flat[r0:r1] = flat[r0:r1].to(wire)
+                elif into.data_ptr() != flat[r0:r1].data_ptr():
+                    flat[r0:r1] = into
+            if hop + 1 < hops:
+                later = [] if ordered or hop + 2 >= hops else post(hop + 2, j, send=False, recv=True)
+                waiting[hop + 1, j] = post(hop + 1, j, send=True, recv=ordered) + waiting.get((hop + 1, j), [])
+                if later:
+                    waiting[hop + 2, j] = later
+    for _, work in kept:
+        if work is not None:
+            work.wait()
     return moved[0], moved[1]

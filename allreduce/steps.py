@@ -60,44 +60,70 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
     its last one is done, on a thread per piece. Return (bytes sent, received).
     wire_dtype: what travels (partial sums are kept in flat's dtype); delay_s: an injected
     latency paid once per step. A message's tag is its piece: between two ranks each piece's
-    messages go in its steps' order on both, so Gloo matches them right."""
+    messages go in its steps' order on both, so Gloo matches them right. Each step's receive
+    is posted while the step before it runs (a tree's 16 MB on 4 ranks at 1gbit took 1.15x
+    the model's time with each receive posted when its step came, 1.02x posted ahead)."""
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("an all-reduce needs a contiguous 1-D tensor")
     if not any(plans):
         return 0, 0
     wire = wire_dtype or flat.dtype
     itemsize = torch.empty(0, dtype=wire).element_size()
-    # One scratch for every piece: piece j's ranges lie in its own part of the tensor.
-    scratch = scratch_buffer(flat.numel(), wire, flat.device)
+    n = flat.numel()
+    # Two scratch slots, by a step's parity: piece j's ranges lie in its own part of the
+    # tensor, and a step's receive is posted while the step before it may still be arriving.
+    scratch = scratch_buffer(2 * n, wire, flat.device)
+    ordered = flat.device.type != "cpu"  # NCCL: a step's receive and send are posted together
 
-    def post(j: int, step: Step, moved: list[int]) -> tuple[list, torch.Tensor | None]:
-        if step.round_owned is not None and wire != flat.dtype:
+    def target(k: int, step: Step) -> torch.Tensor:
+        r0, r1 = step.recv
+        if step.add or wire != flat.dtype:
+            return scratch[(k % 2) * n + r0:(k % 2) * n + r1]
+        return flat[r0:r1]
+
+    def post(j: int, k: int, step: Step, moved: list[int], send: bool, recv: bool) -> tuple[list, list]:
+        """Post step k of piece j: its send, its receive (either or both); (ops, works)."""
+        if send and step.round_owned is not None and wire != flat.dtype:
             a, b = step.round_owned
             flat[a:b] = flat[a:b].to(wire)
-        peer, src = (step.peer, step.source) if group is None else \
-            (dist.get_global_rank(group, step.peer), dist.get_global_rank(group, step.source))
         (s0, s1), (r0, r1) = step.send, step.recv
-        into = scratch[r0:r1] if (step.add or wire != flat.dtype) else flat[r0:r1]
-        moved[0] += (s1 - s0) * itemsize
-        moved[1] += (r1 - r0) * itemsize
-        return post_exchange(flat[s0:s1].to(wire) if s1 > s0 else None, peer, into if r1 > r0 else None, src,
-                             group, tag=j), (into if r1 > r0 else None)
+        send, recv = send and s1 > s0, recv and r1 > r0
+        moved[0] += (s1 - s0) * itemsize if send else 0
+        moved[1] += (r1 - r0) * itemsize if recv else 0
+        return post_exchange(flat[s0:s1].to(wire) if send else None, step.peer,
+                             target(k, step) if recv else None, step.source, group, tag=j)
 
     def run_piece(j: int) -> list[int]:
-        """Piece j's steps, one after the other; the bytes it sent and received."""
-        moved = [0, 0]
-        for step in plans[j]:
+        """Piece j's steps, one after the other, each step's receive posted while the step
+        before it runs (Gloo sends a message only once its receive is posted: a parent that
+        posted its second child's receive only after the first child's piece had come fell
+        behind); the bytes it sent and received."""
+        plan, moved, sent = plans[j], [0, 0], []
+        arriving: dict[int, list] = {}
+
+        def expect(k: int) -> None:
+            if not ordered and k < len(plan):
+                arriving[k] = post(j, k, plan[k], moved, send=False, recv=True)[1]
+
+        expect(0)
+        for k, step in enumerate(plan):
             if delay_s:
                 time.sleep(delay_s)
-            (_, works), into = post(j, step, moved)
-            for work in works:
+            expect(k + 1)
+            ops, works = post(j, k, step, moved, send=True, recv=ordered)
+            sent.append((ops, [] if ordered else works))
+            for work in works if ordered else arriving.pop(k):
                 work.wait()
-            if into is not None:
-                r0, r1 = step.recv
+            r0, r1 = step.recv
+            if r1 > r0:
+                into = target(k, step)
                 if step.add:
                     flat[r0:r1] += into
                 elif into.data_ptr() != flat[r0:r1].data_ptr():
                     flat[r0:r1] = into
+        for _, works in sent:
+            for work in works:
+                work.wait()
         return moved
 
     if len(plans) == 1:
