@@ -88,9 +88,9 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
     links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
     spec gives them. The algorithms take turns in spec["rounds"] rounds (twice as many up to
     SMALL_BYTES; the median), each timing
-    enough repetitions to fill spec["budget_s"] seconds, after one warm-up each. With the
-    library among them, each row's vs_library is the library's time over its own, the median
-    of the rounds'."""
+    enough repetitions to fill spec["budget_s"] seconds, after one warm-up each. Each row
+    keeps its rounds' times (rounds_us); with the library among them, its vs_library is the
+    library's time over its own, the median of the rounds'."""
     racks = tuple(spec["racks"]) if spec.get("racks") else None
     args = dict(delay_s=spec.get("delay_s", 0.0), racks=racks, bandwidth=spec.get("bandwidth"),
                 uplink=spec.get("uplink"), crowded=spec.get("crowded", 1.0))
@@ -124,7 +124,8 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
         for algorithm in spec["algorithms"]:
             t = statistics.median(times[algorithm])
             row = {"bytes": nbytes, "algorithm": algorithm, "ran": chosen[algorithm], "time_us": t * 1e6,
-                   "busbw_gbs": nbytes / t / 1e9 * 2 * (world - 1) / world}
+                   "busbw_gbs": nbytes / t / 1e9 * 2 * (world - 1) / world,
+                   "rounds_us": [x * 1e6 for x in times[algorithm]]}
             if "library" in times:
                 row["vs_library"] = statistics.median(a / b for a, b in zip(times["library"], times[algorithm]))
             rows.append(row)

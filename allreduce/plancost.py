@@ -9,10 +9,13 @@ the fixed cost of each message its busiest rank sends or receives (per_message),
 busiest link's bytes over that link's bandwidth (less what the link's burst lets through at
 once where it has had time to refill: Links.burst_s), where a
 message loads its sender's link out, its receiver's link in and, between racks, the uplinks
-of both racks (Links). A tensor cut into P pieces runs the plan once per piece, piece j a
-round behind piece j-1 (the pipelining of allreduce/steps.py, whose pieces leave one after
-another over each pair's connection): the seconds are the rounds' alphas plus, for each slot
-of the pipeline, its busiest link's bytes (every piece then in flight) over its bandwidth.
+of both racks (Links). A tensor cut into P pieces runs the plan once per piece, pipelined as
+a perfect schedule would: one piece's rounds end to end (the pipeline's fill), then P-1 more
+times the busiest link's share of a piece over all rounds (its bottleneck), each link
+carrying both directions at once. Rounds a piece behind one another, each as long as its
+busiest link with every piece then in flight (the model before), priced a tree on two racks
+at 980 ms for 16 MB where it ran in 793: a fast round in a rack waited on a slow one across
+the uplink.
 """
 
 from __future__ import annotations
@@ -106,21 +109,21 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
     total = len(loads) * alpha + per_message * sum(handled)
     tokens: dict[tuple, tuple[float, float]] = {}  # a link's burst left, and when it was counted
     clock = 0.0
-    for t in range(len(loads) + pieces - 1):
-        slot: dict[tuple, list[float]] = {}
-        for r in range(max(0, t - pieces + 1), min(t, len(loads) - 1) + 1):
-            for link, (nbytes, bw) in loads[r].items():
-                slot.setdefault(link, [0.0, bw])[0] += nbytes
-        ready = {}  # each link's burst at the slot's start, refilled while it waited
-        for link, (_, bw) in slot.items():
+    for load in loads:  # one piece's rounds, end to end
+        ready = {}  # each link's burst at the round's start, refilled while it waited
+        for link, (_, bw) in load.items():
             left, since = tokens.get(link, (bw * links.burst_s, clock))
             ready[link] = min(bw * links.burst_s, left + bw * (clock - since))
-        took = max((max(0.0, nbytes - ready[link]) / bw for link, (nbytes, bw) in slot.items()), default=0.0)
-        for link, (nbytes, bw) in slot.items():
+        took = max((max(0.0, nbytes - ready[link]) / bw for link, (nbytes, bw) in load.items()), default=0.0)
+        for link, (nbytes, bw) in load.items():
             tokens[link] = (max(0.0, min(bw * links.burst_s, ready[link] + bw * took) - nbytes), clock + took)
         clock += took
-        total += took
-    return total
+    per_piece: dict[tuple, list[float]] = {}
+    for load in loads:
+        for link, (nbytes, bw) in load.items():
+            per_piece.setdefault(link, [0.0, bw])[0] += nbytes
+    bottleneck = max((nbytes / bw for nbytes, bw in per_piece.values()), default=0.0)
+    return total + clock + (pieces - 1) * bottleneck
 
 
 @lru_cache(maxsize=4096)

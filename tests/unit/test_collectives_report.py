@@ -42,6 +42,17 @@ def test_winners_errors_and_auto_against_the_best(tmp_path):
     assert "where each algorithm wins" in out and all(Path(p).exists() for p in paths)
 
 
+def test_auto_against_the_best_pairs_each_round_with_its_fastest():
+    """auto's ratio to the best is taken round by round (each round times them a moment apart,
+    under the same load), then the median: 1.1 here, where the two medians are 2.2x apart."""
+    rounds = {"tree": [1000, 2000, 4000], "ring": [3000, 6000, 12000], "auto": [1100, 4400, 4400]}
+    cell = [dict(row("4 ranks, flat", 4096, a, sorted(t)[1], 900, 200, ran="tree" if a == "auto" else a),
+                 rounds_us=t) for a, t in rounds.items()]
+    sweep = {r["algorithm"]: r for r in sweep_rows({"rate": "1gbit", "rows": cell})}
+    assert sweep["auto"]["time_ms"] / sweep["tree"]["time_ms"] == pytest.approx(2.2)
+    assert sweep["auto"]["vs_best"] == pytest.approx(1.1) and sweep["ring"]["vs_best"] == pytest.approx(3.0)
+
+
 def fake_run(engine: str, workers: int, rack_of: dict, placement="colocated", servers=1, algorithm="ring") -> Run:
     config = {"engine": engine, "workers": workers, "servers": servers, "allreduce": {"algorithm": algorithm},
               "ps": {}, "net": {"rate": "200mbit", "placement": placement}}

@@ -79,6 +79,19 @@ def test_on_two_racks_behind_a_4_to_1_uplink_hierarchical_takes_half_the_rings_t
     assert predict("ring", S, 4, 0.0, B, racks, None) == pytest.approx(predict("ring", S, 4, 0.0, B))
 
 
+def test_pieces_pipeline_as_one_pieces_rounds_then_the_busiest_links_share_of_each_other_piece():
+    S, B = 16e6, 25e6
+    racks, s = (0, 1, 0, 1), S / 4  # 4 pieces of s
+    # The tree on two racks: its rounds take 4s/B (1->0 and 3->2 across one uplink of B/2),
+    # s/B, s/B (2<->0 in rack 0) and 4s/B (0->1 and 2->3 back across the other uplink's
+    # direction); each uplink direction carries 2s of every piece. A fast round in a rack no
+    # longer waits on a slow one across the uplink: 10 s/B + 3 x 4 s/B, not 7 x 4 s/B.
+    assert predict("tree", S, 4, 0.0, B, racks, B / 2, npieces=4) == pytest.approx(22 * s / B)
+    # the ring's pieces keep every link busy: no fill beyond its bytes, however many pieces
+    for n in (1, 2, 4):
+        assert predict("ring", S, 4, 0.0, B, npieces=n) == pytest.approx(6 * S / 4 / B)
+
+
 def test_a_plan_that_cannot_finish_is_named():
     from allreduce.steps import Step
     with pytest.raises(ValueError, match="deadlock"):
