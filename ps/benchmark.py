@@ -86,10 +86,11 @@ def _ps_stream(ps: PSClient, key: int, payload: torch.Tensor, iters: int, depth:
     return step
 
 
-def measure(echo_addr: str, ps_addr: str, rounds: int = 5) -> list[dict]:
+def measure(echo_addr: str, ps_addr: str, rounds: int = 9) -> list[dict]:
     """Median seconds per message for each size, plain ZeroMQ round trips and PS push+pulls
     (one message each way, as the sync engine sends its pieces), interleaved: one at a time
-    (latency), and streamed with WINDOW_BYTES in flight (throughput, at most 8 messages)."""
+    (latency), and streamed with WINDOW_BYTES in flight (throughput, at most 8 messages).
+    ratio: the median over the rounds of each round's ZeroMQ time over its push+pull time."""
     echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     ps = PSClient([ps_addr], 0, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
     layout, _, _ = ps.join()
@@ -113,8 +114,9 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 5) -> list[dict]:
                         zmq_t.append((mid - start) / iters)
                         ps_t.append((end - mid) / iters)
                 z, p = statistics.median(zmq_t), statistics.median(ps_t)
+                paired = statistics.median(a / b for a, b in zip(zmq_t, ps_t))  # each round's pair a moment apart
                 row.update({f"{name}zmq_us": z * 1e6, f"{name}ps_us": p * 1e6, f"{name}zmq_gbs": 2 * nbytes / z / 1e9,
-                            f"{name}ps_gbs": 2 * nbytes / p / 1e9, f"{name}ratio": z / p, f"{name}depth": depth})
+                            f"{name}ps_gbs": 2 * nbytes / p / 1e9, f"{name}ratio": paired, f"{name}depth": depth})
             rows.append(row)
         echo.send([b"stop"])
         echo.recv(CONFIG.timeout_s, "echo stop")

@@ -78,7 +78,8 @@ def ps_bandwidth(out: Path) -> list[dict]:
 
 def format_ps_table(rows: list[dict]) -> str:
     lines = ["parameter server: one worker, one shard, push+pull of N bytes vs a ZeroMQ round trip "
-             "of N bytes (median of 5): one at a time, and streamed (3 MiB in flight, at most 8)",
+             "of N bytes (medians of 9 rounds; ps/zmq: of each round's pair): one at a time, and streamed "
+             "(3 MiB in flight, at most 8)",
              f"{'size':>10} {'zmq(us)':>10} {'zmq(GB/s)':>10} {'ps(us)':>10} {'ps(GB/s)':>10} {'ps/zmq':>7}"
              f" {'streamed zmq(GB/s)':>19} {'ps(GB/s)':>9} {'ps/zmq':>7}"]
     for r in rows:

@@ -1,0 +1,24 @@
+"""`psar bench`'s all-reduce table from made-up rows: each algorithm's ratio to the library is
+the paired one the benchmark measured, and the goal line reads the ring's cells."""
+
+from __future__ import annotations
+
+from experiments.bench.suite import format_allreduce_table
+
+
+def row(nbytes, algorithm, time_us, vs_library=None):
+    out = {"bytes": nbytes, "algorithm": algorithm, "time_us": time_us, "algbw_gbs": nbytes / time_us / 1e3,
+           "busbw_gbs": nbytes / time_us / 1e3}
+    return out if vs_library is None else dict(out, vs_library=vs_library)
+
+
+def test_the_table_gives_the_paired_ratio_and_the_goal_line():
+    table = {"world": 2, "backend": "gloo", "rows": [
+        row(1024, "library", 400.0), row(1024, "ring", 500.0, vs_library=0.8),
+        row(4 << 20, "library", 3500.0), row(4 << 20, "ring", 4500.0, vs_library=0.81),
+        row(64 << 20, "library", 50000.0), row(64 << 20, "ring", 48000.0, vs_library=1.04)]}
+    text = format_allreduce_table(table)
+    # the ratio printed is the measured pair's (0.81), not the ratio of the two medians (0.78)
+    assert "0.81x" in text and "0.78x" not in text
+    assert text.splitlines()[-1] == ("ring: 1 KiB in 1.25x the library's time (goal: at most 2); from 4 MiB "
+                                     "0.81x to 1.04x its busbw (goal: at least 0.9)")
