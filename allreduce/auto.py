@@ -7,8 +7,9 @@ or LINK_MESSAGE_S (emulated links) for each message its busiest rank sends or re
 the ranks per core where they share a machine's cores), and its busiest link's bytes over
 that link's bandwidth
 (net.rate, or LOOPBACK_BYTES_S without an emulated network; with racks, net.uplink for what
-crosses them), and a tensor's pieces are pipelined a round apart. On one flat network and in
-one piece, for S bytes on N ranks, that is:
+crosses them); a tensor in P pieces takes one piece's rounds, then P-1 times the busiest
+link's share of a piece. On one flat network and in one piece, for S bytes on N ranks, that
+is:
 
     ring               2(N-1) (alpha + S/N / B)
     halving-doubling   2 log2(p) alpha + 2(p-1)/p S / B, + 2 (alpha + S / B) where N is not

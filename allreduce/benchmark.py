@@ -103,6 +103,8 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
             dist.barrier()
             start = time.perf_counter()
             chosen[algorithm] = run_algorithm(algorithm, buf, rank, world, **args)
+            if device != "cpu":
+                torch.cuda.synchronize()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             first[algorithm] = elapsed.item()

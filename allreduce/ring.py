@@ -68,6 +68,19 @@ def post_exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None
     return ops, [op(t, peer, group, tag) for op, t, peer in ops]
 
 
+def still_sending(sends: list[tuple[list, list]]) -> list[tuple[list, list]]:
+    """The (ops, works) of the sends not yet gone; those gone are waited (an error surfaces)
+    and dropped, and with their ops the compressed copies they kept alive."""
+    out = []
+    for ops, works in sends:
+        if all(w.is_completed() for w in works):
+            for w in works:
+                w.wait()
+        else:
+            out.append((ops, works))
+    return out
+
+
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
@@ -134,7 +147,7 @@ def ring_allreduce(
     pieces = piece_count(longest * itemsize, piece_bytes)
     right, left = (rank + 1) % world, (rank - 1) % world
     hops = 2 * (world - 1)  # world - 1 of the reduce-scatter, then as many of the all-gather
-    scratch = scratch_buffer(2 * longest, wire, flat.device)
+    scratch = scratch_buffer(2 * longest, wire, flat.device)  # two chunks: a hop's slot, the next one's
     slots = chunk_bounds(longest, pieces)
     ordered = flat.device.type != "cpu"  # NCCL: a hop's receive and send are posted together
     moved = [0, 0]  # bytes sent, received
@@ -170,10 +183,11 @@ def ring_allreduce(
         moved[1] += (r1 - r0) * itemsize if recv else 0
         ops, works = post_exchange(out, right, into, left, group, tag=hop * pieces + j)
         if ordered:  # one batch: waited as the hop's
-            kept.append((ops, None))
+            kept.append((ops, []))
             return works
         if out is not None:  # the send is the last op, its work the last work
-            kept.append((ops, works[-1]))
+            kept[:] = still_sending(kept)
+            kept.append((ops, works[-1:]))
             works = works[:-1]
         return works
 
@@ -208,7 +222,7 @@ def ring_allreduce(
                 waiting[hop + 1, j] = post(hop + 1, j, send=True, recv=ordered) + waiting.get((hop + 1, j), [])
                 if later:
                     waiting[hop + 2, j] = later
-    for _, work in kept:
-        if work is not None:
+    for _, works in kept:
+        for work in works:
             work.wait()
     return moved[0], moved[1]

@@ -14,7 +14,8 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, piece_count, post_exchange, scratch_buffer
+from .ring import (MAX_PIECES, PIECE_BYTES, chunk_bounds, piece_count, post_exchange, scratch_buffer,
+                   still_sending)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
     itemsize = torch.empty(0, dtype=wire).element_size()
     n = flat.numel()
     # Two scratch slots, by a step's parity: piece j's ranges lie in its own part of the
-    # tensor, and a step's receive is posted while the step before it may still be arriving.
+    # tensor, and a step's receive is posted while the step before it may still be arriving
+    # (twice the tensor, kept for this thread's next call as the ring's is).
     scratch = scratch_buffer(2 * n, wire, flat.device)
     ordered = flat.device.type != "cpu"  # NCCL: a step's receive and send are posted together
 
@@ -111,6 +113,8 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
                 time.sleep(delay_s)
             expect(k + 1)
             ops, works = post(j, k, step, moved, send=True, recv=ordered)
+            if not ordered:
+                sent[:] = still_sending(sent)
             sent.append((ops, [] if ordered else works))
             for work in works if ordered else arriving.pop(k):
                 work.wait()

@@ -30,7 +30,14 @@ class Recorder:
         class Work:
             def wait(self):
                 recorder.events.append(("wait", kind, peer, tag))
+
+            def is_completed(self):  # every other send has gone by the time the next is posted
+                return kind == "send" and sum(e[0] == "post" for e in recorder.events) % 2 == 0
         return Work()
+
+    def every_post_waited(self) -> bool:
+        posts = sorted(e[1:] for e in self.events if e[0] == "post")
+        return posts == sorted(e[1:] for e in self.events if e[0] == "wait")
 
     def posted_before_wait(self, later: tuple[str, int, int], earlier: tuple[str, int, int]) -> bool:
         """Whether `later` (kind, peer, tag) was posted before `earlier` was first waited on."""
@@ -58,9 +65,12 @@ def test_the_ring_posts_each_pieces_next_receive_before_it_waits_for_this_one(re
     # Every message of a rank has a tag of its own: hop and piece.
     sends = [e for e in recorder.events if e[:2] == ("post", "send")]
     assert sorted(e[3] for e in sends) == list(range(hops * pieces))
+    # and every message is waited for once, the sends that had gone as the next ones left
+    assert recorder.every_post_waited()
 
 
 def test_a_tree_root_posts_its_second_childs_receive_before_the_first_child_arrives(recorder):
     flat = torch.zeros(8, dtype=torch.float64)  # one piece: the plan runs on this thread
     steps.execute([tree.plan(8, 0, 4)], flat)
     assert recorder.posted_before_wait(("recv", 2, 0), ("recv", 1, 0))
+    assert recorder.every_post_waited()
