@@ -109,7 +109,10 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
     total = len(loads) * alpha + per_message * sum(handled)
     tokens: dict[tuple, tuple[float, float]] = {}  # a link's burst left, and when it was counted
     clock = 0.0
+    per_piece: dict[tuple, list[float]] = {}  # each link's bytes of one piece, over all rounds
     for load in loads:  # one piece's rounds, end to end
+        for link, (nbytes, bw) in load.items():
+            per_piece.setdefault(link, [0.0, bw])[0] += nbytes
         ready = {}  # each link's burst at the round's start, refilled while it waited
         for link, (_, bw) in load.items():
             left, since = tokens.get(link, (bw * links.burst_s, clock))
@@ -118,10 +121,6 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
         for link, (nbytes, bw) in load.items():
             tokens[link] = (max(0.0, min(bw * links.burst_s, ready[link] + bw * took) - nbytes), clock + took)
         clock += took
-    per_piece: dict[tuple, list[float]] = {}
-    for load in loads:
-        for link, (nbytes, bw) in load.items():
-            per_piece.setdefault(link, [0.0, bw])[0] += nbytes
     bottleneck = max((nbytes / bw for nbytes, bw in per_piece.values()), default=0.0)
     return total + clock + (pieces - 1) * bottleneck
 

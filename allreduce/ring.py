@@ -217,11 +217,10 @@ def ring_allreduce(
                         flat[r0:r1] = flat[r0:r1].to(wire)
                 elif into.data_ptr() != flat[r0:r1].data_ptr():
                     flat[r0:r1] = into
+            if not ordered and hop + 2 < hops:
+                waiting[hop + 2, j] = post(hop + 2, j, send=False, recv=True)
             if hop + 1 < hops:
-                later = [] if ordered or hop + 2 >= hops else post(hop + 2, j, send=False, recv=True)
                 waiting[hop + 1, j] = post(hop + 1, j, send=True, recv=ordered) + waiting.get((hop + 1, j), [])
-                if later:
-                    waiting[hop + 2, j] = later
     for _, works in kept:
         for work in works:
             work.wait()

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from allreduce.benchmark import BUDGET_S, ROUNDS
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
@@ -97,8 +98,6 @@ def allreduce_table(workers: int, out: Path) -> dict:
 
 
 def format_allreduce_table(table: dict) -> str:
-    from allreduce.benchmark import BUDGET_S, ROUNDS
-
     lines = [f"all-reduce, {table['world']} ranks, {table['backend']} (float32, sum; the algorithms take turns "
              f"in {ROUNDS} rounds of {BUDGET_S * 1e3:g} ms each, twice as many up to 1 MiB; medians)",
              f"{'size':>10} {'algorithm':>16} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
