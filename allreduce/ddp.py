@@ -13,6 +13,26 @@ from .group import init_process_group, shutdown
 from .liveness import Liveness
 
 
+def synchronize_passes_cpu() -> None:
+    """Let torch.cuda.synchronize pass a CPU device, as there is nothing to wait for on one.
+
+    torch's powerSGD_hook synchronizes its bucket's device whenever CUDA is available, and
+    torch 2.11 raises for a CPU device there ("Expected a cuda device, but got: cpu"): a DDP
+    job with PowerSGD on the CPU of a GPU host failed at its first compressed step. Calls
+    for CUDA devices, or for none, are torch's own. Idempotent."""
+    original = torch.cuda.synchronize
+    if getattr(original, "passes_cpu", False):
+        return
+
+    def synchronize(device=None):
+        if isinstance(device, (torch.device, str)) and torch.device(device).type == "cpu":
+            return None
+        return original(device)
+
+    synchronize.passes_cpu = True
+    torch.cuda.synchronize = synchronize
+
+
 class DDPEngine:
     """DDP's reducer waits for its buckets inside backward, so its exposed communication is
     counted in compute time and `comm_s` is 0. compression: (PowerSGD compressor, its
@@ -54,6 +74,7 @@ class DDPEngine:
         if self._compression is not None:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hooks
 
+            synchronize_passes_cpu()
             c, memory = self._compression
             state = hooks.PowerSGDState(process_group=None, matrix_approximation_rank=c.rank,
                                         start_powerSGD_iter=c.start_step, use_error_feedback=memory is not None,

@@ -51,6 +51,9 @@ def ddp_worker(rank: int, world: int) -> list[dict]:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from allreduce.ddp import synchronize_passes_cpu
+
+    synchronize_passes_cpu()  # on the CPU of a GPU host, torch's hook would fail without it
     out = []
     for r, use_ef in CASES:
         model = DDP(make_model())
