@@ -56,9 +56,13 @@ def _with_parameters(root: Path, summaries: dict[str, dict]) -> dict[str, tuple[
             for name, summary in summaries.items()}
 
 
-def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False) -> dict[str, dict]:
+def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False,
+                 errors: dict[str, Exception] | None = None) -> dict[str, dict]:
     """Each job in root/NAME, one launch_batch per process shape; the summaries by name.
-    A job's `resume_steps` is for the pool's second round (see Pool), not build_config."""
+    A job's `resume_steps` is for the pool's second round (see Pool), not build_config.
+
+    errors: where a failed batch's jobs go on one at a time, and each failure is kept by the
+    job's name (without: the batch's failure is raised)."""
     batches: dict[tuple[int, int], list[tuple[str, object, Path]]] = {}
     for name, job in jobs.items():
         job = dict(job)
@@ -69,8 +73,21 @@ def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False) -> dic
         batches.setdefault(process_shape(cfg), []).append((name, cfg, root / name))
     summaries = {}
     for batch in batches.values():
-        done = launch_batch([(cfg, d) for _, cfg, d in batch], deadline_s=RUN_DEADLINE_S * len(batch),
-                            quiet=True, resume=resume)
+        try:
+            done = launch_batch([(cfg, d) for _, cfg, d in batch], deadline_s=RUN_DEADLINE_S * len(batch),
+                                quiet=True, resume=resume)
+        except (RuntimeError, OSError, ValueError) as err:
+            if errors is None:
+                raise
+            if len(batch) == 1 or resume:  # a resumed job cannot run again from where it was
+                errors.update((name, err) for name, _, _ in batch)
+                continue
+            for name, cfg, run_dir in batch:  # which job failed: each alone
+                try:
+                    summaries[name] = launch_batch([(cfg, run_dir)], deadline_s=RUN_DEADLINE_S, quiet=True)[0]
+                except (RuntimeError, OSError, ValueError) as alone:
+                    errors[name] = alone
+            continue
         summaries.update((name, summary) for (name, _, _), summary in zip(batch, done))
     return summaries
 
@@ -83,25 +100,26 @@ class Pool:
 
     A job with `resume_steps` runs, and is then resumed in its own directory from its last
     checkpoint with steps=resume_steps (a second round, batched the same way).
+
+    A job that fails fails its own module's tests alone: its batch goes on one job at a time.
     """
 
     def __init__(self, root: Path, modules: dict[str, dict[str, dict]]):
-        self.root, self.error = root, None
-        self.summaries: dict[str, dict] = {}  # by MODULE/NAME
+        self.root = root
+        self.errors: dict[str, Exception] = {}  # by MODULE/NAME
         jobs = {f"{module}/{name}": job for module, own in modules.items() for name, job in own.items()}
-        try:
-            self.summaries = _launch_jobs(root, jobs)
-            again = {name: dict(job, steps=job["resume_steps"]) for name, job in jobs.items()
-                     if job.get("resume_steps")}
-            if again:
-                self.summaries.update(_launch_jobs(root, again, resume=True))
-        except (RuntimeError, OSError, ValueError) as err:  # every module of the pool reports it
-            self.error = err
+        self.summaries = _launch_jobs(root, jobs, errors=self.errors)  # by MODULE/NAME
+        again = {name: dict(job, steps=job["resume_steps"]) for name, job in jobs.items()
+                 if job.get("resume_steps") and name not in self.errors}
+        if again:
+            self.summaries.update(_launch_jobs(root, again, resume=True, errors=self.errors))
 
     def folder(self, module: str) -> Path:
-        """The module's jobs' run directories, root/MODULE/NAME; raises the pool's error if any."""
-        if self.error is not None:
-            raise RuntimeError(f"the pooled jobs failed: {self.error}") from self.error
+        """The module's jobs' run directories, root/MODULE/NAME; raises if one of them failed."""
+        failed = {name: err for name, err in self.errors.items() if name.split("/")[0] == module}
+        if failed:
+            name, err = next(iter(failed.items()))
+            raise RuntimeError(f"{len(failed)} of {module}'s pooled jobs failed; {name}: {err}") from err
         return self.root / module
 
     def results(self, module: str) -> dict[str, tuple[dict, dict]]:

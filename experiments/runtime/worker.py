@@ -3,7 +3,8 @@
 Reads RUN_DIR/config.json and the launcher's RANK / WORLD_SIZE variables; several run
 directories are trained one after another, their all-reduce groups meeting on one store at
 MASTER_ADDR:MASTER_PORT (allreduce.group.SharedStore). A failure prints one line naming the
-rank and the error; the traceback goes to RUN_DIR/logs/rank<r>.log.
+rank, the error and, in a batch, the run directory; the traceback goes to
+RUN_DIR/logs/rank<r>.log.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ SERVERS_FILE = "servers.json"
 
 
 def run_worker(run_dir: Path, env: DistEnv | None = None, resume: bool = False,
-               cfg: RunConfig | None = None) -> int:
+               cfg: RunConfig | None = None, batch: bool = False) -> int:
     """Train one worker of the run in run_dir; return the exit code.
 
     cfg: the resolved config (default: run_dir/config.json, which `psar run` wrote before
     starting this process). `psar worker` passes its own: the shared config.json is for
     the record and other readers, never read back by the process that wrote it.
+    batch: one run of several in this process; a failure's line names run_dir.
     """
     run_dir = Path(run_dir)
     env = env or DistEnv.from_environ()
@@ -50,7 +52,8 @@ def run_worker(run_dir: Path, env: DistEnv | None = None, resume: bool = False,
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"rank{env.rank}.log", "a") as log:
             traceback.print_exc(file=log)
-        print(f"psar: rank {env.rank} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        where = f" in {run_dir}" if batch else ""
+        print(f"psar: rank {env.rank} failed{where}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
 
 
@@ -65,7 +68,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:  # a batch of runs: their all-reduce groups meet on one store
         group.share_store(DistEnv.from_environ().master)
     for run_dir in argv:
-        code = run_worker(Path(run_dir), resume=resume)
+        code = run_worker(Path(run_dir), resume=resume, batch=len(argv) > 1)
         if code:
             return code
     return 0
