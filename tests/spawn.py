@@ -1,4 +1,9 @@
-"""Run a function on N real processes joined by a Gloo process group, with a deadline."""
+"""Run a function on N real processes joined by a Gloo process group, with a deadline.
+
+The processes of each world size are started once and kept for the session: starting one
+imports torch (seconds of CPU on 2 cores), which cost more than most of the functions run
+on them. A call that fails or passes its deadline ends its world's processes, so the next
+call starts from fresh ones."""
 
 from __future__ import annotations
 
@@ -10,53 +15,109 @@ from datetime import timedelta
 from experiments.runtime.sites import free_port
 
 
-def _entry(fn, rank, world, port, args, queue, group):
+def _entry(fn, rank, world, port, args, queue):
+    """A fresh rank, without a process group: fn makes its own."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _serve(rank, world, port, inbox, outbox):
+    """A kept rank: in one Gloo group, run each (fn, args) that arrives, until None does."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        if group:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-        result = fn(rank, world, *args)
-        if group:
-            dist.barrier()
-            dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while (job := inbox.get()) is not None:
+        fn, args = job
+        try:
+            outbox.put((rank, "ok", fn(rank, world, *args)))
+            dist.barrier()  # every rank is done with this call before any starts the next
+        except BaseException:
+            outbox.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Kept:
+    """`world` ranks of one Gloo group, started once, sent one function at a time."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, self.outbox = world, ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def call(self, fn, args, timeout_s: float) -> list:
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        return _collect(self.outbox, self.world, timeout_s)
+
+    def end(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.join(timeout=5)
+
+
+_kept: dict[int, _Kept] = {}
+
+
+def _collect(queue, world: int, timeout_s: float) -> list:
+    """Each rank's result from queue, by rank; AssertionError on a failure or the deadline."""
+    results: dict[int, object] = {}
+    for _ in range(world):
+        try:
+            rank, status, value = queue.get(timeout=timeout_s)
+        except Exception:
+            raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not "
+                                 f"finish within {timeout_s} s") from None
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results[rank] = value
+    return [results[r] for r in range(world)]
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, group: bool = True) -> list:
-    """Call fn(rank, world, *args) on `world` spawned processes; return results by rank.
+    """Call fn(rank, world, *args) on `world` processes; return results by rank.
 
-    group=False: no process group around fn, which makes its own (MASTER_ADDR and a free
-    MASTER_PORT are set).
+    With group=True (the default) they are the session's kept processes of that world size,
+    in one Gloo group. group=False: fresh processes, with no process group around fn, which
+    makes its own (MASTER_ADDR and a free MASTER_PORT are set).
 
     fn must be importable (a module-level function) and return plain Python data (no tensors). A rank that fails or a run that passes
     the deadline raises AssertionError with the rank's traceback.
     """
+    if group:
+        kept = _kept.get(world) or _kept.setdefault(world, _Kept(world))
+        try:
+            return kept.call(fn, args, timeout_s)
+        except BaseException:  # its ranks may be stuck in a collective: the next call starts anew
+            _kept.pop(world).end()
+            raise
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, group)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, object] = {}
     try:
-        for _ in range(world):
-            try:
-                rank, status, value = queue.get(timeout=timeout_s)
-            except Exception:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not "
-                                     f"finish within {timeout_s} s") from None
-            if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+        return _collect(queue, world, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world)]
