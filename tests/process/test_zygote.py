@@ -31,8 +31,10 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def zygote():
+    """One for the module's tests (starting one imports torch: seconds here); each test that
+    uses it also shows it serves on after the ones before."""
     z = Zygote.start(dict(os.environ))
     yield z
     z.close()
