@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from . import halving, hierarchical, ringplan, tree
 from .plancost import Links, predict_plan
-from .ring import piece_count
+from .ring import MAX_PIECES, piece_count
 
 MESSAGE_S = 1e-4
 """A message's fixed cost to a rank that sends or receives it, on loopback Gloo with a core
@@ -59,9 +59,25 @@ def plan_of(algorithm: str, racks: tuple[int, ...]):
     return _PLANS[algorithm]
 
 
-def pieces(nbytes: float) -> int:
+LINK_TREE_PIECES = 16
+"""At most this many pieces for the tree on emulated links (every other algorithm, and the
+tree on loopback: ring.MAX_PIECES). The tree sends the whole tensor on every hop, so its first
+piece crosses 2 log2 N hops before the pipeline is full, and in its last piece the root's two
+children share its links: both shrink with the piece. At 1gbit, 16 MB on 4 ranks took 383 ms
+in 4 pieces and 281 in 16 (the model: 329 and 278); on two racks 660 and 561; 64 MB 1543 and
+1221 (32 pieces: 1203). On loopback, where 4 ranks share 2 cores, more pieces cost more:
+16 MB took 59 ms in 4 and 67 in 16, 64 MB 190 and 222."""
+
+
+def most_pieces(algorithm: str, emulated: bool) -> int:
+    """At most how many pipelined pieces `algorithm` cuts a tensor into (emulated: on emulated
+    links, whose rate is far below what the CPU moves)."""
+    return LINK_TREE_PIECES if emulated and algorithm == "tree" else MAX_PIECES
+
+
+def pieces(nbytes: float, algorithm: str = "ring", emulated: bool = False) -> int:
     """How many pipelined pieces a tensor of nbytes runs as on the CPU (allreduce/steps.py)."""
-    return piece_count(int(nbytes))
+    return piece_count(int(nbytes), most=most_pieces(algorithm, emulated))
 
 
 def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float,
@@ -98,6 +114,6 @@ def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | N
     crowded: crowding()."""
     emulated = bandwidth is not None
     per = (LINK_MESSAGE_S if emulated else MESSAGE_S) * crowded
-    b, n, burst = bandwidth or LOOPBACK_BYTES_S, pieces(nbytes), EMULATED_BURST_S if emulated else 0.0
-    return min(candidates(racks),
-               key=lambda a: (predict(a, nbytes, world, delay_s, b, racks, uplink, n, per, burst), a != "ring"))
+    b, burst = bandwidth or LOOPBACK_BYTES_S, EMULATED_BURST_S if emulated else 0.0
+    return min(candidates(racks), key=lambda a: (predict(a, nbytes, world, delay_s, b, racks, uplink,
+                                                         pieces(nbytes, a, emulated), per, burst), a != "ring"))

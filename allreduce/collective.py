@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from . import halving, hierarchical, tree
-from .auto import choose
-from .ring import ring_allreduce
+from .auto import choose, most_pieces
+from .ring import MAX_PIECES, ring_allreduce
 
 PLANNED = {"halving-doubling": (halving.halving_doubling_allreduce, halving.sent_bytes),
            "tree": (tree.tree_allreduce, tree.sent_bytes)}
@@ -23,16 +24,23 @@ PLANNED = {"halving-doubling": (halving.halving_doubling_allreduce, halving.sent
 sends) (allreduce/steps.py)."""
 
 
-def ours(algorithm: str, racks: tuple[int, ...] | None = None) -> tuple[Callable, Callable | None]:
-    """(all-reduce, the bytes a rank sends) of our `algorithm` (hierarchical's over `racks`);
-    the ring's bytes are bus_bytes (None)."""
+def ours(algorithm: str, racks: tuple[int, ...] | None = None,
+         emulated: bool = False) -> tuple[Callable, Callable | None]:
+    """(all-reduce, the bytes a rank sends) of our `algorithm` (hierarchical's over `racks`),
+    in as many pieces as auto.most_pieces gives it (emulated: on emulated links); the ring's
+    bytes are bus_bytes (None)."""
     if algorithm == "hierarchical":
-        return hierarchical.algorithm(racks)
-    if algorithm in PLANNED:
-        return PLANNED[algorithm]
-    if algorithm != "ring":
+        fn, sent = hierarchical.algorithm(racks)
+    elif algorithm in PLANNED:
+        fn, sent = PLANNED[algorithm]
+    elif algorithm == "ring":
+        fn, sent = ring_allreduce, None
+    else:
         raise ValueError(f"{algorithm!r} is not one of our all-reduce algorithms")
-    return ring_allreduce, None
+    most = most_pieces(algorithm, emulated)
+    if most == MAX_PIECES:
+        return fn, sent
+    return partial(fn, most_pieces=most), sent and partial(sent, most_pieces=most)
 
 
 class Handle(Protocol):
@@ -128,7 +136,7 @@ class RingAllReduce:
                                self.racks, self.uplink, self.crowded)
             self.chosen[algorithm] = self.chosen.get(algorithm, 0) + 1
             name = f"{name} [{algorithm}]"
-        fn, sent_bytes = ours(algorithm, self.racks)
+        fn, sent_bytes = ours(algorithm, self.racks, emulated=self.bandwidth is not None)
         future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
         if sent_bytes is not None:  # what this rank sends under its plan

@@ -99,9 +99,9 @@ class P2P:
         return (group or dist.group.WORLD).recv([tensor], src, tag)
 
 
-def piece_count(nbytes: int, piece_bytes: int = PIECE_BYTES) -> int:
-    """How many pipelined pieces nbytes go as: pieces of piece_bytes or more, at most MAX_PIECES."""
-    return max(1, min(MAX_PIECES, -(-nbytes // piece_bytes)))
+def piece_count(nbytes: int, piece_bytes: int = PIECE_BYTES, most: int = MAX_PIECES) -> int:
+    """How many pipelined pieces nbytes go as: pieces of piece_bytes or more, at most `most`."""
+    return max(1, min(most, -(-nbytes // piece_bytes)))
 
 
 def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
@@ -125,6 +125,7 @@ def ring_allreduce(
     group: dist.ProcessGroup | None = None,
     delay_s: float = 0.0,
     piece_bytes: int = PIECE_BYTES,
+    most_pieces: int = MAX_PIECES,
 ) -> tuple[int, int]:
     """Sum the 1-D tensor `flat` in place over the ranks of `group`; return (bytes sent, received).
 
@@ -132,7 +133,7 @@ def ring_allreduce(
     accumulated in `flat`'s own dtype; the reduced chunk is rounded to the wire dtype on its
     owner too, so every rank ends with bit-identical values. `delay_s` is an injected
     latency paid once per hop (2(N-1) times). `piece_bytes` is the smallest message on the
-    wire a chunk is cut into, in at most MAX_PIECES (see the module's docstring).
+    wire a chunk is cut into, in at most most_pieces (see the module's docstring).
     """
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("ring_allreduce needs a contiguous 1-D tensor")
@@ -144,7 +145,7 @@ def ring_allreduce(
     itemsize = torch.empty(0, dtype=wire).element_size()
     bounds = chunk_bounds(flat.numel(), world)
     longest = bounds[0][1] - bounds[0][0]
-    pieces = piece_count(longest * itemsize, piece_bytes)
+    pieces = piece_count(longest * itemsize, piece_bytes, most_pieces)
     right, left = (rank + 1) % world, (rank - 1) % world
     hops = 2 * (world - 1)  # world - 1 of the reduce-scatter, then as many of the all-gather
     scratch = scratch_buffer(2 * longest, wire, flat.device)  # two chunks: a hop's slot, the next one's

@@ -47,10 +47,10 @@ def shifted(steps: list[Step], offset: int) -> list[Step]:
 
 
 def pieces(plan, numel: int, rank: int, world: int, itemsize: int, piece_bytes: int,
-           cuda: bool = False) -> list[list[Step]]:
-    """The plan of each piece of the tensor (ring.piece_count's; one on CUDA, where NCCL
-    matches a pair's messages by their order alone)."""
-    count = 1 if cuda else piece_count(numel * itemsize, piece_bytes)
+           cuda: bool = False, most: int = MAX_PIECES) -> list[list[Step]]:
+    """The plan of each piece of the tensor (ring.piece_count's, at most `most`; one on CUDA,
+    where NCCL matches a pair's messages by their order alone)."""
+    count = 1 if cuda else piece_count(numel * itemsize, piece_bytes, most)
     return [shifted(plan(b - a, rank, world), a) for a, b in chunk_bounds(numel, count)]
 
 
@@ -135,6 +135,9 @@ def execute(plans: list[list[Step]], flat: torch.Tensor, wire_dtype: torch.dtype
     # Each piece on a thread of its own: piece j's next step leaves the moment its last one is
     # done, however far the other pieces are (in lockstep, a tree's 16 MB on 4 ranks at 1gbit
     # took 1.20x the model's time: its root's steps differ, and a step waited for every piece).
+    # MAX_PIECES threads: further pieces wait for one, in order. No deadlock: every rank takes
+    # the pieces in the same order, so the lowest piece not done everywhere is running on
+    # every rank, and a piece waits only for the same piece on other ranks.
     done = [f.result() for f in [_piece_pool().submit(run_piece, j) for j in range(len(plans))]]
     return sum(m[0] for m in done), sum(m[1] for m in done)
 
@@ -161,16 +164,19 @@ def planned(plan):
     """(all-reduce, sent_bytes) of an algorithm given by its plan(numel, rank, world)."""
     def allreduce(flat: torch.Tensor, rank: int, world: int, wire_dtype: torch.dtype | None = None,
                   group: dist.ProcessGroup | None = None, delay_s: float = 0.0,
-                  piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
+                  piece_bytes: int = PIECE_BYTES, most_pieces: int = MAX_PIECES) -> tuple[int, int]:
         """Sum the 1-D tensor `flat` in place over the ranks; return (bytes sent, received).
-        The tensor goes in pipelined pieces of piece_bytes or more (at most MAX_PIECES)."""
+        The tensor goes in pipelined pieces of piece_bytes or more (at most most_pieces, of
+        which MAX_PIECES are in flight at once)."""
         itemsize = torch.empty(0, dtype=wire_dtype or flat.dtype).element_size()
-        plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, flat.device.type != "cpu")
+        plans = pieces(plan, flat.numel(), rank, world, itemsize, piece_bytes, flat.device.type != "cpu",
+                       most_pieces)
         return execute(plans, flat, wire_dtype, group, delay_s)
 
     @lru_cache(maxsize=256)  # asked for every bucket of every step
-    def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES) -> int:
+    def sent_bytes(numel: int, itemsize: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES,
+                   most_pieces: int = MAX_PIECES) -> int:
         """What rank `rank` sends for a tensor of numel elements of itemsize bytes (on the CPU)."""
-        return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes), itemsize)
+        return planned_bytes(pieces(plan, numel, rank, world, itemsize, piece_bytes, False, most_pieces), itemsize)
 
     return allreduce, sent_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allreduce.ring import PIECE_BYTES, chunk_bounds, ring_allreduce
+from allreduce.ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, ring_allreduce
 from spawn import run_ranks
 
 LENGTHS = (0, 1, 2, 3, 5, 7, 1000, 1001, 4099)
@@ -84,7 +84,7 @@ def test_ring_rejects_non_flat_tensor_and_empty_pieces():
 
 
 def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", piece_bytes=PIECE_BYTES,
-              racks=None):
+              racks=None, most_pieces=MAX_PIECES):
     from allreduce import hierarchical
     from allreduce.collective import PLANNED
 
@@ -92,8 +92,8 @@ def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", 
     out = {}
     for numel in lengths:
         flat = _values(rank, numel)
-        sent, received = allreduce(flat, rank, world, wire, piece_bytes=piece_bytes)
-        assert sent == sent_bytes(numel, 8 if wire is None else 2, rank, world, piece_bytes)
+        sent, received = allreduce(flat, rank, world, wire, piece_bytes=piece_bytes, most_pieces=most_pieces)
+        assert sent == sent_bytes(numel, 8 if wire is None else 2, rank, world, piece_bytes, most_pieces)
         out[numel] = (flat.tolist(), sent, received)
     return out
 
@@ -104,13 +104,14 @@ def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", 
     (2, "halving-doubling", PIECE_BYTES, None), (3, "halving-doubling", 8, None), (4, "halving-doubling", 40, None),
     (5, "halving-doubling", PIECE_BYTES, None), (2, "tree", 8, None), (3, "tree", PIECE_BYTES, None),
     (5, "tree", 40, None), (4, "hierarchical", 40, (0, 1, 0, 1)), (5, "hierarchical", 8, (0, 0, 1, 1, 1)),
-    (3, "hierarchical", PIECE_BYTES, (0, 1, 1))])
+    (3, "hierarchical", PIECE_BYTES, (0, 1, 1)), (4, "tree-16", 8, None)])
 def test_halving_doubling_tree_and_hierarchical_equal_elementwise_sum(world, algorithm, piece_bytes, racks):
     """Powers of two, and 3 and 5 ranks (halving-doubling: the first ranks fold into their
     neighbours; the tree: a binomial tree of any size; hierarchical: racks of 2 and 2, 2 and 3
     (one rank folds), 1 and 2), whole and in pipelined pieces of a few elements (up to 4, of
-    unequal lengths)."""
-    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm, piece_bytes, racks)
+    unequal lengths; tree-16: up to 16, as on emulated links, more than run at once)."""
+    most = 16 if algorithm == "tree-16" else MAX_PIECES
+    results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm.removesuffix("-16"), piece_bytes, racks, most)
     for numel in LENGTHS:
         expected = sum(_values(r, numel) for r in range(world))
         for rank in range(world):

@@ -44,3 +44,21 @@ def test_ranks_that_share_cores_pay_more_per_message():
     # 256 KB on 8 ranks: at 4 ranks a core, halving-doubling's 12 messages a rank cost more
     # than the tree's whole-tensor hops, 6 messages a rank
     assert choose(256 << 10, 8) == "halving-doubling" and choose(256 << 10, 8, crowded=4) == "tree"
+
+
+def test_the_tree_goes_in_more_pieces_on_emulated_links_alone():
+    """Its whole tensor crosses every hop: smaller pieces fill its pipeline sooner (on
+    loopback, where ranks share cores, they cost more than they save)."""
+    from allreduce.collective import ours
+    from allreduce.tree import tree_allreduce
+
+    assert pieces(16 << 20, "tree", emulated=True) == 16 and pieces(16 << 20, "tree") == 4
+    assert pieces(16 << 20, "ring", emulated=True) == 4 and pieces(16 << 20, "halving-doubling", True) == 4
+    assert pieces(3 << 20, "tree", emulated=True) == 3  # pieces of 1 MiB or more
+    assert ours("tree", emulated=True)[0].keywords == {"most_pieces": 16}
+    assert ours("tree")[0] is tree_allreduce and ours("ring", emulated=True)[0].__name__ == "ring_allreduce"
+    # 4 ranks: a piece of s takes 4 rounds of s/B end to end; the root's link in carries two
+    # children's pieces, 2s/B a piece after the first: (2 + 2/P) S/B in P pieces
+    S, B = 16 << 20, 125e6
+    assert predict("tree", S, 4, 0.0, B, npieces=4) == pytest.approx(2.5 * S / B)
+    assert predict("tree", S, 4, 0.0, B, npieces=16) == pytest.approx(2.125 * S / B)
