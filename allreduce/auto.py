@@ -59,14 +59,15 @@ def plan_of(algorithm: str, racks: tuple[int, ...]):
     return _PLANS[algorithm]
 
 
-LINK_TREE_PIECES = 16
-"""At most this many pieces for the tree on emulated links (every other algorithm, and the
-tree on loopback: ring.MAX_PIECES). The tree sends the whole tensor on every hop, so its first
-piece crosses 2 log2 N hops before the pipeline is full, and in its last piece the root's two
-children share its links: both shrink with the piece. At 1gbit, 16 MB on 4 ranks took 383 ms
-in 4 pieces and 281 in 16 (the model: 329 and 278); on two racks 660 and 561; 64 MB 1543 and
-1221 (32 pieces: 1203). On loopback, where 4 ranks share 2 cores, more pieces cost more:
-16 MB took 59 ms in 4 and 67 in 16, 64 MB 190 and 222."""
+LINK_TREE_PIECES = 64
+"""At most this many pieces for the tree on emulated links, so pieces of PIECE_BYTES (1 MiB)
+up to 64 MiB (every other algorithm, and the tree on loopback: ring.MAX_PIECES). The tree
+sends the whole tensor on every hop, so its first piece crosses 2 log2 N hops before the
+pipeline is full, and in its last piece the root's two children share its links: both
+shrink with the piece. At 1gbit, 16 MB on 4 ranks took 383 ms in 4 pieces and 281 in 16
+(the model: 329 and 278); on two racks 660 and 561; 64 MiB 1308 ms in 16, 1195 in 32 and
+1156 in 64 (the model: 1187, 1152, 1134). On loopback, where 4 ranks share 2 cores, more
+pieces cost more: 16 MB took 59 ms in 4 and 67 in 16, 64 MB 190 and 222."""
 
 
 def most_pieces(algorithm: str, emulated: bool) -> int:

@@ -55,7 +55,8 @@ def test_the_tree_goes_in_more_pieces_on_emulated_links_alone():
     assert pieces(16 << 20, "tree", emulated=True) == 16 and pieces(16 << 20, "tree") == 4
     assert pieces(16 << 20, "ring", emulated=True) == 4 and pieces(16 << 20, "halving-doubling", True) == 4
     assert pieces(3 << 20, "tree", emulated=True) == 3  # pieces of 1 MiB or more
-    assert ours("tree", emulated=True)[0].keywords == {"most_pieces": 16}
+    assert pieces(64 << 20, "tree", emulated=True) == 64 and pieces(80 << 20, "tree", emulated=True) == 64
+    assert ours("tree", emulated=True)[0].keywords == {"most_pieces": 64}
     assert ours("tree")[0] is tree_allreduce and ours("ring", emulated=True)[0].__name__ == "ring_allreduce"
     # 4 ranks: a piece of s takes 4 rounds of s/B end to end; the root's link in carries two
     # children's pieces, 2s/B a piece after the first: (2 + 2/P) S/B in P pieces
