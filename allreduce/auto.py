@@ -59,21 +59,25 @@ def plan_of(algorithm: str, racks: tuple[int, ...]):
     return _PLANS[algorithm]
 
 
-LINK_TREE_PIECES = 64
-"""At most this many pieces for the tree on emulated links, so pieces of PIECE_BYTES (1 MiB)
-up to 64 MiB (every other algorithm, and the tree on loopback: ring.MAX_PIECES). The tree
-sends the whole tensor on every hop, so its first piece crosses 2 log2 N hops before the
-pipeline is full, and in its last piece the root's two children share its links: both
-shrink with the piece. At 1gbit, 16 MB on 4 ranks took 383 ms in 4 pieces and 281 in 16
-(the model: 329 and 278); on two racks 660 and 561; 64 MiB 1308 ms in 16, 1195 in 32 and
-1156 in 64 (the model: 1187, 1152, 1134). On loopback, where 4 ranks share 2 cores, more
-pieces cost more: 16 MB took 59 ms in 4 and 67 in 16, 64 MB 190 and 222."""
+LINK_PIECES = 64
+"""At most this many pieces for the algorithms of plans (tree, halving-doubling, hierarchical)
+on emulated links, so pieces of PIECE_BYTES (1 MiB) up to 64 MiB; the ring, and every
+algorithm on loopback: ring.MAX_PIECES. Where a plan's phases load different links (the
+tree's 2 log2 N hops of the whole tensor, the racks' phases of the others), a piece must
+cross all of them before the pipeline is full, and the last one crosses them alone: both
+shrink with the piece. At 1gbit on 4 ranks, 4 pieces against 1 MiB ones: the tree's 16 MB
+383 ms and 281 (the model: 329 and 278), 64 MiB 1524 and 1156 (1332 and 1134; 16 pieces:
+1308); on two racks 4:1, 16 MiB, the tree 660 and 561, hierarchical 325 and 289 (312 and
+284), halving-doubling 336 and 292; flat halving-doubling 209 and 211, and the ring, whose
+every link is busy at every hop, 843 and 844 at 64 MiB. On loopback, where 4 ranks share
+2 cores, more pieces cost more: the tree's 16 MB took 59 ms in 4 and 67 in 16, 64 MB 190
+and 222."""
 
 
 def most_pieces(algorithm: str, emulated: bool) -> int:
     """At most how many pipelined pieces `algorithm` cuts a tensor into (emulated: on emulated
     links, whose rate is far below what the CPU moves)."""
-    return LINK_TREE_PIECES if emulated and algorithm == "tree" else MAX_PIECES
+    return LINK_PIECES if emulated and algorithm != "ring" else MAX_PIECES
 
 
 def pieces(nbytes: float, algorithm: str = "ring", emulated: bool = False) -> int:

@@ -10,8 +10,8 @@ algorithm, and each odd one sends the result back to its partner. The folded ran
 whole tensor twice, their partners twice more.
 
 Pipelined in pieces as the ring is: the tensor is cut into pieces of PIECE_BYTES or more (at
-most MAX_PIECES), each running the whole plan, and a piece's next step leaves as soon as its
-last one is done (allreduce/steps.py).
+most MAX_PIECES; on emulated links up to auto.LINK_PIECES), each running the whole plan, and
+a piece's next step leaves as soon as its last one is done (allreduce/steps.py).
 
 `plan(numel, rank, world)` lists a rank's steps (allreduce/steps.py).
 """

@@ -18,7 +18,8 @@ tensor to member (index mod k) of their rack, wait, and get the result back from
 algorithm runs on the first k members of every rack. A rack of one makes every phase but the
 cross-rack all-reduce empty, and one rack makes it a flat ring.
 
-Pipelined in pieces as the ring is (allreduce/steps.py); `plan_for(racks)` gives the plans.
+Pipelined in pieces as the ring is (allreduce/steps.py; on emulated links in up to
+auto.LINK_PIECES pieces); `plan_for(racks)` gives the plans.
 """
 
 from __future__ import annotations

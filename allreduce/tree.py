@@ -6,7 +6,7 @@ same tree broadcasts the result back down.
 tensor: the algorithm of small messages and high latency (NCCL's "low latency" choice). Any
 world size: a binomial tree needs no power of two. Pipelined in pieces as the ring is (the
 tensor in pieces of PIECE_BYTES or more, each running the whole tree: at most MAX_PIECES, and
-on emulated links up to auto.LINK_TREE_PIECES, as a whole tensor crosses every hop), so a
+on emulated links up to auto.LINK_PIECES, as a whole tensor crosses every hop), so a
 piece goes down the tree while the next comes up. Plans: allreduce/steps.py.
 """
 

@@ -104,13 +104,13 @@ def _hd_ranks(rank, world, wire, lengths=LENGTHS, algorithm="halving-doubling", 
     (2, "halving-doubling", PIECE_BYTES, None), (3, "halving-doubling", 8, None), (4, "halving-doubling", 40, None),
     (5, "halving-doubling", PIECE_BYTES, None), (2, "tree", 8, None), (3, "tree", PIECE_BYTES, None),
     (5, "tree", 40, None), (4, "hierarchical", 40, (0, 1, 0, 1)), (5, "hierarchical", 8, (0, 0, 1, 1, 1)),
-    (3, "hierarchical", PIECE_BYTES, (0, 1, 1)), (4, "tree-16", 8, None)])
+    (3, "hierarchical", PIECE_BYTES, (0, 1, 1)), (4, "tree-16", 8, None), (5, "hierarchical-16", 8, (0, 0, 1, 1, 1))])
 def test_halving_doubling_tree_and_hierarchical_equal_elementwise_sum(world, algorithm, piece_bytes, racks):
     """Powers of two, and 3 and 5 ranks (halving-doubling: the first ranks fold into their
     neighbours; the tree: a binomial tree of any size; hierarchical: racks of 2 and 2, 2 and 3
     (one rank folds), 1 and 2), whole and in pipelined pieces of a few elements (up to 4, of
-    unequal lengths; tree-16: up to 16, as on emulated links, more than run at once)."""
-    most = 16 if algorithm == "tree-16" else MAX_PIECES
+    unequal lengths; -16: up to 16, as on emulated links, more than run at once)."""
+    most = 16 if algorithm.endswith("-16") else MAX_PIECES
     results = run_ranks(_hd_ranks, world, None, LENGTHS, algorithm.removesuffix("-16"), piece_bytes, racks, most)
     for numel in LENGTHS:
         expected = sum(_values(r, numel) for r in range(world))

@@ -46,17 +46,20 @@ def test_ranks_that_share_cores_pay_more_per_message():
     assert choose(256 << 10, 8) == "halving-doubling" and choose(256 << 10, 8, crowded=4) == "tree"
 
 
-def test_the_tree_goes_in_more_pieces_on_emulated_links_alone():
-    """Its whole tensor crosses every hop: smaller pieces fill its pipeline sooner (on
-    loopback, where ranks share cores, they cost more than they save)."""
+def test_plans_go_in_pieces_of_a_mebibyte_on_emulated_links_alone():
+    """A plan's phases load different links (the tree's hops of the whole tensor, the racks'
+    phases): smaller pieces fill the pipeline sooner. The ring loads every link at every
+    hop; on loopback, where ranks share cores, more pieces cost more than they save."""
     from allreduce.collective import ours
     from allreduce.tree import tree_allreduce
 
-    assert pieces(16 << 20, "tree", emulated=True) == 16 and pieces(16 << 20, "tree") == 4
-    assert pieces(16 << 20, "ring", emulated=True) == 4 and pieces(16 << 20, "halving-doubling", True) == 4
+    for algorithm in ("tree", "halving-doubling", "hierarchical"):
+        assert pieces(16 << 20, algorithm, emulated=True) == 16 and pieces(16 << 20, algorithm) == 4
+    assert pieces(16 << 20, "ring", emulated=True) == 4
     assert pieces(3 << 20, "tree", emulated=True) == 3  # pieces of 1 MiB or more
     assert pieces(64 << 20, "tree", emulated=True) == 64 and pieces(80 << 20, "tree", emulated=True) == 64
     assert ours("tree", emulated=True)[0].keywords == {"most_pieces": 64}
+    assert ours("hierarchical", (0, 1), emulated=True)[1].keywords == {"most_pieces": 64}
     assert ours("tree")[0] is tree_allreduce and ours("ring", emulated=True)[0].__name__ == "ring_allreduce"
     # 4 ranks: a piece of s takes 4 rounds of s/B end to end; the root's link in carries two
     # children's pieces, 2s/B a piece after the first: (2 + 2/P) S/B in P pieces
