@@ -72,17 +72,22 @@ shrink with the piece. At 1gbit on 4 ranks, 4 pieces against 1 MiB ones: the tre
 every link is busy at every hop, 843 and 844 at 64 MiB. On loopback, where 4 ranks share
 2 cores, more pieces cost more: the tree's 16 MB took 59 ms in 4 and 67 in 16, 64 MB 190
 and 222."""
+PIECES_CROWDING = 2.0
+"""LINK_PIECES only where ranks share this machine's cores at most this many to one (crowding):
+beyond, a piece's messages and sums cost its ranks more CPU than the pipeline saves. On 8
+ranks in two racks at 1gbit (4 a core), halving-doubling's 16 MiB took 287 ms in 4 pieces,
+295 in 8 and 315 in 16, where the model gives 276, 261 and 254."""
 
 
-def most_pieces(algorithm: str, emulated: bool) -> int:
+def most_pieces(algorithm: str, emulated: bool, crowded: float = 1.0) -> int:
     """At most how many pipelined pieces `algorithm` cuts a tensor into (emulated: on emulated
-    links, whose rate is far below what the CPU moves)."""
-    return LINK_PIECES if emulated and algorithm != "ring" else MAX_PIECES
+    links, whose rate is far below what the CPU moves; crowded: crowding())."""
+    return LINK_PIECES if emulated and algorithm != "ring" and crowded <= PIECES_CROWDING else MAX_PIECES
 
 
-def pieces(nbytes: float, algorithm: str = "ring", emulated: bool = False) -> int:
+def pieces(nbytes: float, algorithm: str = "ring", emulated: bool = False, crowded: float = 1.0) -> int:
     """How many pipelined pieces a tensor of nbytes runs as on the CPU (allreduce/steps.py)."""
-    return piece_count(int(nbytes), most=most_pieces(algorithm, emulated))
+    return piece_count(int(nbytes), most=most_pieces(algorithm, emulated, crowded))
 
 
 def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: float,
@@ -121,4 +126,5 @@ def choose(nbytes: float, world: int, delay_s: float = 0.0, bandwidth: float | N
     per = (LINK_MESSAGE_S if emulated else MESSAGE_S) * crowded
     b, burst = bandwidth or LOOPBACK_BYTES_S, EMULATED_BURST_S if emulated else 0.0
     return min(candidates(racks), key=lambda a: (predict(a, nbytes, world, delay_s, b, racks, uplink,
-                                                         pieces(nbytes, a, emulated), per, burst), a != "ring"))
+                                                         pieces(nbytes, a, emulated, crowded), per, burst),
+                                                  a != "ring"))

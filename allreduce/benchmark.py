@@ -75,7 +75,7 @@ def run_algorithm(algorithm: str, buf: torch.Tensor, rank: int, world: int, dela
             time.sleep(2 * (world - 1) * delay_s)  # as LibraryAllReduce delays it
         dist.all_reduce(buf)
     else:
-        ours(algorithm, racks, emulated=bandwidth is not None)[0](buf, rank, world, delay_s=delay_s)
+        ours(algorithm, racks, bandwidth is not None, crowded)[0](buf, rank, world, delay_s=delay_s)
     return algorithm
 
 

@@ -24,11 +24,11 @@ PLANNED = {"halving-doubling": (halving.halving_doubling_allreduce, halving.sent
 sends) (allreduce/steps.py)."""
 
 
-def ours(algorithm: str, racks: tuple[int, ...] | None = None,
-         emulated: bool = False) -> tuple[Callable, Callable | None]:
+def ours(algorithm: str, racks: tuple[int, ...] | None = None, emulated: bool = False,
+         crowded: float = 1.0) -> tuple[Callable, Callable | None]:
     """(all-reduce, the bytes a rank sends) of our `algorithm` (hierarchical's over `racks`),
-    in as many pieces as auto.most_pieces gives it (emulated: on emulated links); the ring's
-    bytes are bus_bytes (None)."""
+    in as many pieces as auto.most_pieces gives it (emulated: on emulated links; crowded:
+    ranks per core); the ring's bytes are bus_bytes (None)."""
     if algorithm == "hierarchical":
         fn, sent = hierarchical.algorithm(racks)
     elif algorithm in PLANNED:
@@ -37,7 +37,7 @@ def ours(algorithm: str, racks: tuple[int, ...] | None = None,
         fn, sent = ring_allreduce, None
     else:
         raise ValueError(f"{algorithm!r} is not one of our all-reduce algorithms")
-    most = most_pieces(algorithm, emulated)
+    most = most_pieces(algorithm, emulated, crowded)
     if most == MAX_PIECES:
         return fn, sent
     return partial(fn, most_pieces=most), sent and partial(sent, most_pieces=most)
@@ -136,7 +136,7 @@ class RingAllReduce:
                                self.racks, self.uplink, self.crowded)
             self.chosen[algorithm] = self.chosen.get(algorithm, 0) + 1
             name = f"{name} [{algorithm}]"
-        fn, sent_bytes = ours(algorithm, self.racks, emulated=self.bandwidth is not None)
+        fn, sent_bytes = ours(algorithm, self.racks, self.bandwidth is not None, self.crowded)
         future = self._pool.submit(fn, flat, self.rank, self.world, wire_dtype, delay_s=self.delay_s)
         future = _traced(future, self.trace, name, time.time())
         if sent_bytes is not None:  # what this rank sends under its plan

@@ -69,7 +69,7 @@ def model_s(algorithm: str, nbytes: int, topo: Topology, net: NetConfig, alpha: 
     a, per = (topo.latency_ms / 1e3, LINK_MESSAGE_S * crowding(topo.ranks)) if alpha else (0.0, 0.0)
     algo = "ring" if algorithm == "library" else algorithm
     return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) * PAYLOAD / 8, racks, uplink,
-                   pieces(nbytes, algo, emulated=True), per, EMULATED_BURST_S)
+                   pieces(nbytes, algo, True, crowding(topo.ranks)), per, EMULATED_BURST_S)
 
 
 def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> Path:
