@@ -73,16 +73,20 @@ every link is busy at every hop, 843 and 844 at 64 MiB. On loopback, where 4 ran
 2 cores, more pieces cost more: the tree's 16 MB took 59 ms in 4 and 67 in 16, 64 MB 190
 and 222."""
 PIECES_CROWDING = 2.0
-"""LINK_PIECES only where ranks share this machine's cores at most this many to one (crowding):
-beyond, a piece's messages and sums cost its ranks more CPU than the pipeline saves. On 8
-ranks in two racks at 1gbit (4 a core), halving-doubling's 16 MiB took 287 ms in 4 pieces,
-295 in 8 and 315 in 16, where the model gives 276, 261 and 254."""
+"""LINK_PIECES for halving-doubling and hierarchical only where ranks share this machine's
+cores at most this many to one (crowding): beyond, a piece's messages and sums cost their
+ranks more CPU than the pipeline saves. On 8 ranks in two racks at 1gbit (4 a core),
+halving-doubling's 16 MiB took 287 ms in 4 pieces, 295 in 8 and 315 in 16, where the model
+gives 276, 261 and 254; hierarchical's 349 and 348. The tree, whose whole tensor fills a
+pipeline of 2 log2 N hops, gains there still: 1094 ms in 4 pieces, 684 in 16."""
 
 
 def most_pieces(algorithm: str, emulated: bool, crowded: float = 1.0) -> int:
     """At most how many pipelined pieces `algorithm` cuts a tensor into (emulated: on emulated
     links, whose rate is far below what the CPU moves; crowded: crowding())."""
-    return LINK_PIECES if emulated and algorithm != "ring" and crowded <= PIECES_CROWDING else MAX_PIECES
+    if not emulated or algorithm == "ring" or (algorithm != "tree" and crowded > PIECES_CROWDING):
+        return MAX_PIECES
+    return LINK_PIECES
 
 
 def pieces(nbytes: float, algorithm: str = "ring", emulated: bool = False, crowded: float = 1.0) -> int:
