@@ -82,11 +82,15 @@ def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False,
             if len(batch) == 1 or resume:  # a resumed job cannot run again from where it was
                 errors.update((name, err) for name, _, _ in batch)
                 continue
+            failed = len(errors)
             for name, cfg, run_dir in batch:  # which job failed: each alone
                 try:
                     summaries[name] = launch_batch([(cfg, run_dir)], deadline_s=RUN_DEADLINE_S, quiet=True)[0]
                 except (RuntimeError, OSError, ValueError) as alone:
                     errors[name] = alone
+            if len(errors) == failed:  # each passes alone: running them together is what fails
+                errors.update((name, RuntimeError(f"failed only in a batch of {len(batch)}: {err}"))
+                              for name, _, _ in batch)
             continue
         summaries.update((name, summary) for (name, _, _), summary in zip(batch, done))
     return summaries

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import queue as queues
+import time
 import traceback
 from datetime import timedelta
 
@@ -28,10 +31,12 @@ def _entry(fn, rank, world, port, args, queue):
 
 
 def _serve(rank, world, port, inbox, outbox):
-    """A kept rank: in one Gloo group, run each (fn, args) that arrives, until None does."""
+    """A kept rank: in one Gloo group, run each (fn, args) that arrives, until None does or
+    the process that started it is gone (killed, say: nothing else would end this one)."""
     import torch
     import torch.distributed as dist
 
+    parent = os.getppid()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -39,13 +44,21 @@ def _serve(rank, world, port, inbox, outbox):
     except BaseException:
         outbox.put((rank, "error", traceback.format_exc()))
         return
-    while (job := inbox.get()) is not None:
-        fn, args = job
+    while True:
         try:
-            outbox.put((rank, "ok", fn(rank, world, *args)))
+            job = inbox.get(timeout=1.0)
+        except queues.Empty:
+            if os.getppid() != parent:
+                os._exit(1)
+            continue
+        if job is None:
+            break
+        call, fn, args = job
+        try:
+            outbox.put((rank, "ok", fn(rank, world, *args), call))
             dist.barrier()  # every rank is done with this call before any starts the next
         except BaseException:
-            outbox.put((rank, "error", traceback.format_exc()))
+            outbox.put((rank, "error", traceback.format_exc(), call))
     dist.destroy_process_group()
 
 
@@ -54,7 +67,7 @@ class _Kept:
 
     def __init__(self, world: int):
         ctx = mp.get_context("spawn")
-        self.world, self.outbox = world, ctx.Queue()
+        self.world, self.outbox, self.calls = world, ctx.Queue(), 0
         self.inboxes = [ctx.Queue() for _ in range(world)]
         port = free_port()
         self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
@@ -63,9 +76,10 @@ class _Kept:
             p.start()
 
     def call(self, fn, args, timeout_s: float) -> list:
+        self.calls += 1
         for inbox in self.inboxes:
-            inbox.put((fn, args))
-        return _collect(self.outbox, self.world, timeout_s)
+            inbox.put((self.calls, fn, args))
+        return _collect(self.outbox, self.world, timeout_s, self.calls)
 
     def end(self) -> None:
         for p in self.procs:
@@ -76,15 +90,20 @@ class _Kept:
 _kept: dict[int, _Kept] = {}
 
 
-def _collect(queue, world: int, timeout_s: float) -> list:
-    """Each rank's result from queue, by rank; AssertionError on a failure or the deadline."""
+def _collect(queue, world: int, timeout_s: float, call: int | None = None) -> list:
+    """Each rank's result from queue, by rank; AssertionError on a failure or the deadline.
+    call: only the answers to that call count (a kept rank's late word on an earlier one
+    does not)."""
     results: dict[int, object] = {}
-    for _ in range(world):
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world:
         try:
-            rank, status, value = queue.get(timeout=timeout_s)
+            rank, status, value, *of = queue.get(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:
             raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not "
                                  f"finish within {timeout_s} s") from None
+        if call is not None and of and of[0] != call:  # an earlier call's (none: its start's)
+            continue
         if status != "ok":
             raise AssertionError(f"rank {rank} failed:\n{value}")
         results[rank] = value
@@ -102,11 +121,13 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, group: bool = True
     the deadline raises AssertionError with the rank's traceback.
     """
     if group:
-        kept = _kept.get(world) or _kept.setdefault(world, _Kept(world))
+        pickle.dumps((fn, args))  # what cannot travel fails here, not as a missed deadline
         try:
+            kept = _kept.get(world) or _kept.setdefault(world, _Kept(world))
             return kept.call(fn, args, timeout_s)
         except BaseException:  # its ranks may be stuck in a collective: the next call starts anew
-            _kept.pop(world).end()
+            if world in _kept:
+                _kept.pop(world).end()
             raise
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
