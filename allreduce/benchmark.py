@@ -83,11 +83,21 @@ SMALL_BYTES = 1 << 20
 """sweep() runs sizes up to this twice as many rounds."""
 
 
+def round_order(algorithms: list[str], k: int) -> list[str]:
+    """The order the algorithms take turns in round k: every other round backwards, and each
+    pair of rounds starting one later, so that none always comes first or right after the
+    same one (on shaped links an algorithm finds the links as the one before left them: their
+    burst spent, their queues' state)."""
+    n = max(1, len(algorithms))
+    order = list(algorithms[(k // 2) % n:]) + list(algorithms[:(k // 2) % n])
+    return order[::-1] if k % 2 else order
+
+
 def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
     """Every size of spec["sizes"] by every algorithm of spec["algorithms"] on this job's
     links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
     spec gives them. The algorithms take turns in spec["rounds"] rounds (twice as many up to
-    SMALL_BYTES; the median), each timing
+    SMALL_BYTES; the median), in round_order, each timing
     enough repetitions to fill spec["budget_s"] seconds, after one warm-up each. Each row
     keeps its rounds' times (rounds_us); with the library among them, its vs_library is the
     library's time over its own, the median of the rounds'."""
@@ -111,8 +121,8 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
         times: dict[str, list[float]] = {a: [] for a in spec["algorithms"]}
         # A few ms apart, a small size's algorithms differ by less than a busy machine's
         # noise in 3 rounds (auto and the algorithm it ran came 11 to 18% apart): twice as many.
-        for _ in range(spec.get("rounds", 3) * (2 if nbytes <= SMALL_BYTES else 1)):
-            for algorithm in spec["algorithms"]:
+        for k in range(spec.get("rounds", 3) * (2 if nbytes <= SMALL_BYTES else 1)):
+            for algorithm in round_order(spec["algorithms"], k):
                 iters = max(1, min(100, int(spec.get("budget_s", 0.3) / max(first[algorithm], 1e-6))))
                 dist.barrier()
                 start = time.perf_counter()

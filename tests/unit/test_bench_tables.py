@@ -22,3 +22,16 @@ def test_the_table_gives_the_paired_ratio_and_the_goal_line():
     assert "0.81x" in text and "0.78x" not in text
     assert text.splitlines()[-1] == ("ring: 1 KiB in 1.25x the library's time (goal: at most 2); from 4 MiB "
                                      "0.81x to 1.04x its busbw (goal: at least 0.9)")
+
+
+def test_no_algorithm_always_comes_first_or_after_the_same_one():
+    from allreduce.benchmark import round_order
+
+    algorithms = ["library", "ring", "tree", "auto"]
+    orders = [round_order(algorithms, k) for k in range(6)]
+    assert orders[:3] == [["library", "ring", "tree", "auto"], ["auto", "tree", "ring", "library"],
+                          ["ring", "tree", "auto", "library"]]
+    assert all(sorted(o) == sorted(algorithms) for o in orders)
+    assert len({o[0] for o in orders}) >= 3
+    for a in algorithms:  # each follows both its neighbours, or comes first, in some round
+        assert len({o[o.index(a) - 1] if o.index(a) else None for o in orders}) >= 2
