@@ -93,12 +93,34 @@ def round_order(algorithms: list[str], k: int) -> list[str]:
     return order[::-1] if k % 2 else order
 
 
+def _interleaved(order: list[str], iters: dict[str, int], buf: torch.Tensor, rank: int, world: int,
+                 args: dict, device: str) -> dict[str, float]:
+    """One round: each algorithm's iters[a] all-reduces, taking turns call by call in `order`
+    (a busy machine's slow spells, seconds long, then fall on every algorithm alike: timed
+    one algorithm after the other, the tree's 4 KB took 1.1 ms in one round and 3.4 in
+    another, and auto running the tree 1.13x the tree); each one's mean seconds, its slowest
+    rank's."""
+    spent = {a: 0.0 for a in order}
+    for i in range(max(iters.values())):
+        for algorithm in order:
+            if i < iters[algorithm]:
+                dist.barrier()  # no rank carries the last call's lag into the next one's time
+                start = time.perf_counter()
+                run_algorithm(algorithm, buf, rank, world, **args)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                spent[algorithm] += time.perf_counter() - start
+    mean = torch.tensor([spent[a] / iters[a] for a in order], dtype=torch.float64)
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+    return dict(zip(order, mean.tolist()))
+
+
 def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
     """Every size of spec["sizes"] by every algorithm of spec["algorithms"] on this job's
     links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
     spec gives them. The algorithms take turns in spec["rounds"] rounds (twice as many up to
-    SMALL_BYTES; the median), in round_order, each timing
-    enough repetitions to fill spec["budget_s"] seconds, after one warm-up each. Each row
+    SMALL_BYTES; the median), in round_order, call by call, each timing enough repetitions
+    to fill spec["budget_s"] seconds, after one warm-up each. Each row
     keeps its rounds' times (rounds_us); with the library among them, its vs_library is the
     library's time over its own, the median of the rounds'."""
     racks = tuple(spec["racks"]) if spec.get("racks") else None
@@ -119,20 +141,13 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             first[algorithm] = elapsed.item()
         times: dict[str, list[float]] = {a: [] for a in spec["algorithms"]}
+        iters = {a: max(1, min(100, int(spec.get("budget_s", 0.3) / max(first[a], 1e-6)))) for a in first}
         # A few ms apart, a small size's algorithms differ by less than a busy machine's
         # noise in 3 rounds (auto and the algorithm it ran came 11 to 18% apart): twice as many.
         for k in range(spec.get("rounds", 3) * (2 if nbytes <= SMALL_BYTES else 1)):
-            for algorithm in round_order(spec["algorithms"], k):
-                iters = max(1, min(100, int(spec.get("budget_s", 0.3) / max(first[algorithm], 1e-6))))
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    run_algorithm(algorithm, buf, rank, world, **args)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times[algorithm].append(elapsed.item())
+            took = _interleaved(round_order(spec["algorithms"], k), iters, buf, rank, world, args, device)
+            for algorithm, seconds in took.items():
+                times[algorithm].append(seconds)
         for algorithm in spec["algorithms"]:
             t = statistics.median(times[algorithm])
             row = {"bytes": nbytes, "algorithm": algorithm, "ran": chosen[algorithm], "time_us": t * 1e6,
