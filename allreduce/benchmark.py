@@ -93,23 +93,38 @@ def round_order(algorithms: list[str], k: int) -> list[str]:
     return order[::-1] if k % 2 else order
 
 
-def _interleaved(order: list[str], iters: dict[str, int], buf: torch.Tensor, rank: int, world: int,
-                 args: dict, device: str) -> dict[str, float]:
-    """One round: each algorithm's iters[a] all-reduces, taking turns call by call in `order`
-    (a busy machine's slow spells, seconds long, then fall on every algorithm alike: timed
-    one algorithm after the other, the tree's 4 KB took 1.1 ms in one round and 3.4 in
-    another, and auto running the tree 1.13x the tree); each one's mean seconds, its slowest
-    rank's."""
-    spent = {a: 0.0 for a in order}
-    for i in range(max(iters.values())):
+BLOCK_S = 0.02
+"""sweep()'s algorithms take turns in blocks of calls this long (spec["block_s"]; 0: call by
+call, each after a barrier). Inside a block calls go back to back, as nccl-tests time them:
+psar bench's loopback table, where a call after a barrier alone pays its receives' first
+notices (our ring's 1 KiB took 2.1x the library's time so, 0.5x to 1.6x back to back).
+Blocks are short enough that a busy machine's slow spells, seconds long, fall on every
+algorithm alike (timed one algorithm after the other, the tree's 4 KB took 1.1 ms in one
+round and 3.4 in another, and auto running the tree 1.13x the tree). On shaped links a
+block finds the links as the block before left them, their burst spent or not, so psar
+compare collectives goes call by call: at 64 KB on 4 ranks auto running the tree took
+1.30x the tree in blocks, 0.95 to 1.02x call by call."""
+
+
+def _interleaved(order: list[str], iters: dict[str, int], block: dict[str, int], buf: torch.Tensor,
+                 rank: int, world: int, args: dict, device: str) -> dict[str, float]:
+    """One round: each algorithm's iters[a] all-reduces, in blocks of block[a] calls back to
+    back after a barrier, the algorithms' blocks taking turns in `order`; each one's mean
+    seconds, its slowest rank's."""
+    spent, done = {a: 0.0 for a in order}, {a: 0 for a in order}
+    while any(done[a] < iters[a] for a in order):
         for algorithm in order:
-            if i < iters[algorithm]:
-                dist.barrier()  # no rank carries the last call's lag into the next one's time
-                start = time.perf_counter()
+            calls = min(block[algorithm], iters[algorithm] - done[algorithm])
+            if calls <= 0:
+                continue
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
                 run_algorithm(algorithm, buf, rank, world, **args)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                spent[algorithm] += time.perf_counter() - start
+            if device != "cpu":
+                torch.cuda.synchronize()
+            spent[algorithm] += time.perf_counter() - start
+            done[algorithm] += calls
     mean = torch.tensor([spent[a] / iters[a] for a in order], dtype=torch.float64)
     dist.all_reduce(mean, op=dist.ReduceOp.MAX)
     return dict(zip(order, mean.tolist()))
@@ -119,8 +134,8 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
     """Every size of spec["sizes"] by every algorithm of spec["algorithms"] on this job's
     links: racks, delay_s (per message), bandwidth and uplink (bytes/s, auto's model) as the
     spec gives them. The algorithms take turns in spec["rounds"] rounds (twice as many up to
-    SMALL_BYTES; the median), in round_order, call by call, each timing enough repetitions
-    to fill spec["budget_s"] seconds, after one warm-up each. Each row
+    SMALL_BYTES; the median), in round_order, in blocks of spec["block_s"] (BLOCK_S), each
+    timing enough repetitions to fill spec["budget_s"] seconds, after one warm-up each. Each row
     keeps its rounds' times (rounds_us); with the library among them, its vs_library is the
     library's time over its own, the median of the rounds'."""
     racks = tuple(spec["racks"]) if spec.get("racks") else None
@@ -142,10 +157,12 @@ def sweep(rank: int, world: int, spec: dict, device: str = "cpu") -> list[dict]:
             first[algorithm] = elapsed.item()
         times: dict[str, list[float]] = {a: [] for a in spec["algorithms"]}
         iters = {a: max(1, min(100, int(spec.get("budget_s", 0.3) / max(first[a], 1e-6)))) for a in first}
+        block_s = spec.get("block_s", BLOCK_S)
+        block = {a: max(1, int(block_s / max(first[a], 1e-6))) if block_s else 1 for a in first}
         # A few ms apart, a small size's algorithms differ by less than a busy machine's
         # noise in 3 rounds (auto and the algorithm it ran came 11 to 18% apart): twice as many.
         for k in range(spec.get("rounds", 3) * (2 if nbytes <= SMALL_BYTES else 1)):
-            took = _interleaved(round_order(spec["algorithms"], k), iters, buf, rank, world, args, device)
+            took = _interleaved(round_order(spec["algorithms"], k), iters, block, buf, rank, world, args, device)
             for algorithm, seconds in took.items():
                 times[algorithm].append(seconds)
         for algorithm in spec["algorithms"]:

@@ -84,7 +84,7 @@ def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> 
             racks = [net.worker_rack(r, topo.ranks) for r in range(topo.ranks)]
             spec = {"sizes": list(topo.sizes), "algorithms": algorithms, "racks": racks if topo.racks > 1 else None,
                     "delay_s": topo.latency_ms / 1e3 if sites.latency_by.startswith("engine") else 0.0,
-                    "bandwidth": parse_rate(RATE) / 8, "rounds": rounds, "budget_s": 0.3,
+                    "bandwidth": parse_rate(RATE) / 8, "rounds": rounds, "budget_s": 0.3, "block_s": 0.0,
                     "uplink": parse_rate(net.uplink) / 8 if net.uplink else None, "crowded": crowding(topo.ranks)}
             tag = topo.name.replace(", ", "-").replace(" ", "").replace(":", "to")
             spec_path, result = out / f"collectives-{tag}.spec.json", out / f"collectives-{tag}.json"

@@ -35,3 +35,21 @@ def test_no_algorithm_always_comes_first_or_after_the_same_one():
     assert len({o[0] for o in orders}) >= 3
     for a in algorithms:  # each follows both its neighbours, or comes first, in some round
         assert len({o[o.index(a) - 1] if o.index(a) else None for o in orders}) >= 2
+
+
+def test_a_round_takes_turns_in_blocks_each_after_a_barrier(monkeypatch):
+    import types
+
+    import torch
+
+    import allreduce.benchmark as benchmark
+
+    seen = []
+    fake = types.SimpleNamespace(barrier=lambda: seen.append("|"), all_reduce=lambda t, op=None: None,
+                                 ReduceOp=types.SimpleNamespace(MAX=None))
+    monkeypatch.setattr(benchmark, "dist", fake)
+    monkeypatch.setattr(benchmark, "run_algorithm", lambda a, *args, **kw: seen.append(a))
+    took = benchmark._interleaved(["ring", "tree"], {"ring": 5, "tree": 2}, {"ring": 2, "tree": 1},
+                                  torch.zeros(1), 0, 2, {}, "cpu")
+    assert "".join(x[0] if x != "|" else "|" for x in seen) == "|rr|t|rr|t|r"
+    assert set(took) == {"ring", "tree"} and all(v >= 0 for v in took.values())
