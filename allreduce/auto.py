@@ -67,9 +67,10 @@ tree's 2 log2 N hops of the whole tensor, the racks' phases of the others), a pi
 cross all of them before the pipeline is full, and the last one crosses them alone: both
 shrink with the piece. At 1gbit on 4 ranks, 4 pieces against 1 MiB ones: the tree's 16 MB
 383 ms and 281 (the model: 329 and 278), 64 MB 1525 and 1234 in 16 pieces (1332 and
-1132), 64 MiB 1308 in 16 and 1156 in 64 (1187 and 1134); on two racks 4:1, 16 MiB, the tree 660 and 561, hierarchical 325 and 289 (312 and
-284), halving-doubling 336 and 292; flat halving-doubling 209 and 211, and the ring, whose
-every link is busy at every hop, 843 and 844 at 64 MiB. On loopback, where 4 ranks share
+1132), 64 MiB 1308 in 16 and 1156 in 64 (1187 and 1134); on two racks 4:1, 16 MiB, the
+tree 660 and 561, hierarchical 325 and 289 (312 and 284), halving-doubling 336 and 292;
+flat halving-doubling 209 and 211, and the ring, whose every link is busy at every hop,
+843 and 844 at 64 MiB. On loopback, where 4 ranks share
 2 cores, more pieces cost more: the tree's 16 MB took 59 ms in 4 and 67 in 16, 64 MB 190
 and 222."""
 PIECES_CROWDING = 2.0

@@ -31,8 +31,9 @@ def _entry(fn, rank, world, port, args, queue):
 
 
 def _serve(rank, world, port, inbox, outbox):
-    """A kept rank: in one Gloo group, run each (fn, args) that arrives, until None does or
-    the process that started it is gone (killed, say: nothing else would end this one)."""
+    """A kept rank: in one Gloo group, run each (fn, args) that arrives, until it is killed
+    (_Kept.end) or the process that started it is gone (killed, say: nothing else would end
+    this one)."""
     import torch
     import torch.distributed as dist
 
@@ -51,15 +52,12 @@ def _serve(rank, world, port, inbox, outbox):
             if os.getppid() != parent:
                 os._exit(1)
             continue
-        if job is None:
-            break
         call, fn, args = job
         try:
             outbox.put((rank, "ok", fn(rank, world, *args), call))
             dist.barrier()  # every rank is done with this call before any starts the next
         except BaseException:
             outbox.put((rank, "error", traceback.format_exc(), call))
-    dist.destroy_process_group()
 
 
 class _Kept:
@@ -123,8 +121,9 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, group: bool = True
     if group:
         pickle.dumps((fn, args))  # what cannot travel fails here, not as a missed deadline
         try:
-            kept = _kept.get(world) or _kept.setdefault(world, _Kept(world))
-            return kept.call(fn, args, timeout_s)
+            if world not in _kept:
+                _kept[world] = _Kept(world)
+            return _kept[world].call(fn, args, timeout_s)
         except BaseException:  # its ranks may be stuck in a collective: the next call starts anew
             if world in _kept:
                 _kept.pop(world).end()

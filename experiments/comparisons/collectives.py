@@ -66,10 +66,11 @@ def model_s(algorithm: str, nbytes: int, topo: Topology, net: NetConfig, alpha: 
     messages' cost for ranks sharing this machine's cores; alpha=False: its links' part alone."""
     racks = tuple(net.worker_rack(r, topo.ranks) for r in range(topo.ranks)) if topo.racks > 1 else None
     uplink = parse_rate(net.uplink) * PAYLOAD / 8 if net.uplink else None
-    a, per = (topo.latency_ms / 1e3, LINK_MESSAGE_S * crowding(topo.ranks)) if alpha else (0.0, 0.0)
+    crowded = crowding(topo.ranks)
+    a, per = (topo.latency_ms / 1e3, LINK_MESSAGE_S * crowded) if alpha else (0.0, 0.0)
     algo = "ring" if algorithm == "library" else algorithm
     return predict(algo, nbytes, topo.ranks, a, parse_rate(net.rate) * PAYLOAD / 8, racks, uplink,
-                   pieces(nbytes, algo, True, crowding(topo.ranks)), per, EMULATED_BURST_S)
+                   pieces(nbytes, algo, True, crowded), per, EMULATED_BURST_S)
 
 
 def measure(out: Path, echo: Callable[[str], None] = print, rounds: int = 3) -> Path:
