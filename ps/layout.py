@@ -105,6 +105,10 @@ class Layout:
         for key in self.keys:
             self._by_shard[key.shard].append(key)
             self._by_param[key.param].append(key)
+        # Per key id, as a message's header carries them: checked on every message.
+        self.key_shard = [k.shard for k in self.keys]
+        self.key_dtype = [self.specs[k.param].dtype for k in self.keys]
+        self.key_wire_shape = [[k.numel] for k in self.keys]
 
     def shard_keys(self, shard: int) -> list[Key]:
         """Keys held by shard, by id."""

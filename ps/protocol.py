@@ -38,8 +38,9 @@ every shard answered its wait never has a pull's reply compete with a push for a
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
 import msgpack
@@ -74,6 +75,9 @@ _INT_FIELDS = ("worker", "req", "step", "version", "min_version", "clock", "stal
                "waited_us", "hold", "rejoin")
 _FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
+_ALLOWED = {op: frozenset(BASE_FIELDS) | required | optional for op, (required, optional) in OP_FIELDS.items()}
+_INT_SET = frozenset(_INT_FIELDS)
+_RARE_FIELDS = frozenset(("error", "code", "body", "settings", "hold", "rejoin") + _FLOAT_FIELDS)
 
 
 FRAME_DTYPES = {**TORCH_DTYPES, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
@@ -82,6 +86,7 @@ FRAME_DTYPES = {**TORCH_DTYPES, "int64": torch.int64, "int32": torch.int32, "int
 and packed bits."""
 FRAME_ITEMSIZE = {name: torch.empty(0, dtype=d).element_size() for name, d in FRAME_DTYPES.items()}
 _FRAME_NAMES = {d: name for name, d in FRAME_DTYPES.items()}
+_PARAM_NAMES = {d: name for name, d in TORCH_DTYPES.items()}
 
 MAX_PARTS = 8
 """Most frames one compressed key's message may have (and ints in its 'meta')."""
@@ -109,17 +114,25 @@ class Limits:
     max_tensor_bytes: int = 1 << 30
 
 
-@dataclass
 class Message:
-    """A decoded message: the header dict and one tensor per entry of header['keys'] (if any)."""
+    """A decoded message: the header dict and one tensor per entry of header['keys'] (if any).
 
-    header: dict[str, Any]
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    ids: list[torch.Tensor | None] = field(default_factory=list)
-    """Per key: the row ids it names (int64) or None for the whole key; empty without 'rows'."""
-    parts: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-    """Per key of a compressed message: its frames (checked against the codec); empty
-    without 'parts' ('tensors' then holds every frame in order)."""
+    ids: per key, the row ids it names (int64) or None for the whole key; empty without
+    'rows'. parts: per key of a compressed message, its frames (checked against the codec);
+    empty without 'parts' ('tensors' then holds every frame in order)."""
+
+    __slots__ = ("header", "tensors", "ids", "parts")
+
+    def __init__(self, header: dict[str, Any], tensors: list[torch.Tensor] | None = None,
+                 ids: list[torch.Tensor | None] | None = None,
+                 parts: list[tuple[torch.Tensor, ...]] | None = None) -> None:
+        self.header = header
+        self.tensors = [] if tensors is None else tensors
+        self.ids = [] if ids is None else ids
+        self.parts = [] if parts is None else parts
+
+    def __repr__(self) -> str:
+        return f"Message({self.header!r}, {len(self.tensors)} tensors)"
 
     @property
     def op(self) -> str:
@@ -143,14 +156,18 @@ class Message:
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU contiguous tensor, as a view (no copy)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"tensor on {t.device} must be moved to the CPU before it is sent")
     if not t.is_contiguous():
         raise ValueError(f"tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous() first")
-    if t.dtype not in _FRAME_NAMES:
-        raise ValueError(f"dtype {t.dtype} cannot travel; expected one of {sorted(FRAME_DTYPES)}")
-    t = t.detach().reshape(-1)
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
+    dtype = t.dtype
+    if dtype not in _FRAME_NAMES:
+        raise ValueError(f"dtype {dtype} cannot travel; expected one of {sorted(FRAME_DTYPES)}")
+    if t.requires_grad:
+        t = t.detach()
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    if dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
         t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")
 
@@ -176,8 +193,11 @@ def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None
     if tensors is not None:
         if n != len(tensors):
             raise ValueError(f"header names {n} keys for {len(tensors)} tensors")
-        header["dtypes"] = [dtype_name(t.dtype) for t in tensors]
-        header["shapes"] = [list(t.shape) for t in tensors]
+        try:
+            header["dtypes"] = [_PARAM_NAMES[t.dtype] for t in tensors]
+        except KeyError:  # the error names the dtype
+            header["dtypes"] = [dtype_name(t.dtype) for t in tensors]
+        header["shapes"] = [[*t.shape] for t in tensors]
     if ids is None:
         return [msgpack.packb(header, use_bin_type=True), *(tensor_frame(t) for t in tensors or ())]
     if n != len(ids):
@@ -280,60 +300,47 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     op = h["op"]
     if op not in OPS:
         _fail(f"header field 'op' is {op!r}; expected one of {list(OPS)}")
-    required, optional = OP_FIELDS[op]
-    allowed = set(BASE_FIELDS) | required | optional
-    extra, lacking = sorted(set(h) - allowed, key=repr), sorted(required - set(h))
-    if extra:
-        _fail(f"header field(s) {extra} not allowed in a {op!r} message; allowed: {sorted(allowed)}")
-    if lacking:
-        _fail(f"a {op!r} message needs header field(s) {lacking}")
-    for name in _INT_FIELDS:
-        if name in h:
+    fields = h.keys()
+    if not fields <= _ALLOWED[op]:
+        extra = sorted(fields - _ALLOWED[op], key=repr)
+        _fail(f"header field(s) {extra} not allowed in a {op!r} message; allowed: {sorted(_ALLOWED[op])}")
+    required = OP_FIELDS[op][0]
+    if not required <= fields:
+        _fail(f"a {op!r} message needs header field(s) {sorted(required - fields)}")
+    for name in _INT_SET.intersection(fields):
+        value = h[name]
+        if type(value) is not int or not 0 <= value < _MAX_INT:
             _check_int(h, name, -1 if op == "error" and name in ("worker", "req") else 0)
     if known_workers is not None and h["worker"] not in known_workers and not (op == "error" and h["worker"] == -1):
         _fail(f"header field 'worker' is {h['worker']}; not a known worker (known: {_ids(known_workers)})")
-    if "error" in h and not isinstance(h["error"], str):
-        _fail(f"header field 'error' is {type(h['error']).__name__}; expected a str")
-    if "code" in h and h["code"] not in ERROR_CODES:
-        _fail(f"header field 'code' is {h['code']!r}; expected one of {list(ERROR_CODES)}")
-    if "body" in h and not isinstance(h["body"], dict):
-        _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
-    if "settings" in h:
-        _check_settings(h["settings"], limits)
-    for name in _FLOAT_FIELDS:
-        if name in h and (type(h[name]) not in (int, float) or not math.isfinite(h[name]) or h[name] < 0):
-            _fail(f"header field {name!r} is {h[name]!r}; expected a finite number >= 0")
-    for flag in ("hold", "rejoin"):
-        if h.get(flag) not in (None, 0, 1):
-            _fail(f"header field {flag!r} is {h[flag]}; expected 0 or 1")
+    if not fields.isdisjoint(_RARE_FIELDS):
+        _check_rare(h, limits)
 
     keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
-    seen = set()
-    for k in keys:
-        if type(k) is not int:
-            _fail(f"header field 'keys' holds {k!r}; expected int key ids")
-        if k in seen:
-            _fail(f"header field 'keys' names key {k} twice")
-        seen.add(k)
-        if layout is not None:
-            if not 0 <= k < len(layout.keys):
-                _fail(f"key {k} is not in the layout (keys 0..{len(layout.keys) - 1})")
-            if shard is not None and layout.keys[k].shard != shard:
-                _fail(f"key {k} belongs to shard {layout.keys[k].shard}, not to this shard {shard}")
-    rows = _check_rows(h, keys, layout, limits) if "rows" in h else [-1] * len(keys)
+    if any(type(k) is not int for k in keys) or len(keys) > 1 and len(set(keys)) != len(keys):
+        _first_bad_key(keys)
+    if layout is not None:
+        n_keys, key_shard = len(layout.keys), layout.key_shard
+        for k in keys:
+            if not 0 <= k < n_keys:
+                _fail(f"key {k} is not in the layout (keys 0..{n_keys - 1})")
+            if shard is not None and key_shard[k] != shard:
+                _fail(f"key {k} belongs to shard {key_shard[k]}, not to this shard {shard}")
+    by_rows = "rows" in h
+    rows = _check_rows(h, keys, layout, limits) if by_rows else itertools.repeat(-1)  # whole keys
     if h.get("pull") not in (None, 0, 1):
         _fail(f"header field 'pull' is {h['pull']}; expected 0 or 1")
-    if h.get("pull") and any(n >= 0 for n in rows):
+    n_ids = sum(n >= 0 for n in rows) if by_rows else 0
+    if n_ids and h.get("pull"):
         _fail("a push by rows cannot ask for values ('pull'): pull the rows in a pull")
-    n_ids = sum(n >= 0 for n in rows)
     has_tensors = "dtypes" in h or "shapes" in h
-    if has_tensors and not _TENSORS <= set(h):
+    if has_tensors and not _TENSORS <= fields:
         _fail("tensor frames need header fields 'keys', 'dtypes' and 'shapes' together")
     if not has_tensors:
         if len(frames) != 1 + n_ids:
             _fail(f"a {op!r} message without tensors has {len(frames) - 1 - n_ids} extra frame(s) "
                   f"(besides {n_ids} row id frame(s))")
-        return Message(h, [], _row_ids(keys, rows, views[1:], layout) if "rows" in h else [])
+        return Message(h, [], _row_ids(keys, rows, views[1:], layout) if by_rows else [])
 
     dtypes, shapes = _check_int_list(h, "dtypes", limits.max_keys), _check_int_list(h, "shapes", limits.max_keys)
     if "parts" in h or "meta" in h:
@@ -347,13 +354,13 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     for k, dtype, shape, n in zip(keys, dtypes, shapes, rows):
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             _fail(f"key {k}: dtype {dtype!r} is not one of {sorted(ITEMSIZE)}")
-        if not isinstance(shape, list) or any(type(d) is not int or not 0 <= d < _MAX_INT for d in shape):
+        expected = None if layout is None else layout.key_wire_shape[k] if n < 0 else [n, layout.row_dim(k)]
+        if shape != expected and (not isinstance(shape, list)
+                                  or any(type(d) is not int or not 0 <= d < _MAX_INT for d in shape)):
             _fail(f"key {k}: shape {shape!r} must be a list of ints >= 0")
         if layout is not None:
-            key = layout.keys[k]
-            if dtype != layout.dtype(key) and dtype != wire:
-                _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.dtype(key)!r}")
-            expected = list(key.shape) if n < 0 else [n, layout.row_dim(key)]
+            if dtype != layout.key_dtype[k] and dtype != wire:
+                _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.key_dtype[k]!r}")
             if shape != expected:
                 whose = "the layout's" if n < 0 else "the rows'"
                 _fail(f"key {k}: shape {shape} does not match {whose} {expected}")
@@ -362,7 +369,7 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
             _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
         sizes.append(nbytes)
     views, id_views = views[1:], []
-    if "rows" in h:  # per key: [ids frame], values frame
+    if by_rows:  # per key: [ids frame], values frame
         values = []
         for n in rows:
             if n >= 0:
@@ -372,7 +379,7 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     for k, nbytes, view in zip(keys, sizes, views):
         if view.nbytes != nbytes:
             _fail(f"key {k}: tensor frame is {view.nbytes} bytes; expected {nbytes} (numel * itemsize)")
-    ids = _row_ids(keys, rows, id_views, layout) if "rows" in h else []
+    ids = _row_ids(keys, rows, id_views, layout) if by_rows else []
     tensors = [_tensor(v, TORCH_DTYPES[d], s) for v, d, s in zip(views, dtypes, shapes)]
     return Message(h, tensors, ids)
 
@@ -414,6 +421,34 @@ def _decode_parts(h: dict, keys: list[int], dtypes: list, shapes: list, views: l
         out.append(tuple(tensors))
         at += n
     return Message(h, [t for p in out for t in p], [], out)
+
+
+def _first_bad_key(keys: list) -> None:
+    seen = set()
+    for k in keys:
+        if type(k) is not int:
+            _fail(f"header field 'keys' holds {k!r}; expected int key ids")
+        if k in seen:
+            _fail(f"header field 'keys' names key {k} twice")
+        seen.add(k)
+
+
+def _check_rare(h: dict, limits: Limits) -> None:
+    """The fields a push+pull's messages do not carry: error texts, bodies, settings, floats, flags."""
+    if "error" in h and not isinstance(h["error"], str):
+        _fail(f"header field 'error' is {type(h['error']).__name__}; expected a str")
+    if "code" in h and h["code"] not in ERROR_CODES:
+        _fail(f"header field 'code' is {h['code']!r}; expected one of {list(ERROR_CODES)}")
+    if "body" in h and not isinstance(h["body"], dict):
+        _fail(f"header field 'body' is {type(h['body']).__name__}; expected a dict")
+    if "settings" in h:
+        _check_settings(h["settings"], limits)
+    for name in _FLOAT_FIELDS:
+        if name in h and (type(h[name]) not in (int, float) or not math.isfinite(h[name]) or h[name] < 0):
+            _fail(f"header field {name!r} is {h[name]!r}; expected a finite number >= 0")
+    for flag in ("hold", "rejoin"):
+        if h.get(flag) not in (None, 0, 1):
+            _fail(f"header field {flag!r} is {h[flag]}; expected 0 or 1")
 
 
 def _check_rows(h: dict, keys: list[int], layout: Layout | None, limits: Limits) -> list[int]:
@@ -475,7 +510,8 @@ def _tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Ten
         return torch.empty(shape, dtype=dtype)
     if view.readonly:  # zmq frames are writable; only plain bytes (tests) get here
         view = memoryview(bytearray(view))
-    return torch.frombuffer(view, dtype=dtype).reshape(shape)
+    t = torch.frombuffer(view, dtype=dtype)
+    return t if len(shape) == 1 else t.reshape(shape)  # a flat frame is its own shape (sizes checked)
 
 
 def _ids(ids: Collection[int]) -> str:

@@ -28,6 +28,11 @@ def nbytes(frames: Sequence[Any]) -> int:
         return 0
 
 
+TICK_S = 0.005
+"""A busy shard's periodic work (liveness, deadlines) runs at most this often, not after every
+message: it scans every worker and every waiting request."""
+
+
 class Dispatcher:
     """Requests to shard `shard` of layout, from workers 0..num_workers-1 (`workers`, whose
     `seen` and `lost` it reads and stamps), go to handlers {op: fn(peer, msg) -> replies}.
@@ -109,6 +114,7 @@ def serve(server: Any, transport: Any, stop_event: threading.Event | None = None
     held: list[tuple[float, int, bytes, list]] = []  # replies waiting out reply_delay_s
     sequence = 0
     next_report = clock() + report[0] if report else float("inf")
+    next_tick = float("-inf")
     try:
         while not (stop_event is not None and stop_event.is_set()):
             if clock() >= next_report:
@@ -117,14 +123,20 @@ def serve(server: Any, transport: Any, stop_event: threading.Event | None = None
             wait_s = poll_s if not held else max(0.0, min(poll_s, held[0][0] - clock()))
             item = transport.recv(wait_s)
             replies = server.handle(*item) if item is not None else []
-            replies += server.tick()
             now = clock()
-            for peer, frames in replies:
-                sequence += 1
-                heapq.heappush(held, (now + server.reply_delay_s, sequence, peer, frames))
-            while held and held[0][0] <= now:
-                _, _, peer, frames = heapq.heappop(held)
-                transport.send(peer, frames)
+            if item is None or now >= next_tick:  # handle already answered what its request let go on
+                replies += server.tick()
+                next_tick = now + TICK_S
+            if server.reply_delay_s or held:
+                for peer, frames in replies:
+                    sequence += 1
+                    heapq.heappush(held, (now + server.reply_delay_s, sequence, peer, frames))
+                while held and held[0][0] <= now:
+                    _, _, peer, frames = heapq.heappop(held)
+                    transport.send(peer, frames)
+            else:
+                for peer, frames in replies:
+                    transport.send(peer, frames)
             replies = frames = item = None  # sent: nothing here keeps a reply's snapshot in use
             if held:
                 continue

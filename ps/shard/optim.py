@@ -52,6 +52,10 @@ class ShardOptimizer:
                              f"got {len(self.optimizer.param_groups)}")
         self._group = self.optimizer.param_groups[0]
         self._all = self._group["params"]
+        # torch picks its single-tensor loop for CPU tensors when foreach is unset; saying so
+        # saves the per-step look at every tensor's device (the same arithmetic).
+        self._loop = {"foreach": False} if self._group.get("foreach", False) is None and all(
+            c.device.type == "cpu" for c in chunks.values()) else {}
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
 
@@ -64,7 +68,9 @@ class ShardOptimizer:
         lr (None: the group's own; a given one stays the group's, as a scheduler leaves it)."""
         if lr is not None:
             self._group["lr"] = lr
-        self._group["params"] = [self.chunks[k] for k in keys]
+        group = self._group
+        group["params"] = [self.chunks[k] for k in keys]
+        group.update(self._loop)
         try:
             if self._step is None:
                 self.optimizer.step()
@@ -72,7 +78,9 @@ class ShardOptimizer:
                 with torch.no_grad():
                     self._step(self.optimizer)
         finally:
-            self._group["params"] = self._all
+            group["params"] = self._all
+            if self._loop:
+                group["foreach"] = None
 
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """{key: the state dict a one-chunk optimizer of that key would have}."""

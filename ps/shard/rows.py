@@ -15,7 +15,7 @@ def grad_of(shape: torch.Size, g: torch.Tensor, ids: torch.Tensor | None, coales
     """A pushed gradient as the optimizer's grad of a chunk of `shape`: dense, or sparse over
     the rows `ids` (which must be coalesced, unless coalesced=False)."""
     if ids is None:
-        return g.reshape(shape)
+        return g if g.dim() == len(shape) else g.reshape(shape)  # a dense chunk is as flat as its frame
     # The ids were validated on arrival (ps.protocol): torch's own checks would only repeat it.
     grad = torch.sparse_coo_tensor(ids.unsqueeze(0), g, shape, is_coalesced=coalesced, check_invariants=False)
     return grad if coalesced else grad.coalesce()

@@ -94,6 +94,7 @@ class ShardServer:
             dim = layout.row_dim(key)
             shape = (key.numel // dim, dim) if dim else (key.numel,)
             self.chunks[kid] = t.detach().reshape(shape).clone()  # a leaf tensor owned by the server
+        self.sparse_keys = frozenset(k for k, c in self.chunks.items() if c.dim() == 2)  # held by rows
         self.version = 0
         self.workers = Workers(num_workers, len(self.keys))
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
@@ -228,8 +229,9 @@ class ShardServer:
         return self._answer_or_wait(peer, msg, {})
 
     def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
-        w, step, version = msg.worker, msg.get("step"), msg.get("version")
-        if not msg.keys:
+        h = msg.header
+        w, step, version, keys = h["worker"], h["step"], h["version"], msg.keys
+        if not keys:
             raise Reject("push names no keys")
         if version > self.version:
             raise Reject(f"push says its gradient was computed on version {version}, "
@@ -238,14 +240,13 @@ class ShardServer:
             raise Reject(f"worker {w} already pushed all keys of step {step} (its clock is {self.workers.clocks[w]})")
         self.rule.check_step(w, step)
         done = self.workers.pushed(w, step)
-        twice = [k for k in msg.keys if k in done]
-        if twice:
-            raise Reject(f"worker {w} pushed key(s) {twice} of step {step} twice")
+        if done and not done.isdisjoint(keys):
+            raise Reject(f"worker {w} pushed key(s) {[k for k in keys if k in done]} of step {step} twice")
         self.rule.check_push(w, step, msg)
         if msg.parts:  # compressed: rebuilt whole (contents checked) before anything is applied
             start = time.perf_counter()
             try:
-                msg.tensors[:] = [self.codec.decompress(k, p, m) for k, p, m in zip(msg.keys, msg.parts, msg.get("meta"))]
+                msg.tensors[:] = [self.codec.decompress(k, p, m) for k, p, m in zip(keys, msg.parts, h["meta"])]
             except ValueError as e:
                 raise Reject(f"push of step {step}: {e}") from e
             self.counters["codec_us"] += int(1e6 * (time.perf_counter() - start))
@@ -254,18 +255,21 @@ class ShardServer:
                          "pushed whole values")
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
-            msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(msg.keys, msg.tensors)]
-        ids = msg.ids or [None] * len(msg.keys)
+            msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(keys, msg.tensors)]
+        ids = msg.ids or [None] * len(keys)
         stale = self.version - version
         self.staleness[stale] = self.staleness.get(stale, 0) + 1
-        self.counters["pushes"] += 1
-        self.counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
-        self.rule.push(w, step, msg.keys, msg.tensors, ids, msg.get("lr"), bool(msg.get("hold")))
-        if msg.get("pull"):  # the pushed keys' values, under the push's own conditions
-            conditions = {f: msg.get(f) for f in ("min_version", "clock") if msg.get(f) is not None}
-            pull = Message({"op": "pull", "v": msg.get("v"), "worker": w, "req": msg.req, "keys": msg.keys,
-                            **conditions})
-            return self._on_pull(peer, pull, staleness=stale)
+        counters = self.counters
+        counters["pushes"] += 1
+        if msg.ids:
+            counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
+        self.rule.push(w, step, keys, msg.tensors, ids, h.get("lr"), bool(h.get("hold")))
+        if h.get("pull"):  # the pushed keys' values, under the push's own conditions
+            pull = {"op": "pull", "v": h["v"], "worker": w, "req": h["req"], "keys": keys}
+            for f in ("min_version", "clock"):
+                if h.get(f) is not None:
+                    pull[f] = h[f]
+            return self._on_pull(peer, Message(pull), staleness=stale)
         return [self._ok(peer, msg, staleness=stale, version=self.version)]
 
     # -- requests that wait ----------------------------------------------------------------------
@@ -342,8 +346,9 @@ class ShardServer:
 
     def _note_gap(self, msg: Message) -> None:
         """How far ahead of the slowest live worker a pull lets its worker run (any mode)."""
-        clock, slowest = msg.get("clock"), self.workers.slowest()
-        if clock is not None and slowest is not None:
+        clock = msg.get("clock")
+        slowest = self.workers.slowest() if clock is not None else None
+        if slowest is not None:
             self.max_clock_gap = max(self.max_clock_gap, clock - slowest[1])
 
     def _values(self, peer: bytes, msg: Message, keys: list[int], exact: bool = False, **fields: Any) -> Reply:
@@ -351,14 +356,15 @@ class ShardServer:
         final pull, checkpoint: what the worker keeps must be the master values); of the rows
         a pull names, for a pull by rows."""
         header = {"op": "ok", "worker": msg.worker, "req": msg.req, "version": self.rule.version_of(keys),
-                  "keys": list(keys)}
-        if msg.op == "pull":
+                  "keys": list(keys), **fields}
+        pull = msg.op == "pull"
+        if pull:
             self.rule.read(msg.worker)
-        if self.pulls is not None and not exact and msg.op == "pull":  # the update's compressed gradient
+        if self.pulls is not None and not exact and pull:  # the update's compressed gradient
             parts = [self.pulls.message(k, self.rule.version_of([k])) for k in keys]
-            return self._dispatch.send(peer, encode({**header, **fields}, parts=[(p.frames, p.meta) for p in parts]))
-        if msg.op != "pull" or not msg.ids:
-            return self._dispatch.send(peer, encode({**header, **fields}, [self.snapshots.snapshot(k, exact) for k in keys]))
+            return self._dispatch.send(peer, encode(header, parts=[(p.frames, p.meta) for p in parts]))
+        if not pull or not msg.ids:
+            return self._dispatch.send(peer, encode(header, [self.snapshots.snapshot(k, exact) for k in keys]))
         wire = self.snapshots.wire if not exact else None
         tensors = []
         for k, i in zip(keys, msg.ids):
@@ -368,7 +374,7 @@ class ShardServer:
                 rows = self.chunks[k].detach().index_select(0, i)
                 tensors.append(rows.to(wire) if wire is not None else rows)
                 self.counters["rows_pulled"] += i.numel()
-        return self._dispatch.send(peer, encode({**header, **fields}, tensors, msg.ids))
+        return self._dispatch.send(peer, encode(header, tensors, msg.ids))
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -376,7 +382,7 @@ class ShardServer:
         """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
         skip every chunk without one), at learning rate lr (None: the optimizer's). count: it
         is an update of the shard (the counter)."""
-        start = time.time()
+        start = time.time() if self.trace is not None else 0.0
         if self.pulls is not None:  # the update applies what its pull will carry
             began = time.perf_counter()
             for k in keys:
@@ -385,10 +391,13 @@ class ShardServer:
             self.counters["codec_us"] += int(1e6 * (time.perf_counter() - began))
         for k in keys:
             self.snapshots.own(k)
-        # Row gradients are built from validated ids (ps.shard.rows), so torch's own checks of
-        # sparse tensors are off here; saying so keeps the optimizers from warning that they are.
-        with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        if self.sparse_keys.isdisjoint(keys):
             self.optimizer.step(keys, lr)
+        else:
+            # Row gradients are built from validated ids (ps.shard.rows), so torch's own checks of
+            # sparse tensors are off here; saying so keeps the optimizers from warning that they are.
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):
+                self.optimizer.step(keys, lr)
         for k in keys:
             self.chunks[k].grad = None
             self.snapshots.updated(k)

@@ -44,7 +44,9 @@ class SnapshotPool:
         (flat), or under compression (unless exact) a copy in the wire dtype shared by every
         reply until the next update."""
         if exact or self.wire is None:
-            return self.chunks[k].detach().reshape(-1)
+            # A view of its own (detach), so that the reply counts as a use of the memory (in_use).
+            flat = self.chunks[k].detach()
+            return flat if flat.dim() == 1 else flat.reshape(-1)
         copies = self._snap.setdefault(k, {})
         if self.wire not in copies:
             flat = self.chunks[k].detach().reshape(-1)
