@@ -23,7 +23,7 @@ from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import Limits, Message, ProtocolError, decode, encode
 from ps.security import load_client_keys
-from ps.transport import ClientTransport, PeerTimeout, TransportError, poll_many
+from ps.transport import ClientTransport, PeerTimeout, PollSet, TransportError
 
 log = logging.getLogger("psar.ps.client")
 
@@ -128,6 +128,7 @@ class PSClient:
         self._limits = Limits(max_header_bytes=self._max_bytes, max_keys=1 << 22, max_map_len=1 << 16,
                               max_tensor_bytes=self._max_bytes)
         self._transports = [self._transport(a) for a in self.addresses]
+        self._pollset = PollSet(self._transports)
         self._inflight: dict[int, Handle] = {}
         self._window = int(window_mb * (1 << 20))
         self._held: dict[int, deque] = defaultdict(deque)  # shard -> [(req, frames, bytes)] the window holds
@@ -241,33 +242,41 @@ class PSClient:
             raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
         if (next_version or clock is not None) and not pull:
             raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
-        by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = defaultdict(lambda: ([], [], []))
+        by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = {}
         packed = [isinstance(g, Packed) for g in grads.values()]
         if any(packed) and not (all(packed) and self.codec is not None):
             raise ValueError("push: compressed (Packed) keys need a client with a compressor, and "
                              "every key of the push compressed")
+        n_keys, wire = len(layout.keys), TORCH_DTYPES[self._wire] if self._wire else None
         for k, g in grads.items():
-            if not (type(k) is int and 0 <= k < len(layout.keys)):
-                raise ValueError(f"push: key {k!r} is not in the layout (keys 0..{len(layout.keys) - 1})")
-            key = layout.keys[k]
+            if not (type(k) is int and 0 <= k < n_keys):
+                raise ValueError(f"push: key {k!r} is not in the layout (keys 0..{n_keys - 1})")
+            shard = layout.key_shard[k]
+            keys, tensors, row_ids = by_shard.get(shard) or by_shard.setdefault(shard, ([], [], []))
+            keys.append(k)
             if isinstance(g, Packed):
-                keys, tensors, _ = by_shard[key.shard]
-                keys.append(k)
                 tensors.append(g)
                 continue
             ids, g = (self._row_ids(k, g[0]), g[1]) if isinstance(g, tuple) else (None, g)
-            g = g.detach()
-            if g.device.type != "cpu":
+            if g.requires_grad:
+                g = g.detach()
+            if not g.is_cpu:
                 g = g.cpu()
-            numel = key.numel if ids is None else ids.numel() * layout.row_dim(key)
-            if g.numel() != numel or g.dtype != TORCH_DTYPES[layout.dtype(key)]:
-                raise ValueError(f"push: key {k} needs {numel} {layout.dtype(key)} values, got {g.numel()} {g.dtype}")
-            keys, tensors, row_ids = by_shard[key.shard]
-            keys.append(k)
+            dim = layout.row_dim(k) if ids is not None else 0
+            numel = layout.keys[k].numel if ids is None else ids.numel() * dim
+            if g.numel() != numel or g.dtype != TORCH_DTYPES[layout.key_dtype[k]]:
+                raise ValueError(f"push: key {k} needs {numel} {layout.key_dtype[k]} values, got {g.numel()} {g.dtype}")
             row_ids.append(ids)
-            shape = (-1,) if ids is None else (ids.numel(), layout.row_dim(key))
             # Compressed: the cast is the copy that leaves; otherwise the tensor leaves as it is.
-            tensors.append(g.to(TORCH_DTYPES[self._wire]).reshape(shape) if self._wire else g.contiguous().reshape(shape))
+            if wire is not None:
+                g = g.to(wire)
+            elif not g.is_contiguous():
+                g = g.contiguous()
+            if ids is not None:
+                g = g.reshape(ids.numel(), dim)
+            elif g.dim() != 1:
+                g = g.reshape(-1)
+            tensors.append(g)
         per_shard = {}
         for s, (keys, tensors, row_ids) in by_shard.items():
             v = version if version is not None else self.versions.get(s, 0)
@@ -354,28 +363,40 @@ class PSClient:
         Raises PSError on an error reply, PeerTimeout naming the silent shard's address (the
         handle then stays pending: waiting again is allowed)."""
         self._wait_replies(handle, timeout_s if timeout_s is not None else handle.timeout_s)
-        replies = handle.replies.values()
-        versions = {s: m.get("version") for s, m in handle.replies.items() if m.get("version") is not None}
+        result = Result(handle.kind)
+        versions, waited_us = result.versions, 0
+        for s, m in handle.replies.items():
+            h = m.header
+            if h.get("version") is not None:
+                versions[s] = h["version"]
+            if m.parts:
+                self._decompress(s, m, result.grads)
+            else:
+                result.values.update(zip(m.keys, m.tensors))
+            if m.ids:
+                result.ids.update((k, i) for k, i in zip(m.keys, m.ids) if i is not None)
+            waited_us = max(waited_us, h.get("waited_us") or 0)
+            if h.get("staleness") is not None:
+                result.staleness = max(result.staleness, h["staleness"])
+            if h.get("sq") is not None:
+                result.sq[s] = h["sq"]
+            if h.get("body") is not None:
+                result.bodies[s] = h["body"]
+        result.version = min(versions.values(), default=0)
+        result.waited_s = waited_us / 1e6
         if handle.kind in ("pull", "push+pull"):
             self.versions.update(versions)
-        grads, start = {}, time.perf_counter()
-        for s, m in handle.replies.items():
-            for k, p, meta in zip(m.keys, m.parts, m.get("meta") or ()):
-                try:
-                    grads[k] = self.codec.decompress(k, p, meta)
-                except ValueError as e:
-                    raise PSError(f"{self.addresses[s]} (shard {s}) sent key {k} compressed wrongly: {e}") from e
-        if grads:
-            self.codec_s += time.perf_counter() - start
-        return Result(
-            handle.kind, min(versions.values(), default=0), versions,
-            values={k: t for m in replies if not m.parts for k, t in zip(m.keys, m.tensors)},
-            grads=grads,
-            waited_s=max((m.get("waited_us") or 0 for m in replies), default=0) / 1e6,
-            ids={k: i for m in replies for k, i in zip(m.keys, m.ids) if i is not None},
-            staleness=max((m.get("staleness") for m in replies if m.get("staleness") is not None), default=0),
-            sq={s: m.get("sq") for s, m in handle.replies.items() if m.get("sq") is not None},
-            bodies={s: m.get("body") for s, m in handle.replies.items() if m.get("body") is not None})
+        return result
+
+    def _decompress(self, s: int, m: Message, grads: dict[int, torch.Tensor]) -> None:
+        """A compressed reply's gradients into grads (the codec's time counted)."""
+        start = time.perf_counter()
+        for k, p, meta in zip(m.keys, m.parts, m.get("meta") or ()):
+            try:
+                grads[k] = self.codec.decompress(k, p, meta)
+            except ValueError as e:
+                raise PSError(f"{self.addresses[s]} (shard {s}) sent key {k} compressed wrongly: {e}") from e
+        self.codec_s += time.perf_counter() - start
 
     def wait_alive(self, handle: Handle) -> Result:
         """wait() for as long as the shards keep answering heartbeats: for requests whose
@@ -392,7 +413,7 @@ class PSClient:
 
     def ready(self, handle: Handle) -> bool:
         """Take whatever replies have arrived, without blocking; True once handle is done."""
-        self._progress(0.0)
+        self._progress(0.0, drain=True)
         return handle.done
 
     def stats(self) -> list[dict[str, Any]]:
@@ -443,9 +464,9 @@ class PSClient:
         h = Handle(kind, timeout_s=self.timeout_s + (min(self.timeout_s, 5.0) if conditional else 0.0))
         for s, (header, tensors, *ids) in per_shard.items():
             req = next(self._reqs)
-            frames = encode({**header, "worker": self.worker, "req": req}, tensors, ids[0] if ids else None,
-                            ids[1] if len(ids) > 1 else None)
-            nbytes = sum(memoryview(f).nbytes for f in frames)
+            header["worker"], header["req"] = self.worker, req  # each header is built for this call
+            frames = encode(header, tensors, ids[0] if ids else None, ids[1] if len(ids) > 1 else None)
+            nbytes = sum(f.nbytes if type(f) is memoryview else len(f) for f in frames)
             if kind == "push+pull" and self._window and (self._held[s] or not self._fits(s, nbytes)):
                 self._held[s].append((req, frames, nbytes))
             else:
@@ -490,8 +511,11 @@ class PSClient:
 
     def _wait_replies(self, h: Handle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        waited = False
         while not h.done:
-            self._check_heartbeats(h)
+            if waited:  # what heartbeats learn ends a wait that goes on, not one answered at once
+                self._check_heartbeats(h)
+            waited = True
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(h.pending.values()))
@@ -547,17 +571,21 @@ class PSClient:
         self._unanswered.clear()
         self._counted.clear()
 
-    def _progress(self, timeout_s: float) -> int:
-        """Wait at most timeout_s for replies on the shards with requests in flight; file
-        them; how many came."""
-        shards = sorted(set(s for h in self._inflight.values() for s in h.pending.values()))
-        transports = [self._transports[s] for s in shards]
+    def _progress(self, timeout_s: float, drain: bool = False) -> int:
+        """Wait at most timeout_s for replies from the shards; file one from each shard that
+        has one (drain: every reply already here); how many came. Late replies of requests
+        no longer awaited are filed (and dropped) too."""
         came = 0
-        for t in poll_many(transports, timeout_s):
-            s = self._transports.index(t)
-            while t.readable(0):
-                self._file(s, t.recv(0))
-                came += 1
+        ready = self._pollset.poll(timeout_s)
+        while ready:
+            for s in ready:
+                frames = self._transports[s].recv_ready()
+                if frames is not None:
+                    self._file(s, frames)
+                    came += 1
+            # A wait polls again while its handle is pending; a failed non-blocking receive
+            # costs 4x a poll, so more replies are looked for by polling.
+            ready = self._pollset.poll(0) if drain else ()
         return came
 
     def _file(self, s: int, frames: list) -> None:

@@ -77,6 +77,7 @@ _FLOAT_FIELDS = ("lr", "scale", "sq")  # finite numbers >= 0
 _MAX_INT = 1 << 62
 _ALLOWED = {op: frozenset(BASE_FIELDS) | required | optional for op, (required, optional) in OP_FIELDS.items()}
 _INT_SET = frozenset(_INT_FIELDS)
+_BASE_SET = frozenset(BASE_FIELDS)
 _RARE_FIELDS = frozenset(("error", "code", "body", "settings", "hold", "rejoin") + _FLOAT_FIELDS)
 
 
@@ -292,15 +293,15 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
         _fail(f"header frame is not valid msgpack within limits: {type(e).__name__}: {e}")
     if not isinstance(h, dict):
         _fail(f"header is a {type(h).__name__}; expected a dict (msgpack map)")
-    missing = [f for f in BASE_FIELDS if f not in h]
-    if missing:
-        _fail(f"header lacks field(s) {missing}; every message needs {list(BASE_FIELDS)}")
+    fields = h.keys()
+    if not _BASE_SET <= fields:
+        _fail(f"header lacks field(s) {[f for f in BASE_FIELDS if f not in h]}; every message needs "
+              f"{list(BASE_FIELDS)}")
     if h["v"] != PROTOCOL_VERSION or type(h["v"]) is not int:
         _fail(f"header field 'v' (protocol version) is {h['v']!r}; expected {PROTOCOL_VERSION}")
     op = h["op"]
-    if op not in OPS:
+    if type(op) is not str or op not in _ALLOWED:
         _fail(f"header field 'op' is {op!r}; expected one of {list(OPS)}")
-    fields = h.keys()
     if not fields <= _ALLOWED[op]:
         extra = sorted(fields - _ALLOWED[op], key=repr)
         _fail(f"header field(s) {extra} not allowed in a {op!r} message; allowed: {sorted(_ALLOWED[op])}")
@@ -316,7 +317,9 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     if not fields.isdisjoint(_RARE_FIELDS):
         _check_rare(h, limits)
 
-    keys = _check_int_list(h, "keys", limits.max_keys) if "keys" in h else []
+    keys = h["keys"] if "keys" in h else []
+    if type(keys) is not list or len(keys) > limits.max_keys:
+        _check_int_list(h, "keys", limits.max_keys)
     if any(type(k) is not int for k in keys) or len(keys) > 1 and len(set(keys)) != len(keys):
         _first_bad_key(keys)
     if layout is not None:
@@ -350,24 +353,19 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     if len(frames) - 1 != len(keys) + n_ids:
         _fail(f"message has {len(frames) - 1 - n_ids} tensor frame(s) for {len(keys)} key(s) "
               f"(besides {n_ids} row id frame(s))")
-    sizes = []
-    for k, dtype, shape, n in zip(keys, dtypes, shapes, rows):
-        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            _fail(f"key {k}: dtype {dtype!r} is not one of {sorted(ITEMSIZE)}")
-        expected = None if layout is None else layout.key_wire_shape[k] if n < 0 else [n, layout.row_dim(k)]
-        if shape != expected and (not isinstance(shape, list)
-                                  or any(type(d) is not int or not 0 <= d < _MAX_INT for d in shape)):
-            _fail(f"key {k}: shape {shape!r} must be a list of ints >= 0")
-        if layout is not None:
-            if dtype != layout.key_dtype[k] and dtype != wire:
-                _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.key_dtype[k]!r}")
-            if shape != expected:
-                whose = "the layout's" if n < 0 else "the rows'"
-                _fail(f"key {k}: shape {shape} does not match {whose} {expected}")
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if nbytes > limits.max_tensor_bytes:
-            _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
-        sizes.append(nbytes)
+    if layout is not None and not by_rows:  # whole keys: what the layout says, or the check says why not
+        key_dtype, key_shape, sizes = layout.key_dtype, layout.key_wire_shape, []
+        for k, dtype, shape in zip(keys, dtypes, shapes):
+            if shape == key_shape[k] and (dtype == key_dtype[k] or dtype == wire is not None):
+                nbytes = shape[0] * ITEMSIZE[dtype]
+                if nbytes > limits.max_tensor_bytes:
+                    _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
+            else:
+                nbytes = _tensor_bytes(k, dtype, shape, -1, layout, wire, limits)
+            sizes.append(nbytes)
+    else:
+        sizes = [_tensor_bytes(k, dtype, shape, n, layout, wire, limits)
+                 for k, dtype, shape, n in zip(keys, dtypes, shapes, rows)]
     views, id_views = views[1:], []
     if by_rows:  # per key: [ids frame], values frame
         values = []
@@ -382,6 +380,27 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     ids = _row_ids(keys, rows, id_views, layout) if by_rows else []
     tensors = [_tensor(v, TORCH_DTYPES[d], s) for v, d, s in zip(views, dtypes, shapes)]
     return Message(h, tensors, ids)
+
+
+def _tensor_bytes(k: int, dtype: Any, shape: Any, n: int, layout: Layout | None, wire: str | None,
+                  limits: Limits) -> int:
+    """The bytes of key k's frame as the header describes it (n rows, or -1: the whole key),
+    checked against the layout if given; ProtocolError naming what does not fit."""
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        _fail(f"key {k}: dtype {dtype!r} is not one of {sorted(ITEMSIZE)}")
+    if not isinstance(shape, list) or any(type(d) is not int or not 0 <= d < _MAX_INT for d in shape):
+        _fail(f"key {k}: shape {shape!r} must be a list of ints >= 0")
+    if layout is not None:
+        if dtype != layout.key_dtype[k] and dtype != wire:
+            _fail(f"key {k}: dtype {dtype!r} does not match the layout's {layout.key_dtype[k]!r}")
+        expected = layout.key_wire_shape[k] if n < 0 else [n, layout.row_dim(k)]
+        if shape != expected:
+            whose = "the layout's" if n < 0 else "the rows'"
+            _fail(f"key {k}: shape {shape} does not match {whose} {expected}")
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if nbytes > limits.max_tensor_bytes:
+        _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
+    return nbytes
 
 
 def _decode_parts(h: dict, keys: list[int], dtypes: list, shapes: list, views: list[memoryview],

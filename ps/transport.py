@@ -31,6 +31,9 @@ DEFAULT_HWM = 1000
 """Messages queued per peer before a send blocks (then times out): bounded memory, and a
 push of a few hundred keys never waits on it."""
 LINGER_MS = 100
+MONITOR_DRAIN_S = 0.05
+"""A client reads its socket monitor (handshake events) on a send at most this often: a few
+events per connection attempt, so the monitor never fills, and no poll on every send."""
 
 
 class PeerTimeout(TimeoutError):
@@ -286,6 +289,7 @@ class ClientTransport:
         self._sock = (context or default_context()).socket(zmq.DEALER)
         _configure(self._sock, max_message_bytes, send_timeout_s, hwm)
         self._handshake_error: str | None = None
+        self._drained = float("-inf")  # when the monitor was last read
         self._curve = curve is not None
         self._monitor = None
         try:
@@ -302,7 +306,10 @@ class ClientTransport:
             raise TransportError(f"cannot connect to {connect}{' with CURVE' if curve else ''}: {e}") from e
 
     def send(self, frames: Sequence[Any]) -> None:
-        self.handshake_error()  # keeps the monitor drained: libzmq blocks on a full one
+        now = time.monotonic()
+        if now - self._drained >= MONITOR_DRAIN_S:  # libzmq blocks on a full monitor
+            self._drained = now
+            self.handshake_error()
         try:
             self._sock.send_multipart(list(frames), copy=False)
         except zmq.Again as e:
@@ -312,6 +319,13 @@ class ClientTransport:
             raise TransportError(f"could not send to {self.address}: its queue stayed full") from e
         except zmq.ZMQError as e:
             raise TransportError(f"could not send to {self.address}: {e}") from e
+
+    def recv_ready(self) -> list[memoryview] | None:
+        """Frames of a message already here, None if none is (never waits)."""
+        try:
+            return _views(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            return None
 
     def readable(self, timeout_s: float = 0.0) -> bool:
         return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
@@ -344,10 +358,16 @@ class ClientTransport:
         return self._sock
 
 
-def poll_many(transports: Sequence[ClientTransport], timeout_s: float) -> list[ClientTransport]:
-    """The transports with a message waiting, after at most timeout_s."""
-    poller = zmq.Poller()
-    for t in transports:
-        poller.register(t.socket, zmq.POLLIN)
-    ready = dict(poller.poll(max(0, int(timeout_s * 1000))))
-    return [t for t in transports if t.socket in ready]
+class PollSet:
+    """One poller over a fixed list of client transports (a worker's shards), made once."""
+
+    def __init__(self, transports: Sequence[ClientTransport]) -> None:
+        self._poller = zmq.Poller()
+        self._index = {}
+        for i, t in enumerate(transports):
+            self._poller.register(t.socket, zmq.POLLIN)
+            self._index[t.socket] = i
+
+    def poll(self, timeout_s: float) -> list[int]:
+        """Indexes of the transports with a message waiting, after at most timeout_s."""
+        return [self._index[s] for s, _ in self._poller.poll(max(0, int(timeout_s * 1000)))]

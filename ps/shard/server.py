@@ -324,7 +324,7 @@ class ShardServer:
 
     def _release(self) -> list[Reply]:
         """Answer the waiting requests whose condition now holds."""
-        if self.aborted:
+        if self.aborted or not self.waiting:
             return []
         return [self._answer(d.peer, d.msg, waited_us=int(waited * 1e6), **d.fields)
                 for d, waited in self.waiting.ready(self._ready, self.clock())]

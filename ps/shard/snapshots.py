@@ -25,8 +25,10 @@ def in_use(t: torch.Tensor) -> bool:
     page faults on every update (a 16 MiB clone took 2x a copy into a kept buffer); a kept
     buffer is written again only when nothing else can see it. Without torch's use count,
     every buffer counts as in use (a fresh copy each time)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return count is None or count(t.untyped_storage()._cdata) > 2  # t's own, and this call's
+    return _USE_COUNT is None or _USE_COUNT(t.untyped_storage()._cdata) > 2  # t's own, and this call's
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class SnapshotPool:

@@ -10,7 +10,10 @@ import torch
 from ps.shard.optim import ShardOptimizer
 
 OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "sgd-nesterov-maximize": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, maximize=True),
+    "sgd-dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, dampening=0.3, weight_decay=0.1),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
 }
@@ -81,3 +84,39 @@ def test_a_shard_builds_and_steps_its_optimizer_without_loading_the_compiler():
     assert out.returncode == 0, out.stderr
     loaded, value = out.stdout.split()
     assert loaded == "False" and abs(float(value) + 0.1) < 1e-6
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n.startswith("sgd")])
+def test_sgd_is_replayed_bit_for_bit_with_torchs_state(name):
+    """The shard runs SGD's arithmetic itself (ps.shard.optim.sgd_step): the same bits as
+    torch.optim.SGD's own step, dense and row-sparse gradients, and the same state dict."""
+    make = OPTIMIZERS[name]
+    ours, theirs = chunks(0), chunks(0)
+    ours[4] = torch.randn(6, 3, dtype=torch.float64)  # a row-sparse chunk
+    theirs[4] = ours[4].clone()
+    shard = ShardOptimizer(make, ours)
+    assert shard._sgd
+    reference = make(list(theirs.values()))
+    torch.manual_seed(2)
+    for keys in ([0, 1, 2, 3], [1, 3], [0, 4], [2, 3, 4], [0, 1, 2, 3, 4]):
+        for k in keys:
+            if k == 4:
+                rows = torch.tensor([[0, 2, 5]])
+                grad = torch.sparse_coo_tensor(rows, torch.randn(3, 3, dtype=torch.float64), (6, 3),
+                                               check_invariants=True)
+            else:
+                grad = torch.randn_like(theirs[k])
+            ours[k].grad, theirs[k].grad = grad.clone(), grad.clone()
+        if "momentum" in name or "nesterov" in name or "dampening" in name:
+            keys = [k for k in keys if k != 4]  # torch's SGD takes sparse gradients without momentum only
+            ours[4].grad = theirs[4].grad = None
+        shard.step(keys)
+        reference.step()
+        for t in (*ours.values(), *theirs.values()):
+            t.grad = None
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), (name, k)
+    mine, ref = shard.optimizer.state_dict(), reference.state_dict()
+    assert set(mine["state"]) == set(ref["state"])
+    for i, s in ref["state"].items():
+        assert torch.equal(mine["state"][i]["momentum_buffer"], s["momentum_buffer"])
