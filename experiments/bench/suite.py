@@ -88,7 +88,20 @@ def format_ps_table(rows: list[dict]) -> str:
                     if "stream_ratio" in r else "")
         lines.append(f"{_size(r['bytes']):>10} {r['zmq_us']:>10.1f} {r['zmq_gbs']:>10.3f} "
                      f"{r['ps_us']:>10.1f} {r['ps_gbs']:>10.3f} {r['ratio']:>6.2f}x{streamed}")
+    goals = []
+    for (low, high), goal in PS_GOALS.items():
+        ratios = [r["ratio"] for r in rows if low <= r["bytes"] <= high]
+        if ratios:
+            goals.append(f"{_size(low)} to {_size(high)} at least {min(ratios):.2f} (goal: {goal})")
+    if goals:
+        lines.append("push+pull / ZeroMQ, one at a time: " + "; ".join(goals))
     return "\n".join(lines)
+
+
+PS_GOALS = {(1 << 10, 64 << 10): 0.5, (1 << 20, 4 << 20): 0.8}
+"""The push+pull path's goals on a 2-core machine (ps/zmq, one at a time, by size range): a
+push+pull costs about what ZeroMQ's round trip of the same bytes costs. On 16 cores: 0.5 below
+256 KiB and 0.85 from it."""
 
 
 def allreduce_table(workers: int, out: Path) -> dict:

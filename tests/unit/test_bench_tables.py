@@ -53,3 +53,17 @@ def test_a_round_takes_turns_in_blocks_each_after_a_barrier(monkeypatch):
                                   torch.zeros(1), 0, 2, {}, "cpu")
     assert "".join(x[0] if x != "|" else "|" for x in seen) == "|rr|t|rr|t|r"
     assert set(took) == {"ring", "tree"} and all(v >= 0 for v in took.values())
+
+
+def test_the_push_pull_table_ends_with_the_worst_ratio_of_each_goal_range():
+    from experiments.bench.suite import format_ps_table
+
+    def ps_row(nbytes, ratio):
+        return {"bytes": nbytes, "zmq_us": 100.0, "zmq_gbs": 1.0, "ps_us": 100.0 / ratio, "ps_gbs": ratio,
+                "ratio": ratio}
+
+    rows = [ps_row(1 << 10, 0.42), ps_row(64 << 10, 0.55), ps_row(256 << 10, 0.1), ps_row(1 << 20, 0.83),
+            ps_row(4 << 20, 0.79), ps_row(64 << 20, 0.9)]
+    last = format_ps_table(rows).splitlines()[-1]
+    assert last == ("push+pull / ZeroMQ, one at a time: 1 KiB to 64 KiB at least 0.42 (goal: 0.5); "
+                    "1 MiB to 4 MiB at least 0.79 (goal: 0.8)")
