@@ -1,17 +1,23 @@
 """Push+pull bandwidth of one worker against one server shard, next to a plain ZeroMQ round
-trip of the same bytes through the same transport (`psar bench` drives it).
+trip of the same bytes through the same transport (`psar bench` drives it); and the bytes/s
+that many workers move through one or several shards on one host, next to what they move
+through as many echo sockets.
 
-The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR`
-hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async shard whose
-parameters are one tensor per message size, updated by SGD on every push.
+The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR
+[WORKERS]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
+shard whose parameters are one tensor per message size, updated by SGD on every push. Each
+of many workers is a process too: `python -m ps.benchmark load ...` (see load).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,11 +36,11 @@ def _layout():
     return build_layout(specs, 1, 2**30)
 
 
-def serve(echo_addr: str, ps_addr: str) -> None:
+def serve(echo_addr: str, ps_addr: str, workers: int = 1) -> None:
     layout = _layout()
     params = [torch.zeros(s.shape) for s in layout.specs]
     shard = ShardServer(0, layout, split_values(layout, params, 0),
-                        lambda ps: torch.optim.SGD(ps, lr=1e-6), "async", 1, CONFIG)
+                        lambda ps: torch.optim.SGD(ps, lr=1e-6), "async", workers, CONFIG)
     echo = ServerTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     ps_transport = ServerTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     stop = threading.Event()
@@ -126,8 +132,77 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 9) -> list[dict]:
     return rows
 
 
+LOAD_SIZES = (64 << 10, 1 << 20)
+"""Message sizes of the many-worker rows."""
+LOAD_PHASE_S = 1.5
+"""Each size's ZeroMQ phase and push+pull phase each last this long (all workers at once)."""
+LOAD_GAP_S = 0.25
+
+
+def load(echo_addr: str, ps_addr: str, worker: int, go_path: str, out_path: str) -> None:
+    """One of many workers, as worker `worker` of its shard: once joined, writes OUT_PATH.ready
+    and waits for go_path to name the start (time.time(), the same for every worker); then
+    for each of LOAD_SIZES, ZeroMQ round trips during one phase and push+pulls during the
+    next, at the same wall-clock times as every other worker; writes how many each phase
+    completed ({"zmq": {size: n}, "ps": {size: n}}, JSON) to out_path."""
+    echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
+    ps = PSClient([ps_addr], worker, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
+    layout, _, _ = ps.join()
+    Path(out_path + ".ready").touch()
+    deadline = time.monotonic() + CONFIG.timeout_s
+    while not Path(go_path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {worker}: no start in {go_path} within {CONFIG.timeout_s:g} s")
+        time.sleep(0.01)
+    start_at = float(Path(go_path).read_text())
+    done: dict[str, dict[int, int]] = {"zmq": {}, "ps": {}}
+    step = 0
+    try:
+        for i, nbytes in enumerate(LOAD_SIZES):
+            key = layout.param_keys(SIZES.index(nbytes))[0].id
+            payload = torch.ones(nbytes // 4)
+            frames = [b"x", memoryview(payload.numpy()).cast("B")]
+            begin = start_at + i * 2 * (LOAD_PHASE_S + LOAD_GAP_S)
+            for name, phase_at in (("zmq", begin), ("ps", begin + LOAD_PHASE_S + LOAD_GAP_S)):
+                time.sleep(max(0.0, phase_at - time.time()))
+                n, end = 0, phase_at + LOAD_PHASE_S
+                while time.time() < end:
+                    if name == "zmq":
+                        echo.send(frames)
+                        echo.recv(CONFIG.timeout_s, "echo")
+                    else:
+                        ps.wait(ps.push(step, None, {key: payload}, pull=True))
+                        step += 1
+                    n += 1
+                done[name][nbytes] = n
+        ps.leave()
+    finally:
+        ps.close()
+        echo.close()
+    tmp = Path(f"{out_path}.{os.getpid()}.tmp")  # whole or not at all: the parent reads it
+    tmp.write_text(json.dumps(done))
+    os.replace(tmp, out_path)
+
+
+def aggregate(counts: list[dict], phase_s: float = LOAD_PHASE_S) -> list[dict]:
+    """Rows of the many-worker table from each worker's counts (load's JSON): per size, the
+    bytes/s all workers moved (each round trip or push+pull moves its bytes each way) through
+    ZeroMQ and through the shards, and ps/zmq."""
+    rows = []
+    for nbytes in LOAD_SIZES:
+        moved = {name: sum(c[name][str(nbytes)] for c in counts) * 2 * nbytes / phase_s for name in ("zmq", "ps")}
+        rows.append({"bytes": nbytes, "zmq_gbs": moved["zmq"] / 1e9, "ps_gbs": moved["ps"] / 1e9,
+                     "ratio": moved["ps"] / moved["zmq"] if moved["zmq"] else float("nan")})
+    return rows
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR")
+    usage = ("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR [WORKERS] | "
+             "load ECHO_ADDR PS_ADDR WORKER GO_FILE OUT_JSON")
     torch.set_num_threads(1)
-    serve(sys.argv[2], sys.argv[3])
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "serve":
+        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else 1)
+    elif len(sys.argv) == 7 and sys.argv[1] == "load":
+        load(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    else:
+        sys.exit(usage)

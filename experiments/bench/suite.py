@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -75,6 +76,64 @@ def ps_bandwidth(out: Path) -> list[dict]:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4)) -> list[dict]:
+    """`workers` worker processes against 1 and 4 shards on this host (worker w on shard
+    w mod shards), each shard with an echo socket beside it: the bytes/s all of them move
+    through the shards, against what they move through the echoes; see ps/benchmark.py."""
+    from ps.benchmark import LOAD_GAP_S, LOAD_PHASE_S, LOAD_SIZES, aggregate
+    from ps.transport import ClientTransport
+
+    rows = []
+    for shards in shard_counts:
+        where = out / f"ps-load-{shards}"
+        where.mkdir(parents=True, exist_ok=True)
+        addrs = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(shards)]
+        with open(where / "servers.log", "w") as log:
+            servers = [subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard,
+                                         str(len(range(s, workers, shards)))], stdout=log, stderr=log)
+                       for s, (echo, shard) in enumerate(addrs)]
+            go = where / "go"
+            outs = [where / f"worker{w}.json" for w in range(workers)]
+            loads = [subprocess.Popen([sys.executable, "-m", "ps.benchmark", "load", *addrs[w % shards],
+                                       str(w // shards), str(go), str(outs[w])], stdout=log, stderr=log)
+                     for w in range(workers)]
+            try:
+                deadline = time.monotonic() + 120
+                while not all(Path(f"{o}.ready").exists() for o in outs):
+                    if time.monotonic() > deadline or any(p.poll() for p in servers + loads):
+                        raise RuntimeError(f"psar bench: the many-worker rows did not start; see {where / 'servers.log'}")
+                    time.sleep(0.05)
+                files.write_text(go, f"{time.time() + 0.5!r}")
+                for p in loads:
+                    p.wait(len(LOAD_SIZES) * 2 * (LOAD_PHASE_S + LOAD_GAP_S) + 60)
+                for echo, _ in addrs:
+                    stopper = ClientTransport(echo, None, 10.0)
+                    stopper.send([b"stop"])
+                    stopper.recv(10.0, "the echo's stop")
+                    stopper.close()
+                for p in servers:
+                    p.wait(30)
+            finally:
+                for p in servers + loads:
+                    if p.poll() is None:
+                        p.kill()
+        if any(p.returncode for p in loads):
+            raise RuntimeError(f"psar bench: a many-worker load failed; see {where / 'servers.log'}")
+        counts = [json.loads(o.read_text()) for o in outs]
+        rows += [{"workers": workers, "shards": shards, **row} for row in aggregate(counts)]
+    return rows
+
+
+def format_ps_load_table(rows: list[dict]) -> str:
+    lines = ["parameter server under load: N workers push+pull against shards on one host, against as many "
+             "ZeroMQ echoes (all bytes/s through them, each way)",
+             f"{'workers':>8} {'shards':>7} {'size':>8} {'zmq(GB/s)':>10} {'ps(GB/s)':>9} {'ps/zmq':>7}"]
+    for r in rows:
+        lines.append(f"{r['workers']:>8} {r['shards']:>7} {_size(r['bytes']):>8} {r['zmq_gbs']:>10.3f} "
+                     f"{r['ps_gbs']:>9.3f} {r['ratio']:>6.2f}x")
+    return "\n".join(lines)
 
 
 def format_ps_table(rows: list[dict]) -> str:
@@ -208,6 +267,8 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo("")
     ps_rows = ps_bandwidth(out)
     echo(format_ps_table(ps_rows))
+    load_rows = ps_load(out)
+    echo(format_ps_load_table(load_rows))
     echo("")
     variants = {"ddp": ("ddp", ()), "allreduce": ("allreduce", ()),
                 "allreduce-ring": ("allreduce", ("allreduce.algorithm=ring",)),
@@ -245,7 +306,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     collectives = collectives_goals(out, echo)
     echo("")
     fault_report = faults_goals(out, echo)
-    report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "throughput": tput, "median": med,
+    report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "ps_load": load_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "sparse": sparse, "compression": compression}
     files.write_json(out / "bench.json", report)

@@ -67,3 +67,15 @@ def test_the_push_pull_table_ends_with_the_worst_ratio_of_each_goal_range():
     last = format_ps_table(rows).splitlines()[-1]
     assert last == ("push+pull / ZeroMQ, one at a time: 1 KiB to 64 KiB at least 0.42 (goal: 0.5); "
                     "1 MiB to 4 MiB at least 0.79 (goal: 0.8)")
+
+
+def test_the_many_worker_rows_add_every_workers_bytes_each_way():
+    from ps.benchmark import LOAD_SIZES, aggregate
+
+    small, large = LOAD_SIZES
+    counts = [{"zmq": {str(small): 100, str(large): 10}, "ps": {str(small): 50, str(large): 8}},
+              {"zmq": {str(small): 300, str(large): 30}, "ps": {str(small): 150, str(large): 32}}]
+    rows = aggregate(counts, phase_s=2.0)
+    assert [r["bytes"] for r in rows] == list(LOAD_SIZES)
+    assert rows[0]["zmq_gbs"] == 400 * 2 * small / 2.0 / 1e9 and rows[0]["ratio"] == 0.5
+    assert rows[1]["ps_gbs"] == 40 * 2 * large / 2.0 / 1e9 and rows[1]["ratio"] == 1.0
