@@ -270,7 +270,7 @@ class PSClient:
             # Compressed: the cast is the copy that leaves; otherwise the tensor leaves as it is.
             if wire is not None:
                 g = g.to(wire)
-            elif not g.is_contiguous():
+            if not g.is_contiguous():
                 g = g.contiguous()
             if ids is not None:
                 g = g.reshape(ids.numel(), dim)
