@@ -466,7 +466,7 @@ class PSClient:
             req = next(self._reqs)
             header["worker"], header["req"] = self.worker, req  # each header is built for this call
             frames = encode(header, tensors, ids[0] if ids else None, ids[1] if len(ids) > 1 else None)
-            nbytes = sum(f.nbytes if type(f) is memoryview else len(f) for f in frames)
+            nbytes = sum(len(f) for f in frames)  # bytes, or byte views (ps.protocol.encode)
             if kind == "push+pull" and self._window and (self._held[s] or not self._fits(s, nbytes)):
                 self._held[s].append((req, frames, nbytes))
             else:
@@ -589,7 +589,7 @@ class PSClient:
         return came
 
     def _file(self, s: int, frames: list) -> None:
-        self.bytes_recv += sum(f.nbytes for f in frames)
+        self.bytes_recv += sum(len(f) for f in frames)  # bytes, or byte views (ps.transport)
         try:
             msg = decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire, codec=self.codec)
         except ProtocolError as e:
