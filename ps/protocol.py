@@ -356,7 +356,8 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     if layout is not None and not by_rows:  # whole keys: what the layout says, or the check says why not
         key_dtype, key_shape, sizes = layout.key_dtype, layout.key_wire_shape, []
         for k, dtype, shape in zip(keys, dtypes, shapes):
-            if shape == key_shape[k] and (dtype == key_dtype[k] or dtype == wire is not None):
+            if shape == key_shape[k] and type(shape[0]) is int and (dtype == key_dtype[k]
+                                                                   or dtype == wire is not None):
                 nbytes = shape[0] * ITEMSIZE[dtype]
                 if nbytes > limits.max_tensor_bytes:
                     _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")

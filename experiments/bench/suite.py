@@ -103,7 +103,8 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
                 deadline = time.monotonic() + 120
                 while not all(Path(f"{o}.ready").exists() for o in outs):
                     if time.monotonic() > deadline or any(p.poll() for p in servers + loads):
-                        raise RuntimeError(f"psar bench: the many-worker rows did not start; see {where / 'servers.log'}")
+                        raise RuntimeError("psar bench: the many-worker rows did not start; see "
+                                           f"{where / 'servers.log'}")
                     time.sleep(0.05)
                 files.write_text(go, f"{time.time() + 0.5!r}")
                 for p in loads:

@@ -228,3 +228,13 @@ def test_error_replies_carry_a_code_a_client_can_act_on():
     forged = encode({"op": "error", "worker": 1, "req": 7, "error": "x", "code": "reboot"})
     with pytest.raises(ProtocolError, match="'code' is 'reboot'"):
         decode(forged)
+
+
+
+def test_a_shape_equal_to_the_layouts_but_of_floats_is_refused():
+    """Whole keys are checked against the layout's tables first, and [8.0] == [8] in Python:
+    a shape of floats must still be refused."""
+    header, frames = _push()
+    header["shapes"] = [[float(d) for d in s] for s in header["shapes"]]
+    with pytest.raises(ProtocolError, match="must be a list of ints"):
+        decode([msgpack.packb(header), *frames], LAYOUT, shard=0)
