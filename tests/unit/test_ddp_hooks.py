@@ -1,6 +1,11 @@
-"""torch's powerSGD_hook on CPU buckets of a host with CUDA, where torch 2.11 raised."""
+"""torch's powerSGD_hook on CPU buckets of a host with CUDA, where torch 2.11 raised.
+
+The training runs in a process of its own, under a deadline: in one full suite the Gloo group's
+destructor blocked for good on a mutex (native code, which pytest's timeout cannot interrupt)."""
 
 from __future__ import annotations
+
+import multiprocessing as mp
 
 import pytest
 import torch
@@ -8,6 +13,7 @@ import torch.distributed as dist
 
 from allreduce.ddp import synchronize_passes_cpu
 
+DEADLINE_S = 120
 
 REACHED: list = []
 
@@ -19,19 +25,21 @@ def cuda_host_synchronize(device=None):
         raise ValueError(f"Expected a cuda device, but got: {torch.device(device)}")
 
 
-def test_powersgd_on_cpu_trains_on_a_cuda_host_once_synchronize_passes_cpu(monkeypatch):
+def _train_on_a_fake_cuda_host() -> None:
+    """In a fresh process: torch.cuda says it is there, and synchronize refuses a CPU device
+    as torch 2.11's does; DDP with the PowerSGD hook trains once synchronize_passes_cpu."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", cuda_host_synchronize)
+    torch.cuda.is_available = lambda: True
+    torch.cuda.synchronize = cuda_host_synchronize
     with pytest.raises(ValueError, match="Expected a cuda device"):
         torch.cuda.synchronize(torch.device("cpu"))
     synchronize_passes_cpu()
     synchronize_passes_cpu()  # idempotent: one wrapper
     wrapper, asked = torch.cuda.synchronize, []
     assert wrapper.passes_cpu
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (asked.append(device), wrapper(device))[1])
+    torch.cuda.synchronize = lambda device=None: (asked.append(device), wrapper(device))[1]
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -41,9 +49,22 @@ def test_powersgd_on_cpu_trains_on_a_cuda_host_once_synchronize_passes_cpu(monke
                                  hooks.powerSGD_hook)
         for _ in range(4):  # compressed (decompress synchronizes the bucket's device) from the third
             model(torch.randn(4, 16)).sum().backward()
+        del model  # its reducer lets go of the group before the group is destroyed
     finally:
         dist.destroy_process_group()
     assert [torch.device(d).type for d in asked] == ["cpu", "cpu"]  # the hook did ask, and passed
     assert REACHED == [torch.device("cpu")]  # only the check above reached torch's own
     wrapper(torch.device("cuda", 0))  # a CUDA device still does
     assert REACHED[-1] == torch.device("cuda", 0)
+
+
+@pytest.mark.multiprocess
+def test_powersgd_on_cpu_trains_on_a_cuda_host_once_synchronize_passes_cpu():
+    child = mp.get_context("spawn").Process(target=_train_on_a_fake_cuda_host)
+    child.start()
+    child.join(DEADLINE_S)
+    if child.is_alive():
+        child.kill()
+        child.join(10)
+        pytest.fail(f"the training did not end within {DEADLINE_S} s")
+    assert child.exitcode == 0, f"the training failed (exit code {child.exitcode}; its traceback is above)"
