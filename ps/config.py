@@ -13,14 +13,17 @@ EXCHANGES = ("pipelined", "phased")
 SPARSE_MODES = ("auto", "rows", "dense")
 
 
-KEY_MS = 20.0
+KEY_MS = 5.0
 """chunk_mb=0 on a link of known rate: keys of about what the link carries in this long."""
 KEY_MB_RANGE = (0.125, 4.0)
 """... rounded to a power of two within this range; 4 MiB, BytePS's partition, where the rate
-is unknown. On 200mbit (0.5 MiB keys) mlp-mid with 4 workers and 4 shards of their own took
-1.20 to 1.23 s a step, 1.29 s with 1 MiB keys; on loopback mlp-wide with 2 workers and one
-shard 0.26 to 0.27 s with 4 MiB keys, 0.295 s with 0.5 MiB; one push+pull against a plain
-ZeroMQ round trip of its bytes (`psar bench`) is 0.8 at 4 MiB, 0.4 to 0.5 at 0.5 MiB."""
+is unknown. mlp-mid with 4 workers and 4 shards of their own, median step (alternated with
+the 4-worker ring in one run): at 1gbit 0.27 to 0.29 s with 0.5 MiB keys (5 ms), 0.45 to 0.46
+s with 2 MiB (20 ms; the ring 0.36 to 0.41 s); at 200mbit 1.15 to 1.18 s with 0.125 MiB keys,
+1.19 to 1.20 s with 0.5 MiB (the ring 1.58 to 1.63 s). Smaller keys pay off once a message's
+fixed cost is small: a shard fills and drains its pipeline one key from every worker at a time.
+On loopback mlp-wide with 2 workers and one shard took 0.26 to 0.27 s with 4 MiB keys, 0.295 s
+with 0.5 MiB."""
 
 
 def key_mb(chunk_mb: float, rate_bits: float | None = None) -> float:
@@ -47,7 +50,7 @@ class PSConfig:
     every worker has pushed it, while later keys still arrive, so both directions of its link
     are busy; the wait for a shard's first key, and the replies after its last, each cost a
     key from every worker, and every message costs the shard and the worker their fixed
-    per-message work (0.2 to 0.3 ms here)."""
+    per-message work (0.1 to 0.2 ms here)."""
 
     timeout_s: float = 60.0
     """Longest single wait on a peer (a reply, a deferred pull) before it is an error."""

@@ -236,14 +236,14 @@ def test_run_quantities(tmp_path):
 
 def test_push_messages_follow_backward_the_keys_and_the_bucket_size(tmp_path):
     # Last parameter first (b, 64 bytes) joins w's first key: w (2 MiB) is cut into 4 keys of
-    # 512 KiB (ps.chunk_mb=0 on 200mbit links), and a 512 KiB bucket leaves between them. The
+    # 512 KiB (ps.chunk_mb=0 on 1gbit links), and a 512 KiB bucket leaves between them. The
     # BatchNorm statistics are buffers, never pushed. bucket_kb=0: a message per key; 4096:
     # one in all. Without a link rate the keys are 4 MiB: w is one.
     run = write_run(tmp_path / "r", "ps-sync")
     k, b = 512 * 1024, 8 * 8
     config = json.loads((run.path / "config.json").read_text())
     assert push_messages(run) == [b + 4 * k]
-    config["net"] = {"rate": "200mbit"}
+    config["net"] = {"rate": "1gbit"}
     (run.path / "config.json").write_text(json.dumps(config))
     assert push_messages(load_run(run.path)) == [b + k, k, k, k]
     config["ps"] = {"bucket_kb": 0}

@@ -171,9 +171,10 @@ def test_config_defaults():
 
 
 @pytest.mark.parametrize("chunk_mb,rate,expected", [
-    (0, 200e6, 0.5), (0, 100e6, 0.25), (0, 1e9, 2.0), (0, 10e9, 4.0), (0, 10e6, 0.125), (0, None, 4.0),
+    (0, 200e6, 0.125), (0, 100e6, 0.125), (0, 1e9, 0.5), (0, 2e9, 1.0), (0, 10e9, 4.0), (0, 10e6, 0.125),
+    (0, None, 4.0),
     (0.3, 200e6, 0.3), (1024, None, 1024),
 ])
 def test_key_size_follows_the_link_unless_given(chunk_mb, rate, expected):
-    """chunk_mb=0: what the link carries in 20 ms, as a power of two within 1/8 to 4 MiB."""
+    """chunk_mb=0: what the link carries in 5 ms, as a power of two within 1/8 to 4 MiB."""
     assert key_mb(chunk_mb, rate) == expected
