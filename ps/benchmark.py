@@ -137,6 +137,7 @@ LOAD_SIZES = (64 << 10, 1 << 20)
 LOAD_PHASE_S = 1.5
 """Each size's ZeroMQ phase and push+pull phase each last this long (all workers at once)."""
 LOAD_GAP_S = 0.25
+"""Between two phases: the slowest worker's last message of one is done before the next begins."""
 
 
 def load(echo_addr: str, ps_addr: str, worker: int, go_path: str, out_path: str) -> None:
