@@ -353,20 +353,17 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     if len(frames) - 1 != len(keys) + n_ids:
         _fail(f"message has {len(frames) - 1 - n_ids} tensor frame(s) for {len(keys)} key(s) "
               f"(besides {n_ids} row id frame(s))")
-    if layout is not None and not by_rows:  # whole keys: what the layout says, or the check says why not
-        key_dtype, key_shape, sizes = layout.key_dtype, layout.key_wire_shape, []
-        for k, dtype, shape in zip(keys, dtypes, shapes):
-            if shape == key_shape[k] and type(shape[0]) is int and (dtype == key_dtype[k]
-                                                                   or dtype == wire is not None):
-                nbytes = shape[0] * ITEMSIZE[dtype]
-                if nbytes > limits.max_tensor_bytes:
-                    _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
-            else:
-                nbytes = _tensor_bytes(k, dtype, shape, -1, layout, wire, limits)
-            sizes.append(nbytes)
-    else:
-        sizes = [_tensor_bytes(k, dtype, shape, n, layout, wire, limits)
-                 for k, dtype, shape, n in zip(keys, dtypes, shapes, rows)]
+    sizes = []
+    whole = layout is not None and not by_rows  # a key as the layout has it needs no further look
+    for k, dtype, shape, n in zip(keys, dtypes, shapes, rows):
+        if whole and shape == layout.key_wire_shape[k] and type(shape[0]) is int \
+                and (dtype == layout.key_dtype[k] or dtype == wire is not None):
+            nbytes = shape[0] * ITEMSIZE[dtype]
+        else:
+            nbytes = _tensor_bytes(k, dtype, shape, n, layout, wire)
+        if nbytes > limits.max_tensor_bytes:
+            _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
+        sizes.append(nbytes)
     views, id_views = views[1:], []
     if by_rows:  # per key: [ids frame], values frame
         values = []
@@ -383,8 +380,7 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     return Message(h, tensors, ids)
 
 
-def _tensor_bytes(k: int, dtype: Any, shape: Any, n: int, layout: Layout | None, wire: str | None,
-                  limits: Limits) -> int:
+def _tensor_bytes(k: int, dtype: Any, shape: Any, n: int, layout: Layout | None, wire: str | None) -> int:
     """The bytes of key k's frame as the header describes it (n rows, or -1: the whole key),
     checked against the layout if given; ProtocolError naming what does not fit."""
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
@@ -398,10 +394,7 @@ def _tensor_bytes(k: int, dtype: Any, shape: Any, n: int, layout: Layout | None,
         if shape != expected:
             whose = "the layout's" if n < 0 else "the rows'"
             _fail(f"key {k}: shape {shape} does not match {whose} {expected}")
-    nbytes = math.prod(shape) * ITEMSIZE[dtype]
-    if nbytes > limits.max_tensor_bytes:
-        _fail(f"key {k}: tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
-    return nbytes
+    return math.prod(shape) * ITEMSIZE[dtype]
 
 
 def _decode_parts(h: dict, keys: list[int], dtypes: list, shapes: list, views: list[memoryview],
@@ -444,6 +437,7 @@ def _decode_parts(h: dict, keys: list[int], dtypes: list, shapes: list, views: l
 
 
 def _first_bad_key(keys: list) -> None:
+    """ProtocolError naming the first key that is not an int or comes twice."""
     seen = set()
     for k in keys:
         if type(k) is not int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -40,12 +40,12 @@ def skip_compile_guards() -> None:
             setattr(inner, "__dynamo_disable", inner)
 
 
-def replays_sgd(optimizer: torch.optim.Optimizer, chunks: Iterable[torch.Tensor]) -> bool:
-    """Whether a step of optimizer is torch's single-tensor SGD loop, which sgd_step replays:
-    torch.optim.SGD itself, on CPU tensors, neither fused, foreach nor differentiable."""
+def replays_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of optimizer (over CPU tensors) is torch's single-tensor SGD loop, which
+    sgd_step replays: torch.optim.SGD itself, neither fused, foreach nor differentiable."""
     group = optimizer.param_groups[0]
     return (type(optimizer) is torch.optim.SGD and not group.get("fused") and not group.get("foreach")
-            and not group.get("differentiable") and all(c.device.type == "cpu" for c in chunks))
+            and not group.get("differentiable"))
 
 
 def sgd_step(state: dict, group: dict, params: list[torch.Tensor]) -> None:
@@ -88,11 +88,11 @@ class ShardOptimizer:
         self._all = self._group["params"]
         # torch picks its single-tensor loop for CPU tensors when foreach is unset; saying so
         # saves the per-step look at every tensor's device (the same arithmetic).
-        self._loop = {"foreach": False} if self._group.get("foreach", False) is None and all(
-            c.device.type == "cpu" for c in chunks.values()) else {}
+        on_cpu = all(c.device.type == "cpu" for c in chunks.values())
+        self._loop = {"foreach": False} if on_cpu and self._group.get("foreach", False) is None else {}
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
-        self._sgd = replays_sgd(self.optimizer, chunks.values())
+        self._sgd = on_cpu and replays_sgd(self.optimizer)
 
     @property
     def lr(self) -> float:
