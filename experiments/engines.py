@@ -212,7 +212,7 @@ def _ps_rows(cfg: Any, problem: str | None) -> tuple[str, bool]:
 
 
 _PS_OWN = ("ps.curve_dir", "ps.curve_name", "ps.timeout_s", "ps.heartbeat_s", "ps.worker_timeout_s",
-           "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb")
+           "ps.reconnect_s", "ps.max_message_mb", "ps.bucket_kb", "ps.window_mb", "ps.order")
 _PS_READS = ("ps.", "compress.method", "compress.ratio", "compress.levels", "compress.seed",
              "compress.error_feedback", "compress.pull", "servers", "fault.delay_ms")
 _PS_COMPRESSIONS = ("none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd")
@@ -253,18 +253,18 @@ for _spec in [
                          Label("ps-sync+backup", "#006d2c"))),                    # dark green
     EngineSpec("ps-async", "parameter server, Hogwild-style: every push applied on arrival",
                "experiments.harness.builders:ps", "ps", "#d62728", uses_servers=True, consistency="async",
-               synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.exchange",
+               synchronous=False, reads=_PS_READS, skips=("ps.staleness", "ps.window_mb", "ps.order", "ps.exchange",
                                                           "compress.pull") + _EASGD + _SYNC_ONLY,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-ssp", "parameter server, stale synchronous: at most ps.staleness clocks ahead",
                "experiments.harness.builders:ps", "ps", "#ff7f0e", uses_servers=True, consistency="ssp",
                synchronous=False, reads=_PS_READS,
-               skips=("ps.window_mb", "ps.exchange", "compress.pull") + _EASGD + _SYNC_ONLY,
+               skips=("ps.window_mb", "ps.order", "ps.exchange", "compress.pull") + _EASGD + _SYNC_ONLY,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=_PS_COMPRESSIONS),
     EngineSpec("ps-easgd", "parameter server, elastic averaging: each worker's model tied to a centre on the shards",
                "experiments.harness.builders:ps", "ps", "#637939", uses_servers=True, consistency="async",
                synchronous=False, reads=("ps.", "compress.method", "servers", "fault.delay_ms"),
-               skips=("ps.staleness", "ps.window_mb", "ps.exchange", "ps.async_scale", "ps.push_every",
+               skips=("ps.staleness", "ps.window_mb", "ps.order", "ps.exchange", "ps.async_scale", "ps.push_every",
                       "ps.fetch_every", "ps.bucket_kb") + _SYNC_ONLY,
                own=_PS_OWN, row_sparse=_ps_rows, compressions=("none", "fp16", "bf16")),  # its elastic moves cast
 ]:

@@ -12,7 +12,8 @@ import itertools
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+import heapq
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -131,7 +132,9 @@ class PSClient:
         self._pollset = PollSet(self._transports)
         self._inflight: dict[int, Handle] = {}
         self._window = int(window_mb * (1 << 20))
-        self._held: dict[int, deque] = defaultdict(deque)  # shard -> [(req, frames, bytes)] the window holds
+        # shard -> heap of (priority, req, frames, bytes) the window holds: the lowest priority
+        # leaves first, then the earliest request
+        self._held: dict[int, list] = defaultdict(list)
         self._unanswered: dict[int, int] = defaultdict(int)  # shard -> bytes of push+pulls it has not answered
         self._counted: dict[int, tuple[int, int]] = {}  # req -> (shard, bytes), push+pulls in the window
         self._reqs = itertools.count(1)
@@ -222,7 +225,7 @@ class PSClient:
 
     def push(self, step: int, version: int | None, grads: dict[int, Any], pull: bool = False,
              next_version: bool = False, clock: int | None = None, lr: float | None = None,
-             hold: bool = False) -> Handle:
+             hold: bool = False, priority: int | None = None) -> Handle:
         """Send gradients {key id: chunk, or (row ids, rows) for rows of a row-sparse key, or
         a ps.codec.Packed compressed chunk (then every key of the push is)} computed for
         `step` on parameters of `version` (None: the version last received from each shard).
@@ -236,7 +239,11 @@ class PSClient:
 
         lr: the learning rate the shards update these keys with (None: their optimizer's own).
         hold: (sync) the shards keep the step's averaged gradient until a pull brings the clip
-        scale (see norm)."""
+        scale (see norm).
+
+        priority: of the push+pulls a shard's window holds back (window_mb), the one of the
+        lowest priority leaves first (ties, and None, in the order of the calls): give every
+        push+pull one, or none."""
         layout = self._need_layout()
         if pull and any(isinstance(g, tuple) for g in grads.values()):
             raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
@@ -293,7 +300,8 @@ class PSClient:
                                                  ("clock", clock)) if c is not None})
             per_shard[s] = (header, tensors, row_ids if sparse else None) if not any(packed) else \
                 (header, None, None, [(p.frames, p.meta) for p in tensors])
-        return self._start("push+pull" if pull else "push", per_shard, conditional=next_version or clock is not None)
+        return self._start("push+pull" if pull else "push", per_shard, conditional=next_version or clock is not None,
+                           priority=priority)
 
     def _row_ids(self, k: int, ids: torch.Tensor) -> torch.Tensor:
         """ids as the wire wants them: int64 on the CPU, checked against key k's rows."""
@@ -458,9 +466,10 @@ class PSClient:
             raise RuntimeError("call join() before push or pull: the client has no layout yet")
         return self.layout
 
-    def _start(self, kind: str, per_shard: dict[int, tuple], conditional: bool = False) -> Handle:
+    def _start(self, kind: str, per_shard: dict[int, tuple], conditional: bool = False,
+               priority: int | None = None) -> Handle:
         """Send per_shard {shard: (header, tensors or None[, row ids per key or None[, compressed
-        parts]])}."""
+        parts]])}; push+pulls the window holds leave by priority (see push)."""
         h = Handle(kind, timeout_s=self.timeout_s + (min(self.timeout_s, 5.0) if conditional else 0.0))
         for s, (header, tensors, *ids) in per_shard.items():
             req = next(self._reqs)
@@ -468,7 +477,7 @@ class PSClient:
             frames = encode(header, tensors, ids[0] if ids else None, ids[1] if len(ids) > 1 else None)
             nbytes = sum(len(f) for f in frames)  # bytes, or byte views (ps.protocol.encode)
             if kind == "push+pull" and self._window and (self._held[s] or not self._fits(s, nbytes)):
-                self._held[s].append((req, frames, nbytes))
+                heapq.heappush(self._held[s], (req if priority is None else priority, req, frames, nbytes))
             else:
                 self._send(s, req, frames, nbytes, counted=kind == "push+pull")
             h.pending[req] = s
@@ -499,15 +508,15 @@ class PSClient:
             return
         self._unanswered[s] -= nbytes
         held = self._held[s]
-        while held and self._fits(s, held[0][2]):
-            self._send(s, *held.popleft(), counted=True)
+        while held and self._fits(s, held[0][3]):
+            self._send(s, *heapq.heappop(held)[1:], counted=True)
 
     def _unblock(self) -> None:
         """Nothing came for a while with messages held: send each shard's next one anyway, so
         that workers whose keys leave in different orders can never wait on each other."""
         for s, held in self._held.items():
             if held:
-                self._send(s, *held.popleft(), counted=True)
+                self._send(s, *heapq.heappop(held)[1:], counted=True)
 
     def _wait_replies(self, h: Handle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -609,7 +618,8 @@ class PSClient:
             for req in h.pending:  # the handle has failed: its other replies are not awaited
                 self._inflight.pop(req, None)
             for shard, held in self._held.items():  # and what the window still holds of it is not sent
-                self._held[shard] = deque(m for m in held if m[0] not in h.pending)
+                self._held[shard] = [m for m in held if m[1] not in h.pending]
+                heapq.heapify(self._held[shard])
             h.pending.clear()
         else:
             h.replies[s] = msg

@@ -61,7 +61,7 @@ class PSEngine:
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
                  mode: str, config: PSConfig, trace=None, settings: dict | None = None,
-                 initializer=None, compression=None, rejoin: bool = False) -> None:
+                 initializer=None, compression=None, rejoin: bool = False, forward_loads: bool = True) -> None:
         """trace: optional callable(name, start, end, thread=...) for every push and pull;
         settings: the run settings the shards compare with theirs at join;
         initializer: for shards started without a model (a user's script): a callable
@@ -70,7 +70,10 @@ class PSEngine:
         compression: (compressor, error-feedback memory or None) of compress.method, whose
         messages the pushes carry (ps.codec); None: pushes leave whole;
         rejoin: this process replaces a worker of the same rank that died (a restart): it
-        joins the running shards again and goes on at their step (sync) or clock."""
+        joins the running shards again and goes on at their step (sync) or clock;
+        forward_loads: under ps.order=forward, whether the next forward may load a step's
+        values layer by layer: False where other code may read the parameters between a
+        step and the next forward (a user's script), which then get them all in step()."""
         if mode not in MODES:
             raise ValueError(f"parameter-server mode {mode!r}: expected sync, async or ssp")
         if not addresses:
@@ -79,6 +82,13 @@ class PSEngine:
         self.addresses = list(addresses)
         self.trace, self.settings, self.initializer = trace, settings, initializer
         self.rejoin = rejoin
+        # ps.order=forward, where step() may leave the values to the next forward: the sync
+        # pipelined exchange of whole values, with nothing that needs them all at step's end
+        self._lazy = (forward_loads and mode == "sync" and config.order == "forward" and config.exchange == "pipelined"
+                      and compression is None and not config.downpour and not config.reconnect_s
+                      and not config.backup_workers)
+        self._awaiting: dict[int, list] = {}  # parameter index -> [name, sent at, handle, taken] bringing its values
+        self._late = {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}  # what taking them learnt, for step()
         self.compressor, self.memory = compression if compression is not None else (None, None)
         self.compress_s = 0.0  # this step's time compressing pushes (error feedback included)
         self.shards = [rank]
@@ -133,6 +143,13 @@ class PSEngine:
             module.sparse = True  # gradients of the rows looked up, never a dense table
         self._prehooks = [module.register_forward_pre_hook(functools.partial(self._pull_rows, i))
                           for i, module in self._tables.items()]
+        if self._lazy:  # each module's forward first takes the values of its own parameters
+            index = {id(p): i for i, (_, p) in enumerate(self._named)}
+            for module in model.modules():
+                own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+                if own:
+                    self._prehooks.append(module.register_forward_pre_hook(functools.partial(self._await, own)))
+            self._prehooks.append(model.register_state_dict_pre_hook(lambda *_: self.settle(counted=False)))
         # Sync steps are numbered by the shards' version; async/ssp by this worker's clock
         # (both 0 on a fresh run, where a resumed shard left them).
         self._step = version if self.mode == "sync" else max(self.client.clocks.values(), default=0)
@@ -144,6 +161,7 @@ class PSEngine:
         self._bucket_dense: list[int] = []  # its keys whose next values a sync pull asks for
         self._bucket_bytes = 0
         self._returned: set[int] = set()  # dense keys whose values come back with their push this step
+        self._carries: dict[int, list[int]] = {}  # id of a push+pull handle -> its keys (ps.order=forward)
         self._ready = 0  # parameters whose gradient arrived this step
         self._summed: dict[int, torch.Tensor] = {}  # Downpour: parameter -> its gradients since the last push
         self._pushes_made = self._step if self.mode != "sync" else 0  # async/ssp pushes carry it as their clock
@@ -259,9 +277,13 @@ class PSEngine:
             # (ssp: once the clock is within the bound), so that they come back while later
             # pieces are pushed instead of in one pull after the last.
             ask = {"next_version": True} if self.mode == "sync" else {"clock": self._pushes_made + 1}
-            self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, pull=True,
-                                                                     lr=self._lr(), **ask)))
+            if self.mode == "sync" and self.config.order == "forward":  # the first layers' keys first
+                ask["priority"] = min(self._bucket)
+            handle = self.client.push(step, None, self._bucket, pull=True, lr=self._lr(), **ask)
+            self._pushes.append((name, time.time(), handle))
             self._returned.update(self._bucket_dense)
+            if self._lazy:
+                self._carries[id(handle)] = list(self._bucket)
         else:
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, lr=self._lr())))
             if self.mode == "sync" and self._bucket_dense and not self._phased:
@@ -448,10 +470,59 @@ class PSEngine:
             p.grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.settle()  # values of parameters this step's forward did not use
         loss.backward()
+
+    def _defer(self) -> set[int]:
+        """ps.order=forward: leave this step's push+pulls to the forward pre-hooks of the
+        modules whose parameters they bring values of; the ids of their handles."""
+        deferred = set()
+        for name, sent_at, handle in self._pushes:
+            keys = self._carries.pop(id(handle), None)
+            if keys is None:
+                continue
+            entry = [name, sent_at, handle, False]
+            for param in {self.layout.keys[k].param for k in keys}:
+                self._awaiting.setdefault(param, []).append(entry)
+            deferred.add(id(handle))
+        self._carries.clear()
+        return deferred
+
+    def _await(self, indexes: list[int], _module, _args) -> None:
+        """Forward pre-hook of a module whose parameters are `indexes` (ps.order=forward):
+        their values first, as soon as their replies are in."""
+        for i in indexes:
+            for entry in self._awaiting.pop(i, ()):
+                self._take(entry)
+
+    def _take(self, entry: list, counted: bool = True) -> None:
+        """Wait for one deferred push+pull and load its values (counted: the wait is the
+        step's communication, not compute)."""
+        name, sent_at, handle, taken = entry
+        if taken:
+            return
+        entry[3] = True
+        start = time.perf_counter()
+        result = self.client.wait(handle)
+        if counted:
+            self._late["forward_s"] += time.perf_counter() - start
+        self._load(result.values)
+        self._late["staleness"].append(result.staleness)
+        self._late["wait_s"] = max(self._late["wait_s"], result.waited_s)
+        if self.trace is not None:
+            self.trace(f"push+pull {name}", sent_at, handle.done_at, thread="push", waited_on_server_s=result.waited_s)
+
+    def settle(self, counted: bool = True) -> None:
+        """Take every value the last step left to the next forward (ps.order=forward): the
+        parameters then hold the shards' values."""
+        awaiting, self._awaiting = self._awaiting, {}
+        for entries in awaiting.values():
+            for entry in entries:
+                self._take(entry, counted)
 
     def step(self) -> dict:
         start = time.perf_counter()
+        self.settle(counted=False)  # a step without a forward since the last
         self._check_script()
         if self.clip_mode is None:  # the script's first step did not clip: it never will
             self._release_deferred(False)
@@ -474,21 +545,24 @@ class PSEngine:
                 self._pulls = [(f"step {self._step}", time.time(), self.client.pull(rest, clock=clock))]
             self._returned = set()
             waited = self._phase() if self._phased else 0.0
-            pushed = [self.client.wait(h) for _, _, h in self._pushes]
+            deferred = self._defer() if self._lazy else set()  # the next forward takes their values
+            pushes = [entry for entry in self._pushes if id(entry[2]) not in deferred]
+            pushed = [self.client.wait(h) for _, _, h in pushes]
             pulled = [self.client.wait(h) for _, _, h in self._pulls]
             staleness = [r.staleness for r in pushed]
             results = [r for r in pushed if r.kind == "push+pull"] + pulled
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
-            self._pushes, self._pulls = [], []
+            self._pushes, self._pulls, self._awaiting = [], [], {}
+            self._carries.clear()
             self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
             self._reconnect(err)
             self._step += 1
             return {"comm_s": time.perf_counter() - start, "bytes_sent": 0, "bytes_recv": 0,
                     "staleness": [], "reconnected": 1}
         if self.trace is not None:
-            for (name, sent_at, h), result in zip(self._pushes, pushed):  # a reply's time is when the client read it
+            for (name, sent_at, h), result in zip(pushes, pushed):  # a reply's time is when the client read it
                 if result.kind == "push+pull":
                     self.trace(f"push+pull {name}", sent_at, h.done_at, thread="push",
                                waited_on_server_s=result.waited_s)
@@ -509,8 +583,12 @@ class PSEngine:
         self._step += 1
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
-        out = {"comm_s": time.perf_counter() - start, **self._traffic(),
-               "wait_s": max([r.waited_s for r in results] + [waited]), "staleness": staleness}
+        late, self._late = self._late, {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}
+        out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(),
+               "wait_s": max([r.waited_s for r in results] + [waited, late["wait_s"]]),
+               "staleness": late["staleness"] + staleness}
+        if late["forward_s"]:  # this step's forward waited for the last step's values: not compute
+            out["in_backward_s"] = late["forward_s"]
         if self.compressor is not None:  # pushes compressed, and pulled gradients decompressed
             out["compress_s"], self.compress_s = self.compress_s + self.client.codec_s, 0.0
             self.client.codec_s = 0.0
@@ -565,6 +643,7 @@ class PSEngine:
     def close(self) -> None:
         """Rank 0 waits for every other worker to leave, then reads the final parameters and
         the servers' counters; every worker then leaves, which lets the servers end."""
+        self.settle(counted=False)
         for hook in self._hooks + self._prehooks:
             hook.remove()
         for module in self._tables.values():

@@ -54,8 +54,10 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
         from ps.easgd import EASGDEngine
 
         return EASGDEngine(env.rank, env.world, device, list(env.servers), cfg.ps, **common)
-    return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.ps,
-                    compression=compression(cfg), rejoin=env.restarts > 0, **common)
+    # a user's script may read its parameters between steps: it gets every value in step()
+    return PSEngine(env.rank, env.world, device, list(env.servers), get_engine(cfg.engine).consistency, cfg.worker_ps(),
+                    compression=compression(cfg), rejoin=env.restarts > 0,
+                    forward_loads=not isinstance(cfg.model, ScriptConfig), **common)
 
 
 def compression(cfg: RunConfig):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from allreduce.config import AllReduceConfig
-from ps.config import PSConfig, key_mb
+from ps.config import PSConfig, forward_window, key_mb
 
 from experiments.workloads import data
 
@@ -250,6 +250,14 @@ class RunConfig:
         if tables and problem:
             raise ValueError(f"{forced}: {problem}")
         return tables
+
+    def worker_ps(self) -> PSConfig:
+        """ps as a worker runs it: under ps-sync with ps.order=forward on links of known rate
+        (net.rate), with the window and buckets of ps.config.forward_window."""
+        if not (self.net.rate and self.ps.order == "forward" and get_engine(self.engine).consistency == "sync"):
+            return self.ps
+        window, bucket = forward_window(self.ps.window_mb, self.ps.bucket_kb, parse_rate(self.net.rate))
+        return replace(self.ps, window_mb=window, bucket_kb=bucket)
 
     def key_mb(self) -> float:
         """The parameter server's key size in MiB: ps.chunk_mb, or where that is 0 by net.rate."""

@@ -53,10 +53,10 @@ class Run:
         self.engine.attach(model, None)
         start = self.engine.client._start
 
-        def recording(kind, per_shard, conditional=False):
+        def recording(kind, per_shard, conditional=False, priority=None):
             for shard, (header, tensors, *_) in per_shard.items():
                 self.sent.append((kind, shard, dict(header), [t.clone() for t in tensors or ()]))
-            return start(kind, per_shard, conditional)
+            return start(kind, per_shard, conditional, priority)
         self.engine.client._start = recording
 
     def backward(self):
