@@ -49,8 +49,8 @@ import torch
 
 from .client import PeerTimeout, PSClient, PSError
 from .codec import Packed
-from .config import PSConfig
-from .layout import ROW_MODULES, ParamSpec
+from .config import WIRE_DTYPES, PSConfig
+from .layout import ITEMSIZE, ROW_MODULES, ParamSpec
 from .protocol import MODES
 
 log = logging.getLogger("psar.ps.engine")
@@ -162,6 +162,7 @@ class PSEngine:
         self._bucket_bytes = 0
         self._returned: set[int] = set()  # dense keys whose values come back with their push this step
         self._carries: dict[int, list[int]] = {}  # id of a push+pull handle -> its keys (ps.order=forward)
+        self._coming = 0  # bytes of the values this step left to the next forward
         self._ready = 0  # parameters whose gradient arrived this step
         self._summed: dict[int, torch.Tensor] = {}  # Downpour: parameter -> its gradients since the last push
         self._pushes_made = self._step if self.mode != "sync" else 0  # async/ssp pushes carry it as their clock
@@ -475,12 +476,14 @@ class PSEngine:
 
     def _defer(self) -> set[int]:
         """ps.order=forward: leave this step's push+pulls to the forward pre-hooks of the
-        modules whose parameters they bring values of; the ids of their handles."""
+        modules whose parameters they bring values of; the ids of their handles (the bytes
+        of their values add up in _coming)."""
         deferred = set()
         for name, sent_at, handle in self._pushes:
             keys = self._carries.pop(id(handle), None)
             if keys is None:
                 continue
+            self._coming += self._value_bytes(keys)
             entry = [name, sent_at, handle, False]
             for param in {self.layout.keys[k].param for k in keys}:
                 self._awaiting.setdefault(param, []).append(entry)
@@ -554,7 +557,7 @@ class PSEngine:
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
-            self._pushes, self._pulls, self._awaiting = [], [], {}
+            self._pushes, self._pulls, self._awaiting, self._coming = [], [], {}, 0
             self._carries.clear()
             self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
             self._reconnect(err)
@@ -584,7 +587,8 @@ class PSEngine:
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
         late, self._late = self._late, {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}
-        out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(),
+        coming, self._coming = self._coming, 0
+        out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(coming),
                "wait_s": max([r.waited_s for r in results] + [waited, late["wait_s"]]),
                "staleness": late["staleness"] + staleness}
         if late["forward_s"]:  # this step's forward waited for the last step's values: not compute
@@ -594,11 +598,20 @@ class PSEngine:
             self.client.codec_s = 0.0
         return out
 
-    def _traffic(self) -> dict[str, int]:
-        """bytes_sent and bytes_recv since the last step ended (pushes leave during backward)."""
-        sent, received = self.client.bytes_sent - self._sent, self.client.bytes_recv - self._received
-        self._sent, self._received = self.client.bytes_sent, self.client.bytes_recv
+    def _traffic(self, coming: int = 0) -> dict[str, int]:
+        """bytes_sent and bytes_recv since the last step ended (pushes leave during backward).
+        Under ps.order=forward the pushes the window still holds and `coming` bytes of this
+        step's values still on their way count here, not in the next step, which sends and
+        reads them."""
+        sent_now = self.client.bytes_sent + self.client.queued_bytes
+        sent, received = sent_now - self._sent, self.client.bytes_recv - self._received + coming
+        self._sent, self._received = sent_now, self.client.bytes_recv + coming
         return {"bytes_sent": sent, "bytes_recv": received}
+
+    def _value_bytes(self, keys) -> int:
+        """The bytes of keys' values as the shards send them (ps.compression's dtype, or the layout's)."""
+        wire = WIRE_DTYPES[self.config.compression]
+        return sum(self.layout.keys[k].numel * ITEMSIZE[wire or self.layout.key_dtype[k]] for k in keys)
 
     def _phase(self) -> float:
         """ps.exchange=phased: wait until every shard has finished the step, then pull the

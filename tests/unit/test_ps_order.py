@@ -25,9 +25,10 @@ def _layout(model, shards: int = 1):
     return build_layout([ParamSpec.of(n, p) for n, p in model.named_parameters()], shards, 1 << 20)
 
 
-def _train(order: str, window_mb: float, steps: int = 4, workers: int = 2) -> list[torch.Tensor]:
+def _train(order: str, window_mb: float, steps: int = 4, workers: int = 2) -> tuple[list[torch.Tensor], list[dict]]:
     """`workers` engines on chain() in threads, one shard, SGD with momentum; rank 0's
-    parameters after `steps` steps (each worker's batch scaled by its rank)."""
+    parameters after `steps` steps (each worker's batch scaled by its rank), and what its
+    step() returned each step."""
     models = [chain() for _ in range(workers)]
     layout = _layout(models[0])
     params = [p.detach().clone() for p in models[0].parameters()]
@@ -36,13 +37,17 @@ def _train(order: str, window_mb: float, steps: int = 4, workers: int = 2) -> li
                       config) as cluster:
         engines = [PSEngine(w, workers, torch.device("cpu"), cluster.addresses, "sync", config) for w in range(workers)]
 
+        stats = []
+
         def work(w):
             engines[w].attach(models[w], None)
             x, y = batch()
             for _ in range(steps):
                 loss = torch.nn.functional.mse_loss(models[w](x * (w + 1)), y)
                 engines[w].backward(loss)
-                engines[w].step()
+                out = engines[w].step()
+                if w == 0:
+                    stats.append(out)
             engines[w].close()
 
         threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
@@ -51,16 +56,21 @@ def _train(order: str, window_mb: float, steps: int = 4, workers: int = 2) -> li
         for t in threads:
             t.join(50)
         assert not any(t.is_alive() for t in threads), "a worker hung"
-    return [p.detach().clone() for p in models[0].parameters()]
+    return [p.detach().clone() for p in models[0].parameters()], stats
 
 
 @pytest.mark.parametrize("window_mb", [3.0, 600 / (1 << 20)])  # everything at once; one key at a time
 def test_forward_order_gives_the_parameters_of_arrival_order_bit_for_bit(window_mb):
-    arrival = _train("arrival", window_mb)
-    forward = _train("forward", window_mb)
+    arrival, arrival_stats = _train("arrival", window_mb)
+    forward, forward_stats = _train("forward", window_mb)
     assert all(torch.equal(a, f) for a, f in zip(arrival, forward))
     assert all(p.dtype == torch.float64 for p in forward)
     assert not torch.equal(arrival[0], chain().state_dict()["0.weight"])  # it trained
+    # Each step counts the values it pulled (3.5 KiB), though the next forward reads them;
+    # only the replies' headers (tens of bytes, their sizes vary) land a step later.
+    assert [s["bytes_sent"] for s in forward_stats] == [s["bytes_sent"] for s in arrival_stats]
+    assert all(abs(f["bytes_recv"] - a["bytes_recv"]) < 256 for f, a in zip(forward_stats[1:], arrival_stats[1:]))
+    assert 0 < arrival_stats[0]["bytes_recv"] - forward_stats[0]["bytes_recv"] < 1024
 
 
 def test_the_window_lets_the_lowest_priority_out_first():
