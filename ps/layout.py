@@ -241,7 +241,7 @@ def _chunk_sizes(numel: int, num_shards: int, chunk_elems: int, unit: int = 1) -
 
 
 def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
-                 sparse: Iterable[int] = ()) -> Layout:
+                 sparse: Iterable[int] = (), sparse_chunk_elems: int | None = None) -> Layout:
     """Cut parameters into keys and assign them to shards.
 
     Args:
@@ -252,6 +252,9 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
             long as pieces stay >= MIN_CHUNK_ELEMS) so that it spreads evenly over all
             shards; smaller ones stay whole.
         sparse: indices of row-sparse parameters (2-D): their keys hold whole rows.
+        sparse_chunk_elems: no key of a row-sparse parameter has more elements than this
+            (None: chunk_elems). Only the rows a batch touches travel, so its keys' size sets
+            no message's size, while every key a message names costs its own frames.
 
     Chunks are then placed largest first (ties by key id) on the shard with the fewest bytes
     (ties by shard index), so max - min shard bytes <= the largest chunk. Deterministic.
@@ -262,13 +265,17 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
     if not _is_int(chunk_elems) or chunk_elems < 1:
         raise ValueError(f"chunk_elems must be an int >= 1, got {chunk_elems!r}")
     sparse = frozenset(sparse)
+    sparse_chunk_elems = chunk_elems if sparse_chunk_elems is None else sparse_chunk_elems
+    if not _is_int(sparse_chunk_elems) or sparse_chunk_elems < 1:
+        raise ValueError(f"sparse_chunk_elems must be an int >= 1, got {sparse_chunk_elems!r}")
     for p in sparse:
         if not 0 <= p < len(specs) or len(specs[p].shape) != 2 or specs[p].shape[1] < 1:
             raise ValueError(f"sparse parameter index {p}: expected a 2-D parameter (rows, dim) of the {len(specs)}")
     pieces = []  # (id, param, offset, numel)
     for p, spec in enumerate(specs):
         offset = 0
-        for size in _chunk_sizes(spec.numel, num_shards, chunk_elems, spec.shape[1] if p in sparse else 1):
+        cut = (sparse_chunk_elems, spec.shape[1]) if p in sparse else (chunk_elems, 1)
+        for size in _chunk_sizes(spec.numel, num_shards, *cut):
             pieces.append((len(pieces), p, offset, size))
             offset += size
     heap = [(0, s) for s in range(num_shards)]  # (bytes, shard): least loaded first, ties by index

@@ -263,6 +263,14 @@ class RunConfig:
         """The parameter server's key size in MiB: ps.chunk_mb, or where that is 0 by net.rate."""
         return key_mb(self.ps.chunk_mb, parse_rate(self.net.rate) if self.net.rate else None)
 
+    def sparse_key_mb(self) -> float:
+        """The key size in MiB of the tables moved by rows: ps.chunk_mb, or where that is 0 the
+        largest key, whatever the link. A message carries only the rows a batch touches, so
+        smaller keys only add keys to it, each with its frames and checks: dlrm x2 at 200mbit
+        took 0.18 to 0.24 s a step with keys of 1/8 MiB, 0.065 s with 0.5 MiB, 0.015 s with
+        4 MiB."""
+        return key_mb(self.ps.chunk_mb)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

@@ -52,10 +52,14 @@ def sparse_update_problem(optim) -> str | None:
 
 def model_layout(model: nn.Module, cfg, num_shards: int) -> Layout:
     """The parameter-server layout of model's trainable parameters under cfg (a RunConfig):
-    chunks of ps.chunk_mb (by the link's rate where it is 0), and the embedding tables cfg moves by rows (ps.sparse) cut on row
-    boundaries. Shards and workers derive the same one from the same model."""
+    chunks of ps.chunk_mb (by the link's rate where it is 0), and the embedding tables cfg
+    moves by rows (ps.sparse) cut on row boundaries into keys of ps.chunk_mb (the largest
+    key where it is 0, whatever the link: see RunConfig.sparse_key_mb). Shards and workers
+    derive the same one from the same model."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     tables = cfg.sparse_tables(model)
+    itemsize = named[0][1].element_size()
     return build_layout([ParamSpec.of(n, p) for n, p in named], num_shards,
-                        chunk_elems_from_mb(cfg.key_mb(), named[0][1].element_size()),
-                        sparse=[i for i, (n, _) in enumerate(named) if n in tables])
+                        chunk_elems_from_mb(cfg.key_mb(), itemsize),
+                        sparse=[i for i, (n, _) in enumerate(named) if n in tables],
+                        sparse_chunk_elems=chunk_elems_from_mb(cfg.sparse_key_mb(), itemsize))

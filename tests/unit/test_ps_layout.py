@@ -117,6 +117,26 @@ def test_row_sparse_keys_hold_whole_rows(shards, chunk_elems):
     assert build_layout(TABLES, shards, chunk_elems).fingerprint != layout.fingerprint
 
 
+def test_row_sparse_keys_have_their_own_size():
+    """sparse_chunk_elems cuts the tables only; the dense parameters keep chunk_elems."""
+    small = build_layout(TABLES, 2, 4096)
+    layout = build_layout(TABLES, 2, 4096, sparse=[0, 2], sparse_chunk_elems=1 << 20)
+    assert len(small.param_keys(0)) == 30 and len(layout.param_keys(0)) == 2  # one per shard
+    assert [k.numel for k in layout.param_keys(1)] == [k.numel for k in small.param_keys(1)]
+    assert Layout.from_wire(layout.to_wire()) == layout
+    with pytest.raises(ValueError, match="sparse_chunk_elems"):
+        build_layout(TABLES, 2, 4096, sparse=[0], sparse_chunk_elems=0)
+
+
+def test_a_runs_tables_take_the_largest_keys_whatever_the_link():
+    from experiments.settings.presets import build_config
+
+    cfg = build_config("dlrm", ("net.rate=200mbit",), engine="ps-sync", workers=2)
+    assert cfg.key_mb() == 0.125 and cfg.sparse_key_mb() == 4.0
+    given = build_config("dlrm", ("net.rate=200mbit", "ps.chunk_mb=1"), engine="ps-sync", workers=2)
+    assert given.key_mb() == given.sparse_key_mb() == 1
+
+
 def test_row_sparse_layout_refuses_torn_rows_and_flat_params():
     wire = build_layout(TABLES, 2, 1000, sparse=[0]).to_wire()
     first, second = wire["keys"][0], wire["keys"][1]
