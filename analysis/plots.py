@@ -59,9 +59,11 @@ def _order(run: Run) -> tuple:
 
 def _variant(run: Run, runs: list[Run]) -> int:
     """Which of the runs that share run's label (and so its colour) this one is, so that a
-    line style or hatch can tell them apart."""
-    shapes = sorted({_order(r) for r in runs if r.label == run.label})
-    return shapes.index(_order(run))
+    line style or hatch can tell them apart (runs that differ in a setting are apart too)."""
+    named = style.names(runs, workers=True)
+    shape = lambda r: (*_order(r), named[r.path])  # noqa: E731
+    shapes = sorted({shape(r) for r in runs if r.label == run.label}, key=str)
+    return shapes.index(shape(run))
 
 
 def _line(run: Run, runs: list[Run]) -> dict:
@@ -69,7 +71,7 @@ def _line(run: Run, runs: list[Run]) -> dict:
     variant of that label, and widths that shrink down the list so that runs with identical
     losses (local, allreduce and ps-sync compute the same update) stay visible as outlines."""
     i = runs.index(run)
-    return dict(color=style.colour(run.label), label=style.label_of(run, workers=True),
+    return dict(color=style.colour(run.label), label=style.names(runs, workers=True)[run.path],
                 linestyle=LINESTYLES[_variant(run, runs) % len(LINESTYLES)],
                 linewidth=3.0 - 2.0 * i / max(1, len(runs) - 1))
 
@@ -201,9 +203,10 @@ def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
     several runs is their median, with a bar from the slowest to the fastest."""
     groups: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     first: dict[str, Run] = {}
+    named = style.names(runs)
     for run in sorted(runs, key=_order):
         if run.summary.get("samples_per_sec"):
-            name = style.label_of(run)
+            name = named[run.path]
             groups[name][run.summary["workers"]].append(run.summary["samples_per_sec"])
             first.setdefault(name, run)
     if not groups:
@@ -255,7 +258,8 @@ def step_breakdown(runs: list[Run], out_dir: Path) -> Path | None:
                      fontsize="x-small", padding=2)
         ax.set_ylim(0, 1.12 * max(bottom, default=1.0) or 1.0)  # room for the totals
         inside = sorted({run.engine for run in runs if run.spec.comm_in_backward})
-        ax.set_xticks(x, [style.label_of(run, workers=True) + ("*" if run.spec.comm_in_backward else "")
+        named = style.names(runs, workers=True)
+        ax.set_xticks(x, [named[run.path] + ("*" if run.spec.comm_in_backward else "")
                           for run in runs], rotation=30, ha="right")
         for tick, run in zip(ax.get_xticklabels(), runs):
             tick.set_color(style.colour(run.label))
@@ -283,7 +287,7 @@ def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
             ax.bar([v + offset for v in values], [counts[v] / total for v in values], width,
                    color=style.colour(run.label), edgecolor="black", linewidth=0.5,
                    hatch=HATCHES[_variant(run, shown) % len(HATCHES)],
-                   label=style.label_of(run, workers=True))
+                   label=style.names(shown, workers=True)[run.path])
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return path
 

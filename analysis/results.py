@@ -135,6 +135,47 @@ class Run:
         return [r for r in records if r["step"] >= 1] or records
 
 
+def settings(run: Run) -> dict[str, str]:
+    """Every setting of the run's config.json as {dotted key: value as JSON text}, a script's
+    path and arguments included ("model.args")."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            flat[prefix] = json.dumps(value, sort_keys=True)
+    walk("", run.config)
+    return flat
+
+
+def distinctions(runs: list[Run], name_of, ignore: tuple[str, ...] = ()) -> dict[Path, str]:
+    """What tells apart runs that name_of(run) would put in one cell though their settings
+    differ: {run.path: "key=value, ..."} of the settings that vary among the runs of its
+    cell ("" where none do), so that a cell is one configuration and repeats of it alone.
+    ignore: settings a figure shows on an axis (workers)."""
+    by_name: dict = {}
+    for run in runs:
+        by_name.setdefault(name_of(run), []).append(run)
+    out: dict[Path, str] = {}
+    for group in by_name.values():
+        flat = [settings(run) for run in group]
+        keys = sorted({k for f in flat for k in f})
+        varying = [k for k in keys if k not in ignore and len({f.get(k) for f in flat}) > 1]
+        for run, f in zip(group, flat):
+            out[run.path] = ", ".join(f"{k}={_plain(f.get(k))}" for k in varying)
+    return out
+
+
+def _plain(text: str | None) -> str:
+    """A setting's JSON text as a label shows it: strings without quotes, absent as "-"."""
+    if text is None:
+        return "-"
+    value = json.loads(text)
+    return value if isinstance(value, str) else text
+
+
 TARGET_WINDOW = 5
 """Steps averaged when deciding that a run reached its target loss (one lucky batch is not)."""
 

@@ -8,7 +8,7 @@ import matplotlib
 
 from experiments.engines import label_info
 
-from .results import Run
+from .results import Run, distinctions
 
 matplotlib.use("Agg")  # files only, never a display
 
@@ -52,3 +52,11 @@ def label_of(run: Run, workers: bool = False) -> str:
     elif run.spec.uses_servers and servers > 1:
         text += f" ({servers} shards)"
     return text
+
+
+def names(runs: list[Run], workers: bool = False) -> dict:
+    """{run.path: label_of(run, workers)}, followed by "[key=value, ...]" where runs of one
+    name differ in a setting (results.distinctions; without `workers`, the worker count is
+    the figure's axis, not a difference): what every figure calls a run."""
+    extra = distinctions(runs, lambda r: label_of(r, workers), ignore=() if workers else ("workers",))
+    return {r.path: label_of(r, workers) + (f" [{extra[r.path]}]" if extra[r.path] else "") for r in runs}

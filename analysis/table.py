@@ -7,7 +7,7 @@ from pathlib import Path
 
 from experiments.engines import label_info
 
-from .results import Run, median, quantile, time_to_target
+from .results import Run, distinctions, median, quantile, time_to_target
 
 COLUMNS = [
     ("engine", "engine"),
@@ -118,6 +118,16 @@ def cell_of(run: Run, rated: bool = False) -> tuple:
     return name, run.summary["workers"], f"{servers} {run.placement}" if run.placement else servers
 
 
+def cells(runs: list[Run]) -> dict:
+    """{run.path: its cell} (see cell_of; runs on links of several rates name theirs), the
+    name followed by "[key=value, ...]" where runs of one cell differ in a setting: a cell is
+    one configuration, and the runs in it repeats. The table and the verdict name runs so."""
+    rated = len({rate_of(r) for r in runs}) > 1
+    base = {r.path: cell_of(r, rated) for r in runs}
+    extra = distinctions(runs, lambda r: base[r.path])
+    return {path: (f"{cell[0]} [{extra[path]}]" if extra[path] else cell[0], *cell[1:]) for path, cell in base.items()}
+
+
 def failed_rows(failures: list[dict]) -> list[dict]:
     """Rows for grid cells whose run failed: the table shows them, with the error."""
     return [{key: None for key, _ in COLUMNS} | {"engine": f["engine"], "workers": f["workers"],
@@ -129,15 +139,15 @@ def rows(runs: list[Run]) -> list[dict]:
     """One row per grid cell (engine label, workers, servers). A cell run several times
     (--repeats) shows the median samples/s and final loss and the samples/s range; the
     other columns pool the records of its runs."""
-    cells: dict[tuple, list[Run]] = {}
-    rated = len({rate_of(r) for r in runs}) > 1  # runs on links of several rates: each its own cell
-    for run in sorted(runs, key=lambda r: (*cell_of(r, rated)[:2], str(cell_of(r, rated)[2]))):
-        cells.setdefault(cell_of(run, rated), []).append(run)
+    named = cells(runs)
+    groups: dict[tuple, list[Run]] = {}
+    for run in sorted(runs, key=lambda r: (*named[r.path][:2], str(named[r.path][2]))):
+        groups.setdefault(named[run.path], []).append(run)
     rates = {cell: [r.summary["samples_per_sec"] for r in group if r.summary.get("samples_per_sec")]
-             for cell, group in cells.items()}
-    one_worker = {cell[0]: median(rates[cell]) for cell in cells if cell[1] == 1 and rates[cell]}
+             for cell, group in groups.items()}
+    one_worker = {cell[0]: median(rates[cell]) for cell in groups if cell[1] == 1 and rates[cell]}
     out = []
-    for cell, group in cells.items():
+    for cell, group in groups.items():
         label, workers, servers = cell
         records = [r for run in group for r in run.steady_records()]
         step_time = sum(r["step_s"] for r in records)

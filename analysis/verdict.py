@@ -5,11 +5,11 @@ comparison gives, where the table gives the figures."""
 from __future__ import annotations
 
 from .results import Run, median
-from .table import cell_of, rate_of
+from .table import cells, rate_of
 
 
 def _name(label: str, servers) -> str:
-    """The cell's label, with its shards when its engine has any (table.cell_of gives "" else)."""
+    """The cell's label, with its shards when its engine has any (table.cells gives "" else)."""
     return f"{label} ({servers} shard{'s' if str(servers) != '1' else ''})" if servers != "" else label
 
 
@@ -24,16 +24,17 @@ def _verdicts(runs: list[Run]) -> list[str]:
     as a ratio of it, and whether their ranges over repeats overlap (then the difference is
     within the run-to-run noise of this machine). local is left out: one process, the
     numerical reference. Cells without samples/s are left out."""
-    cells: dict[tuple, list[float]] = {}
+    named = cells(runs)
+    rates: dict[tuple, list[float]] = {}
     for run in runs:
         rate = run.summary.get("samples_per_sec")
         if run.spec.family != "local" and rate:
-            cells.setdefault(cell_of(run), []).append(rate)
+            rates.setdefault(named[run.path], []).append(rate)
     nets = {(run.summary.get("network") or {}).get("rate") or "loopback" for run in runs}
     where = "/".join(sorted(nets))
     lines = []
-    for workers in sorted({cell[1] for cell in cells if cell[1] > 1}):
-        mine = {cell: rates for cell, rates in cells.items() if cell[1] == workers}
+    for workers in sorted({cell[1] for cell in rates if cell[1] > 1}):
+        mine = {cell: r for cell, r in rates.items() if cell[1] == workers}
         if len(mine) < 2:
             continue
         best = max(mine, key=lambda c: median(mine[c]))

@@ -101,3 +101,35 @@ def test_the_verdict_names_the_fastest_engine_and_whether_repeats_tell_them_apar
     assert "ddp 0.95x (ranges overlap: not told apart)" in verdicts(close)[0]
     assert "one run each" in verdicts([_run("allreduce", 2, 100.0), _run("ddp", 2, 90.0)])[0]
     assert verdicts([_run("allreduce", 1, 100.0), _run("ddp", 1, 90.0)]) == []  # 1 worker: nothing to decide
+
+
+def _configured(name: str, config: dict, rate: float) -> Run:
+    summary = dict(experiment="quickstart", engine="ps-sync", workers=2, servers=1, samples_per_sec=rate,
+                   final_loss=1.0, eval={}, bytes_per_worker_per_step=2e6)
+    records = [dict(step=s, comm_s=0.25, step_s=1.0, loss=1.0, wall=float(s), time=float(s)) for s in range(8)]
+    return Run(Path(f"/runs/{name}"), config, summary, {0: records})
+
+
+def test_runs_that_differ_in_a_setting_or_argument_are_never_one_row():
+    """Two repeats of one configuration are one row; a run that differs from them in a
+    setting (ps.order) or a script argument is a row of its own, named by what differs, in
+    the table, the verdict and the figures' names."""
+    from analysis import style
+    from analysis.verdict import verdicts
+
+    script = {"model": {"_type": "ScriptConfig", "path": "train.py", "args": ["--clip", "1.0"]}}
+    forward = {**script, "ps": {"order": "forward"}}
+    runs = [_configured("a", forward, 100.0), _configured("b", forward, 110.0),
+            _configured("c", {**script, "ps": {"order": "arrival"}}, 90.0),
+            _configured("d", {"model": {**script["model"], "args": ["--clip", "0"]}, "ps": {"order": "forward"}}, 80.0)]
+    table = rows(runs)
+    by_name = {row["engine"]: row for row in table}
+    assert set(by_name) == {'ps-sync [model.args=["--clip", "1.0"], ps.order=forward]',
+                            'ps-sync [model.args=["--clip", "1.0"], ps.order=arrival]',
+                            'ps-sync [model.args=["--clip", "0"], ps.order=forward]'}
+    assert by_name['ps-sync [model.args=["--clip", "1.0"], ps.order=forward]']["runs"] == 2
+    line, = verdicts(runs)
+    assert 'ps.order=arrival] (1 shard) 0.86x' in line and 'model.args=["--clip", "0"]' in line
+    names = style.names(runs, workers=True)
+    assert names[Path("/runs/a")] == names[Path("/runs/b")] != names[Path("/runs/c")] != names[Path("/runs/d")]
+    assert rows(runs[:2])[0]["engine"] == "ps-sync"  # nothing differs: the plain name
