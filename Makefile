@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/psar compare quickstart --engines local,ddp,allreduce,ps-sync,ps-async,ps-ssp --repeats 3 --out runs/demo
+	$(VENV)/bin/psar compare quickstart --engines local,ddp,allreduce,ps-sync,ps-async,ps-ssp --repeats 3 --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -237,6 +237,27 @@ def expand(paths) -> list[Path]:
     return out
 
 
+def skipped(paths) -> list[tuple[Path, str]]:
+    """The directories in the folders of `paths` that expand leaves out, each with why: a
+    failed run (its worker's own account, "psar: ..." in its logs), an unfinished one (a
+    config.json and no summary.json: still running, or stopped), or not a run at all."""
+    out = []
+    for path in map(Path, paths):
+        if (path / "summary.json").exists() or not path.is_dir():
+            continue
+        inner = path / "runs" if (path / "runs").is_dir() else path
+        for p in sorted(inner.iterdir()):
+            if (p / "summary.json").exists():
+                continue
+            if not (p / "config.json").exists():
+                out.append((p, "not a run (no config.json)"))
+                continue
+            said = [line for log in sorted((p / "logs").glob("*.log")) if log.is_file()
+                    for line in log.read_text(errors="replace").splitlines() if line.startswith("psar: ")]
+            out.append((p, f"failed: {said[-1][6:]}" if said else "unfinished (no summary.json)"))
+    return out
+
+
 def by_experiment(runs: list[Run]) -> dict[str, list[Run]]:
     """Runs grouped by experiment: only runs of one experiment belong in one figure."""
     groups: dict[str, list[Run]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -49,7 +50,10 @@ def _experiment_or_script(ctx, param, value: str) -> str:
 @click.option("--servers", "server_counts", default=None, callback=_csv(int),
               help="Comma-separated server shard counts for the ps-* engines [default: 1].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Output directory (default: runs/compare-NAME-TIME).")
+              help="Output directory (default: runs/compare-NAME-TIME); one holding runs is refused "
+              "unless --overwrite.")
+@click.option("--overwrite", is_flag=True, default=False,
+              help="Replace the runs (and table and figures) of an earlier comparison in --out.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Draw the figures too.")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Run the grid this many times; the table gives each cell's median samples/s "
@@ -57,8 +61,8 @@ def _experiment_or_script(ctx, param, value: str) -> str:
 @net_option
 @run_options_for(engines=None)
 @friendly
-def compare(name, script_args, engines, worker_counts, server_counts, out, plots, repeats, net, steps, seed, device,
-            curve, trace, tensorboard, overrides) -> None:
+def compare(name, script_args, engines, worker_counts, server_counts, out, overwrite, plots, repeats, net, steps, seed,
+            device, curve, trace, tensorboard, overrides) -> None:
     """Run an experiment (or a named comparison) with every engine and worker count, only the
     engine changing; write summary.csv, summary.md and the figures.
 
@@ -114,6 +118,7 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
     if grid:
         click.echo(f"{grid.name}: {grid.claim}")
     out = out or Path("runs") / f"compare-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _replace(out, overwrite)
     if not script:
         warn_unused([build_config(experiment, overrides + v.overrides, engine=v.engine, workers=n,
                                    servers=v.shards(n), steps=steps, seed=seed)
@@ -159,6 +164,19 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, plots
                                    f"({cells}); the table shows why")
 
 
+def _replace(out: Path, overwrite: bool) -> None:
+    """An earlier comparison's runs in out are replaced only when asked (--overwrite), and
+    then said; before any run starts."""
+    earlier = sorted(p.name for p in (out / "runs").iterdir()) if (out / "runs").is_dir() else []
+    if not earlier:
+        return
+    if not overwrite:
+        raise click.ClickException(f"{out} holds the runs of an earlier comparison ({len(earlier)} in "
+                                   f"{out / 'runs'}): give another --out, or --overwrite to replace them")
+    click.echo(f"replacing the {len(earlier)} runs of an earlier comparison in {out / 'runs'}")
+    shutil.rmtree(out / "runs")
+
+
 @click.command()
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -179,6 +197,15 @@ def plot(run_dirs, out) -> None:
         where = out / experiment if len(groups) > 1 else out
         for path in (*write(rows(runs), where), *plot_all(runs, where)):
             click.echo(str(path))
+    _say_skipped(run_dirs)
+
+
+def _say_skipped(run_dirs) -> None:
+    """One line per directory of the folders given that is left out, and why."""
+    from analysis.results import skipped
+
+    for path, why in skipped(run_dirs):
+        click.echo(f"skipped {path}: {why}", err=True)
 
 
 @click.command("table")
@@ -196,6 +223,7 @@ def table_cmd(run_dirs) -> None:
         if len(groups) > 1:
             click.echo(f"{experiment}:")
         click.echo(markdown(rows(runs)))
+    _say_skipped(run_dirs)
 
 
 @click.command("tensorboard")

@@ -250,3 +250,43 @@ def test_compare_takes_a_script_with_its_arguments(monkeypatch, tmp_path):
                           (("nonsense",), "neither an experiment")]:
         result = invoke("compare", *argv, "--out", tmp_path / "out")
         assert result.exit_code != 0 and message in result.output, (argv, result.output)
+
+
+def test_compare_never_replaces_an_earlier_comparison_unasked(monkeypatch, tmp_path):
+    """--out holding an earlier comparison's runs is refused before anything runs; with
+    --overwrite its runs are replaced, and the command says so."""
+    import experiments.comparisons.runner
+
+    started = []
+    monkeypatch.setattr(experiments.comparisons.runner, "run_grid", lambda *a, **k: started.append(1) or ([], []))
+    earlier = tmp_path / "cmp" / "runs" / "allreduce-w2"
+    earlier.mkdir(parents=True)
+    (earlier / "summary.json").write_text("{}")
+    result = invoke("compare", "quickstart", "--engines", "allreduce", "--out", tmp_path / "cmp")
+    assert result.exit_code == 1 and "holds the runs of an earlier comparison (1 in" in result.output
+    assert "--overwrite" in result.output and not started and earlier.exists()
+    result = invoke("compare", "quickstart", "--engines", "allreduce", "--out", tmp_path / "cmp", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert "replacing the 1 runs of an earlier comparison" in result.output and started and not earlier.exists()
+
+
+def test_table_names_every_run_it_leaves_out(tmp_path):
+    """A folder of runs with a finished, a failed, an unfinished run and a stray folder: the
+    table shows the finished one and says why each other one is not in it."""
+    src = tmp_path / "done"
+    assert invoke("run", "quickstart", "--engine", "local", "--workers", 1, "--steps", 3, "--out", src).exit_code == 0
+    folder = tmp_path / "many"
+    folder.mkdir()
+    shutil.copytree(src, folder / "done")
+    for name, log in (("failed", "psar: rank 1 exited with code 1\n"), ("running", "step 3\n")):
+        (folder / name / "logs").mkdir(parents=True)
+        shutil.copy(src / "config.json", folder / name / "config.json")
+        (folder / name / "logs" / "rank0.log").write_text(log)
+    (folder / "notes").mkdir()
+    result = invoke("table", folder)
+    assert result.exit_code == 0, result.output
+    assert "| local | 1 |" in result.output
+    said = result.stderr  # the table alone on stdout
+    assert f"skipped {folder / 'failed'}: failed: rank 1 exited with code 1" in said
+    assert f"skipped {folder / 'running'}: unfinished (no summary.json)" in said
+    assert f"skipped {folder / 'notes'}: not a run (no config.json)" in said
