@@ -24,6 +24,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ps.security import ClientKeys, ServerKeys
+from ps.throttle import Throttle
 
 log = logging.getLogger("psar.ps.transport")
 
@@ -77,8 +78,7 @@ def _receive(sock: zmq.Socket, heads: int, flags: int = 0) -> list:
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-REFUSAL_LOG_INTERVAL_S = 5.0
-"""Handshakes refused for one reason (a client retrying, say) are logged once per interval."""
+
 
 
 def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket | None:
@@ -218,7 +218,7 @@ class ServerTransport:
             raise TransportError(f"cannot bind {bind}{' with CURVE' if curve else ''}: {e}") from e
         self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.events = {"handshakes": 0, "refused": 0, "disconnects": 0}
-        self._refusals: dict[str, tuple[float, int]] = {}  # reason -> (last logged, refusals since)
+        self._throttle = Throttle(log)  # refused handshakes (a client retrying), failed replies
         self._monitor = _monitor(self._sock, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                                  | zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
@@ -250,22 +250,17 @@ class ServerTransport:
             elif event & _HANDSHAKE_FAILED:
                 self.events["refused"] += 1
                 why = _handshake_text(event, value, server=True)
-                logged_at, unlogged = self._refusals.get(why, (-float("inf"), 0))
-                now = time.monotonic()
-                if now - logged_at < REFUSAL_LOG_INTERVAL_S:
-                    self._refusals[why] = (logged_at, unlogged + 1)
-                    continue
-                log.warning("%s: refused a client at the handshake: %s%s", self.address, why,
-                            f" (and {unlogged} more like it since the last report)" if unlogged else "")
-                self._refusals[why] = (now, 0)
+                self._throttle.log(logging.WARNING, why, "%s: refused a client at the handshake: %s",
+                                   self.address, why)
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         """Send to peer; False (and a log line) if the peer is gone or its queue stays full."""
         try:
             self._sock.send_multipart([peer, *frames], copy=False)
             return True
-        except (zmq.Again, zmq.ZMQError) as e:
-            log.warning("%s: could not send %d frame(s) to peer %r: %s", self.address, len(frames), peer, e)
+        except (zmq.Again, zmq.ZMQError) as e:  # a peer gone: one line per kind and interval
+            self._throttle.log(logging.WARNING, ("send", type(e), getattr(e, "errno", None)),
+                               "%s: could not send %d frame(s) to peer %r: %s", self.address, len(frames), peer, e)
             return False
 
     def close(self) -> None:

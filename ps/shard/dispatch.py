@@ -13,12 +13,10 @@ from typing import Any, Callable, Sequence
 
 from ps.protocol import REPLIES, Limits, Message, ProtocolError, decode, error_reply, peek_ids
 from ps.shard.reject import Reject
+from ps.throttle import Throttle
 
 log = logging.getLogger("psar.ps.server")
 Reply = tuple[bytes, list]
-MALFORMED_LOG_S = 5.0
-"""At most one log line per this many seconds about malformed messages: a hostile peer must
-not flood the log."""
 
 
 def nbytes(frames: Sequence[Any]) -> int:
@@ -48,7 +46,7 @@ class Dispatcher:
         self.shard, self.layout, self.workers, self.wire, self.limits = shard, layout, workers, wire, limits
         self.codec = codec
         self.handlers, self.then, self.counters, self.clock = handlers, then, counters, clock
-        self._last_malformed_log = float("-inf")
+        self._throttle = Throttle(log, clock=clock)  # a hostile peer must not flood the log
 
     def handle(self, peer: bytes, frames: Sequence[Any], aborted: str | None) -> list[Reply]:
         """The replies to one request; after an abort, its reason as the error."""
@@ -61,11 +59,8 @@ class Dispatcher:
         except Exception as e:  # ProtocolError; anything else is a decoder bug, still not fatal
             text = str(e) if isinstance(e, ProtocolError) else f"undecodable message: {type(e).__name__}: {e}"
             self.counters["malformed"] += 1
-            now = self.clock()
-            if now - self._last_malformed_log >= MALFORMED_LOG_S:
-                self._last_malformed_log = now
-                log.warning("shard %d: malformed message from peer %r: %s (%d so far)",
-                            self.shard, peer, text, self.counters["malformed"])
+            self._throttle.log(logging.WARNING, "malformed", "shard %d: malformed message from peer %r: %s (%d so far)",
+                               self.shard, peer, text, self.counters["malformed"])
             return [self.error(peer, *peek_ids(frames), f"shard {self.shard}: {text}")]
         try:
             w = msg.worker
@@ -79,7 +74,8 @@ class Dispatcher:
             replies = self.handlers[msg.op](peer, msg)
         except Reject as e:
             self.counters["rejected"] += 1
-            log.info("shard %d: rejected %s from worker %d: %s", self.shard, msg.op, msg.worker, e)
+            self._throttle.log(logging.INFO, ("rejected", msg.op, e.code), "shard %d: rejected %s from worker %d: %s",
+                               self.shard, msg.op, msg.worker, e)
             return [self.error(peer, msg.worker, msg.req, f"shard {self.shard}: {e}", e.code)]
         except Exception as e:  # a bug or an optimizer failure must not take the shard down silently
             self.counters["rejected"] += 1
