@@ -227,8 +227,9 @@ def throughput_vs_workers(runs: list[Run], out_dir: Path) -> Path | None:
             if len(workers) > 1:
                 ax.plot(workers, [throughput[0] * n / workers[0] for n in workers],
                         color=colour, linestyle="--", linewidth=1)
-        ax.plot([], [], color="black", linestyle="--", linewidth=1,
-                label="ideal: linear from fewest workers")
+        if any(len(by_workers) > 1 for by_workers in groups.values()):  # a line was drawn
+            ax.plot([], [], color="black", linestyle="--", linewidth=1,
+                    label="ideal: linear from fewest workers")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({n for g in groups.values() for n in g}))
         ax.xaxis.set_major_formatter(ScalarFormatter())

@@ -9,8 +9,12 @@ from .table import cells, rate_of
 
 
 def _name(label: str, servers) -> str:
-    """The cell's label, with its shards when its engine has any (table.cells gives "" else)."""
-    return f"{label} ({servers} shard{'s' if str(servers) != '1' else ''})" if servers != "" else label
+    """The cell's label, with its shards when its engine has any (table.cells gives "" else):
+    "ps-sync (1 separate shard)", "ps-sync (4 shards)"."""
+    if servers == "":
+        return label
+    count, _, where = str(servers).partition(" ")
+    return f"{label} ({count}{' ' + where if where else ''} shard{'s' if count != '1' else ''})"
 
 
 def verdicts(runs: list[Run]) -> list[str]:

@@ -101,9 +101,21 @@ def process_counts(fn):
                         help=f"Number of workers (data shards) [default: {RunConfig.workers}].")(fn)
 
 
+def _rate(ctx, param, value):
+    """--net's RATE, checked here so that the error names --net."""
+    if value is not None:
+        from experiments.settings.net import parse_rate
+
+        try:
+            parse_rate(value)
+        except ValueError as err:
+            raise click.BadParameter(str(err)) from None
+    return value
+
+
 def net_option(fn):
     """--net RATE: the run on an emulated cluster, for `psar run` and `psar compare`."""
-    return click.option("--net", "net", default=None, metavar="RATE",
+    return click.option("--net", "net", default=None, metavar="RATE", callback=_rate,
                         help="Emulated cluster: each worker (and, with --set net.placement=separate, "
                         "each server shard) on a host of its own, every link shaped to RATE each way "
                         "(tc units: 200mbit, 1gbit). Needs root. --set net.latency_ms=X adds delay; "

@@ -51,10 +51,12 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
                           f"{n} worker(s)" + (f", {s} server shard(s){where.replace('-', ' ')}"
                                               if with_servers else "")))
     run_dirs, failures = [], []
+    # the workload as it runs: the experiment, with what the overrides change of its model and data
+    workload = experiment + "".join(f" {o}" for o in overrides if o.startswith(("model.", "data.")))
     for repeat in range(1, repeats + 1):
         for cfg, name, shape in cells:
             run_dir = Path(out) / "runs" / (name + (f"-r{repeat}" if repeat > 1 else ""))
-            echo(f"running {experiment} with {cfg.engine} on {shape} -> {run_dir}")
+            echo(f"running {workload} with {cfg.engine} on {shape} -> {run_dir}")
             try:
                 launch_batch([(cfg, run_dir)], script=script, max_restarts=max_restarts)
             except LaunchError as err:

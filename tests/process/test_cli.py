@@ -290,3 +290,19 @@ def test_table_names_every_run_it_leaves_out(tmp_path):
     assert f"skipped {folder / 'failed'}: failed: rank 1 exited with code 1" in said
     assert f"skipped {folder / 'running'}: unfinished (no summary.json)" in said
     assert f"skipped {folder / 'notes'}: not a run (no config.json)" in said
+
+
+def test_a_bad_rate_is_named_as_the_flag_given(tmp_path):
+    result = invoke("run", "quickstart", "--net", "fast", "--out", tmp_path / "x")
+    assert result.exit_code == 2 and "'--net': rate 'fast'" in result.output and "net.rate" not in result.output
+
+
+def test_a_grid_says_what_its_overrides_change_of_the_model(monkeypatch, tmp_path):
+    """The period comparison trains mlp-mid with model.hidden=[512,512]: its lines say so."""
+    import experiments.comparisons.runner as runner
+
+    monkeypatch.setattr(runner, "launch_batch", lambda *a, **k: None)
+    said = []
+    runner.run_grid("mlp-mid", [runner.Variant("allreduce")], [2], tmp_path, ("model.hidden=[512,512]",), steps=2,
+                    echo=said.append)
+    assert said and said[0].startswith("running mlp-mid model.hidden=[512,512] with allreduce on 2 worker(s)")

@@ -231,3 +231,25 @@ def test_runs_that_differ_only_in_how_the_shards_answer_are_two_cells():
             for n, config in (("a", {}), ("b", {"ps": {"exchange": "phased"}})))
     assert plots._order(a) != plots._order(b)
     assert {plots._variant(r, [a, b]) for r in (a, b)} == {0, 1}
+
+
+def test_the_ideal_line_is_in_the_legend_only_where_one_is_drawn(tmp_path, monkeypatch):
+    """Runs of one worker count: no ideal line, so no legend entry for one; with two worker
+    counts both."""
+    import matplotlib.axes
+
+    labels = []
+    plot = matplotlib.axes.Axes.plot
+
+    def recording(self, *args, **kwargs):
+        labels.append(kwargs.get("label"))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording)
+    one = [_run("allreduce", SKEWED, workers=2), _run("ps-sync", SKEWED, workers=2)]
+    plots.throughput_vs_workers(one, tmp_path)
+    assert not any(label and label.startswith("ideal") for label in labels)
+    labels.clear()
+    two = one + [Run(Path("/runs/allreduce-1"), one[0].config, {**one[0].summary, "workers": 1}, SKEWED)]
+    plots.throughput_vs_workers(two, tmp_path)
+    assert "ideal: linear from fewest workers" in labels

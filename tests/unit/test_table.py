@@ -133,3 +133,12 @@ def test_runs_that_differ_in_a_setting_or_argument_are_never_one_row():
     names = style.names(runs, workers=True)
     assert names[Path("/runs/a")] == names[Path("/runs/b")] != names[Path("/runs/c")] != names[Path("/runs/d")]
     assert rows(runs[:2])[0]["engine"] == "ps-sync"  # nothing differs: the plain name
+
+
+def test_the_verdict_counts_shards_in_words():
+    from analysis.verdict import _name
+
+    assert _name("ps-sync", "1 separate") == "ps-sync (1 separate shard)"
+    assert _name("ps-sync", "4 separate") == "ps-sync (4 separate shards)"
+    assert _name("ps-sync", 1) == "ps-sync (1 shard)" and _name("ps-sync", 2) == "ps-sync (2 shards)"
+    assert _name("allreduce/ring", "") == "allreduce/ring"
