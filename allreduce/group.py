@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 
 import torch
@@ -89,15 +90,39 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> int:
     return nbytes
 
 
+_script_owns = False
+"""Whether the process group is a user's script's (script_group): an engine's close then
+leaves it to the script's own dist.destroy_process_group()."""
+
+
+def script_group(device: torch.device, rank: int, world: int, timeout_s: float) -> str:
+    """torch.distributed for a user's script, as after init_process_group under torchrun:
+    the group the engine made (allreduce, ddp), or a new one on device's backend; from now on
+    the script's. Destroyed at exit where the script does not destroy it. Returns the backend."""
+    global _script_owns
+    backend = init_process_group(device, rank, world, timeout_s)
+    if not _script_owns:
+        _script_owns = True
+        atexit.register(_destroy_left)
+    return backend
+
+
+def _destroy_left() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shutdown(backward_states: BackwardStates | None = None) -> None:
     """Leave the job after every rank has arrived, so no rank tears down a peer mid-message,
     and once this rank's backend threads have let go of the collectives started inside
-    backward (see allreduce.backward_state)."""
+    backward (see allreduce.backward_state). A script's group (script_group) stays, for the
+    script's own calls after job.close()."""
     if dist.is_initialized():
         dist.barrier()
         if backward_states is not None:
             backward_states.wait_released(f"rank {dist.get_rank()}")
-        dist.destroy_process_group()
+        if not _script_owns:
+            dist.destroy_process_group()
 
 
 def racks_by_host(world: int) -> tuple[int, ...]:

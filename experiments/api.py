@@ -105,7 +105,24 @@ def init(engine: str | None = None, out: str | Path | None = None, overrides: Se
     if spec.uses_servers and not servers:
         raise ValueError(f"engine {cfg.engine} needs the server shards' addresses: start the script with "
                          f"psar launch, or set {SERVERS_ENV}=tcp://HOST:PORT,... (see psar server)")
-    return Job(cfg, dataclasses.replace(env, servers=tuple(servers)), run_dir, resume=resume)
+    job = Job(cfg, dataclasses.replace(env, servers=tuple(servers)), run_dir, resume=resume)
+    _process_group(job, cfg, env)
+    return job
+
+
+def _process_group(job: Job, cfg: RunConfig, env: DistEnv) -> None:
+    """torch.distributed as a torchrun script has it after init_process_group: the engine's
+    own group under allreduce and ddp; under the parameter servers one on Gloo that carries
+    only the script's own calls (the gradients go to the shards). The script may destroy it
+    after job.close(). A ps-* worker started again alone joins no group: the others' is theirs."""
+    import torch
+
+    from allreduce.group import script_group
+
+    if get_engine(cfg.engine).uses_servers and env.restarts:
+        return
+    device = torch.device("cpu") if get_engine(cfg.engine).uses_servers else job.device
+    script_group(device, env.rank, env.world, cfg.timeout_s)
 
 
 def _export_rendezvous(env: DistEnv) -> None:
