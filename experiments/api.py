@@ -27,6 +27,11 @@ summary.json. With `--set checkpoint.every=K` every rank checkpoints every K ste
 write it `for step in job.steps(N):`, which also follows ps-sync's backup workers. The module attach() returns has the model's own state_dict keys under
 every engine (DDP's would be "module.X").
 
+After init() torch.distributed is initialised as after init_process_group under torchrun,
+on every engine (under the parameter servers a Gloo group of the script's own, which never
+carries the gradients): the script's own dist calls work, and it may destroy the group after
+job.close().
+
 Under the parameter-server engines the optimizer runs on the shards: make_optimizer is
 called once, on worker 0, to learn which optimizer and settings to run there (SGD, Adam,
 AdamW or Adagrad, one parameter group).

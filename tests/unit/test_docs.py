@@ -60,3 +60,20 @@ def test_the_link_check_can_fail(tmp_path):
     page.write_text("# A title\n[ok](p.md#a-title) [gone](missing.md) [bad](p.md#nope)\n```\n[x](y.md)\n```\n")
     assert _links(page) == ["p.md#a-title", "missing.md", "p.md#nope"]
     assert _anchors(page) == {"a-title"}
+
+
+def test_the_script_diff_is_the_whole_difference_of_the_examples():
+    """docs/your-own-script.md's diff is every line in which convnet_psar.py's main() differs
+    from convnet_ddp.py's, nothing left out."""
+    import ast
+    import difflib
+
+    def main_of(name: str) -> list[str]:
+        text = (ROOT / "experiments" / "examples" / name).read_text()
+        fn = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        return text.splitlines()[fn.lineno - 1: fn.end_lineno]
+
+    whole = list(difflib.unified_diff(main_of("convnet_ddp.py"), main_of("convnet_psar.py"), lineterm="", n=1000))[3:]
+    page = (ROOT / "docs" / "your-own-script.md").read_text()
+    shown = re.search(r"```diff\n(.*?)\n```", page, flags=re.S).group(1).splitlines()
+    assert shown == whole
