@@ -88,6 +88,8 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
     if len(jobs) > 1 and any(cfg.net.rate for cfg, _ in jobs):  # each its own network and counters
         return [launch_batch([job], deadline_s, quiet, resume)[0] for job in jobs]
     nprocs, nservers = shapes.pop()
+    for cfg, _ in jobs:  # before any process starts or anything is written
+        check_devices(cfg)
     if max_restarts is not None:
         check_restartable(jobs[0][0])
     for cfg, run_dir in jobs if resume else []:  # before anything in the run directory changes
@@ -162,6 +164,24 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             files.write_json(run_dir / "summary.json", summary)
         summaries.append(summary)
     return summaries
+
+
+def check_devices(cfg: RunConfig, count: Callable[[], int] | None = None) -> None:
+    """LaunchError before anything starts where --device cuda cannot run: no CUDA device on
+    this host, or allreduce and ddp with more workers than GPUs (NCCL cannot put two ranks on
+    one GPU). count: the host's CUDA devices (default: torch's count)."""
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    gpus = count() if count is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if not gpus:
+        raise LaunchError("--device cuda was asked for, but torch sees no CUDA device on this host: "
+                          "use --device cpu")
+    if get_engine(cfg.engine).family == "ring" and cfg.workers > gpus:
+        raise LaunchError(f"{cfg.engine} on --device cuda puts each worker on a GPU of its own (NCCL cannot "
+                          f"put two ranks on one), and this host has {gpus} for {cfg.workers} workers: use at "
+                          f"most {gpus} workers, a ps-* engine (its workers share GPUs), or --device cpu")
 
 
 def _job_env(sites, nprocs: int, restarts: int = 0) -> dict[str, str]:

@@ -306,3 +306,22 @@ def test_a_grid_says_what_its_overrides_change_of_the_model(monkeypatch, tmp_pat
     runner.run_grid("mlp-mid", [runner.Variant("allreduce")], [2], tmp_path, ("model.hidden=[512,512]",), steps=2,
                     echo=said.append)
     assert said and said[0].startswith("running mlp-mid model.hidden=[512,512] with allreduce on 2 worker(s)")
+
+
+def test_a_cuda_run_that_cannot_run_is_refused_before_anything_starts(tmp_path):
+    """No CUDA device: refused, no run directory left behind. allreduce and ddp with more
+    workers than GPUs: refused naming the way out; ps-* share GPUs."""
+    from experiments.runtime.launcher import LaunchError, check_devices
+
+    if not torch.cuda.is_available():
+        result = invoke("run", "quickstart", "--device", "cuda", "--workers", 2, "--out", tmp_path / "x")
+        assert result.exit_code == 1 and "torch sees no CUDA device" in result.output
+        assert not (tmp_path / "x").exists()
+    for engine in ("allreduce", "ddp"):
+        cfg = build_config("quickstart", (), engine=engine, workers=2, device="cuda")
+        with pytest.raises(LaunchError, match="this host has 1 for 2 workers: use at most 1 workers, a ps-"):
+            check_devices(cfg, count=lambda: 1)
+        check_devices(cfg, count=lambda: 2)
+    check_devices(build_config("quickstart", (), engine="ps-sync", workers=4, device="cuda"), count=lambda: 1)
+    with pytest.raises(LaunchError, match="no CUDA device"):
+        check_devices(build_config("quickstart", (), engine="ps-sync", workers=2, device="cuda"), count=lambda: 0)
