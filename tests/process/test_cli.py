@@ -325,3 +325,10 @@ def test_a_cuda_run_that_cannot_run_is_refused_before_anything_starts(tmp_path):
     check_devices(build_config("quickstart", (), engine="ps-sync", workers=4, device="cuda"), count=lambda: 1)
     with pytest.raises(LaunchError, match="no CUDA device"):
         check_devices(build_config("quickstart", (), engine="ps-sync", workers=2, device="cuda"), count=lambda: 0)
+
+
+def test_the_command_list_cuts_no_summary():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    commands = result.output.split("Commands:")[1]
+    assert "..." not in commands and len(re.findall(r"^  \w", commands, flags=re.M)) == len(main.commands)
