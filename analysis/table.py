@@ -200,7 +200,8 @@ def _link_theory(group: list[Run], compute_s: float | None = None) -> dict:
         if run.summary.get("network") and run.records():
             link = run_link_time(run, run_traffic(run))
             if link is not None:
-                pairs.append((measured_step(run), (compute_s if inside else compute_time(run)) + link))
+                # under a period the link is paid once in run.period steps
+                pairs.append((measured_step(run), (compute_s if inside else compute_time(run)) + link / run.period))
     if not pairs:
         return {}
     step, theory = median([m for m, _ in pairs]), median([t for _, t in pairs])

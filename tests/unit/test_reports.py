@@ -108,3 +108,17 @@ def test_the_period_grid_and_its_report(tmp_path):
     # compute 0.01 s, communication 0.2 s: every 4 steps predicted 0.01 + 0.05 = 60 ms, measured 60
     assert "| allreduce/library | 4 | 500 | 60 | 60 | +0% |" in text
     assert {p.name for p in paths} == {"period.md", "period.csv", "period_loss_vs_time.png"}
+
+
+def test_a_periods_step_is_the_mean_over_whole_periods():
+    """Every 4th step exchanges (0.2 s), the others are local (0.01 s): the median (0.01)
+    would say nothing of the exchange; the mean over whole periods, step 0's period left
+    out, is (3 * 0.01 + 0.2) / 4."""
+    from analysis.costmodel import measured_step
+
+    step_s = [0.5] + [0.2 if (s + 1) % 4 == 0 else 0.01 for s in range(1, 14)]  # steps 4-11: two whole periods
+    records = [dict(step=s, step_s=t, comm_s=t - 0.01, loss=1.0, time=float(s)) for s, t in enumerate(step_s)]
+    run = Run(Path("/runs/p4"), {"allreduce": {"period": 4}}, dict(engine="allreduce", workers=2), {0: records})
+    assert measured_step(run) == pytest.approx((3 * 0.01 + 0.2) / 4)
+    every = Run(Path("/runs/p1"), {"allreduce": {"period": 1}}, dict(engine="allreduce", workers=2), {0: records})
+    assert measured_step(every) == 0.01  # the plain median where every step exchanges
