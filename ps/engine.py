@@ -42,21 +42,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 
 import torch
 
 from .client import PeerTimeout, PSClient, PSError
 from .codec import Packed
-from .config import WIRE_DTYPES, PSConfig
-from .layout import ITEMSIZE, ROW_MODULES, ParamSpec
+from .config import PSConfig
+from .engine_rows import RowTables
+from .engine_script import ScriptSteps
+from .forward_loads import ForwardLoads
+from .layout import ParamSpec
 from .protocol import MODES
 
 log = logging.getLogger("psar.ps.engine")
 
 
-class PSEngine:
+class PSEngine(RowTables, ScriptSteps):
     """Engine protocol (attach / backward / step / close) over server shards at `addresses`."""
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
@@ -87,8 +89,7 @@ class PSEngine:
         self._lazy = (forward_loads and mode == "sync" and config.order == "forward" and config.exchange == "pipelined"
                       and compression is None and not config.downpour and not config.reconnect_s
                       and not config.backup_workers)
-        self._awaiting: dict[int, list] = {}  # parameter index -> [name, sent at, handle, taken] bringing its values
-        self._late = {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}  # what taking them learnt, for step()
+        self._forward: ForwardLoads | None = None  # once attached, where _lazy
         self.compressor, self.memory = compression if compression is not None else (None, None)
         self.compress_s = 0.0  # this step's time compressing pushes (error feedback included)
         self.shards = [rank]
@@ -144,12 +145,8 @@ class PSEngine:
         self._prehooks = [module.register_forward_pre_hook(functools.partial(self._pull_rows, i))
                           for i, module in self._tables.items()]
         if self._lazy:  # each module's forward first takes the values of its own parameters
-            index = {id(p): i for i, (_, p) in enumerate(self._named)}
-            for module in model.modules():
-                own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-                if own:
-                    self._prehooks.append(module.register_forward_pre_hook(functools.partial(self._await, own)))
-            self._prehooks.append(model.register_state_dict_pre_hook(lambda *_: self.settle(counted=False)))
+            self._forward = ForwardLoads(self.client, layout, self.config.compression, self._load, self.trace)
+            self._prehooks += self._forward.hooks(model, self._named)
         # Sync steps are numbered by the shards' version; async/ssp by this worker's clock
         # (both 0 on a fresh run, where a resumed shard left them).
         self._step = version if self.mode == "sync" else max(self.client.clocks.values(), default=0)
@@ -161,8 +158,6 @@ class PSEngine:
         self._bucket_dense: list[int] = []  # its keys whose next values a sync pull asks for
         self._bucket_bytes = 0
         self._returned: set[int] = set()  # dense keys whose values come back with their push this step
-        self._carries: dict[int, list[int]] = {}  # id of a push+pull handle -> its keys (ps.order=forward)
-        self._coming = 0  # bytes of the values this step left to the next forward
         self._ready = 0  # parameters whose gradient arrived this step
         self._summed: dict[int, torch.Tensor] = {}  # Downpour: parameter -> its gradients since the last push
         self._pushes_made = self._step if self.mode != "sync" else 0  # async/ssp pushes carry it as their clock
@@ -180,14 +175,6 @@ class PSEngine:
                 if self.initializer is None or err.code != "not_initialized" or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-
-    def _table_module(self, model: torch.nn.Module, index: int) -> torch.nn.Module:
-        name, param = self._named[index]
-        owner = model.get_submodule(name.rpartition(".")[0])
-        if not isinstance(owner, ROW_MODULES) or owner.weight is not param:
-            raise RuntimeError(f"the shards hold {name!r} by rows, but it is not the weight of an "
-                               f"Embedding or EmbeddingBag in this worker's model")
-        return owner
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -283,151 +270,13 @@ class PSEngine:
             handle = self.client.push(step, None, self._bucket, pull=True, lr=self._lr(), **ask)
             self._pushes.append((name, time.time(), handle))
             self._returned.update(self._bucket_dense)
-            if self._lazy:
-                self._carries[id(handle)] = list(self._bucket)
+            if self._forward is not None:
+                self._forward.carry(handle, list(self._bucket))
         else:
             self._pushes.append((name, time.time(), self.client.push(step, None, self._bucket, lr=self._lr())))
             if self.mode == "sync" and self._bucket_dense and not self._phased:
                 self._pulls.append((name, time.time(), self.client.pull(self._bucket_dense, next_version=True)))
         self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
-
-    def allow_clip(self) -> None:
-        """A script's run: clip_grad_norm_ may come. Its first step's pushes wait until the
-        script either clips or steps (then every step is as without this)."""
-        if self.mode == "sync" and not self._tables:
-            self.clip_mode = None
-
-    def _release_deferred(self, clip: bool) -> None:
-        self.clip_mode = clip
-        deferred, self._deferred = self._deferred, []
-        for index in deferred:
-            self._enqueue(index, self._named[index][1])
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the step's averaged gradient by its global norm, as torch's clip_grad_norm_
-        under DDP: the shards hold the update, each gives the sum of squares of its part, and
-        every worker sends the same coefficient with its pull. Returns the norm."""
-        if self.config.downpour:
-            raise NotImplementedError("job.clip_grad_norm_ with ps.push_every or ps.fetch_every above 1: the "
-                                      "workers step on their own gradients between pushes")
-        if self.mode != "sync":
-            raise NotImplementedError(f"job.clip_grad_norm_ under ps-{self.mode}: each push is applied on "
-                                      f"arrival, so there is no averaged gradient to clip; use ps-sync")
-        if self.config.backup_workers:
-            raise NotImplementedError(f"job.clip_grad_norm_ with ps.backup_workers={self.config.backup_workers}: "
-                                      "a step's late pushes are dropped, so no worker knows the averaged "
-                                      "gradient's norm before the update")
-        if self._tables:
-            raise NotImplementedError("job.clip_grad_norm_ with row-sparse tables on the shards: their rows "
-                                      "are not held for a clip; set ps.sparse=dense")
-        if norm_type != 2.0:
-            raise NotImplementedError(f"job.clip_grad_norm_ with norm_type={norm_type}: the shards clip by the 2-norm")
-        if self.clip_mode is False:
-            raise RuntimeError("job.clip_grad_norm_ after steps without it: under ps-sync a script clips "
-                               "from its first step on (the shards hold each step's update for it)")
-        if self.clip_mode is None:
-            self._release_deferred(True)
-        self._flush(None)
-        sums = self.client.wait(self.client.norm()).sq
-        total = math.sqrt(sum(sums[s] for s in sorted(sums)))
-        self._scale = min(1.0, max_norm / (total + 1e-6))
-        return torch.tensor(total, dtype=torch.float64)
-
-    def _lr(self) -> float | None:
-        """The learning rate of the script's schedule for this step (None without one)."""
-        return None if self.schedule is None else float(self.schedule.param_groups[0]["lr"])
-
-    def _check_script(self) -> None:
-        """What a script did between backward and step that the shards would never see:
-        refused by name, never silently lost."""
-        changed = [self._named[i][0] for i, (grad, version) in self._pushed_grads.items()
-                   if self._named[i][1].grad is not grad or grad._version != version]
-        self._pushed_grads = {}
-        if changed:
-            shown = ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
-            raise RuntimeError(
-                f"the gradient of {shown} changed after backward pushed it to the shards (by "
-                f"torch.nn.utils.clip_grad_norm_, or another edit between job.backward() and job.step()): "
-                f"under ps-{self.mode} each gradient leaves during backward, so the change would be lost. "
-                f"Clip with job.clip_grad_norm_(max_norm): it clips the averaged gradient by its global "
-                f"norm on every synchronous engine (under ps-sync the shards agree on the norm)")
-        if self.schedule is None:
-            return
-        groups = self.schedule.param_groups
-        hyper = {k: v for k, v in groups[0].items() if k not in ("params", "lr", "initial_lr")}
-        if self._hyper is None:
-            self._hyper = hyper
-        moved = sorted(k for k in hyper if hyper[k] != self._hyper.get(k))
-        if len(groups) != 1 or moved:
-            what = f"{len(groups)} parameter groups" if len(groups) != 1 else f"its {', '.join(moved)}"
-            raise RuntimeError(f"job.optimizer changed {what}: under ps-{self.mode} the optimizer runs on the "
-                               f"shards, which take only the learning rate from a schedule (one group)")
-
-    def _row_grads(self, index: int, grad: torch.Tensor) -> dict:
-        """{key: (row ids within the key, summed rows)} of a table's sparse gradient; every key
-        of the table is pushed, with no rows where the batch touched none (a sync shard
-        counts a worker in once it pushed every key)."""
-        if not grad.is_sparse:
-            raise RuntimeError(f"{self._named[index][0]}: expected a sparse gradient from its lookup")
-        grad = grad.coalesce()
-        ids, rows = grad.indices()[0], grad.values()
-        out = {}
-        for key, (lo, hi) in self._key_spans(index, ids):
-            first = self.layout.key_rows(key)[0]
-            out[key.id] = (ids[lo:hi] - first, rows[lo:hi])
-        return out
-
-    def _key_spans(self, index: int, ids: torch.Tensor):
-        """(key, (lo, hi)) for each key of table `index`: ids[lo:hi] are its rows (ids sorted)."""
-        keys = self.layout.param_keys(index)
-        starts = torch.tensor([self.layout.key_rows(k)[0] for k in keys] + [self.layout.specs[index].shape[0]],
-                              device=ids.device)
-        bounds = torch.searchsorted(ids, starts).tolist()
-        return [(k, (bounds[j], bounds[j + 1])) for j, k in enumerate(keys)]
-
-    def prefetch(self, rows: dict[str, torch.Tensor]) -> None:
-        """Ask now for the rows the next batch will look up ({table parameter name: ids}), so
-        that they come back while this step ends (under sync: as soon as its update is done);
-        the next forward then uses them instead of asking. Called after backward."""
-        index_of = {self._named[i][0]: i for i in self._tables}
-        for name, ids in rows.items():
-            if name in index_of:
-                i = index_of[name]
-                self._prefetched[i] = self._ask_rows(i, torch.unique(ids.detach().reshape(-1)), self._step + 1)
-
-    def _ask_rows(self, index: int, ids: torch.Tensor, step: int) -> tuple:
-        """Send the pull of rows `ids` (sorted, unique) of table `index` for step `step`."""
-        spans = self._key_spans(index, ids)
-        rows = {key.id: ids[lo:hi] - self.layout.key_rows(key)[0] for key, (lo, hi) in spans}
-        started = time.time()
-        if self.mode == "sync":
-            h = self.client.pull(None, rows=rows, min_version={k.shard: self._want.get(k.shard, 0) for k, _ in spans})
-        else:
-            h = self.client.pull(None, rows=rows, clock=step if self.mode == "ssp" else None)
-        return ids, spans, h, started
-
-    def _pull_rows(self, index: int, module: torch.nn.Module, args: tuple) -> None:
-        """Forward pre-hook of a table: pull the rows this lookup reads (unless prefetched),
-        then let it run."""
-        ids = torch.unique(args[0].detach().reshape(-1))  # sorted
-        asked = self._prefetched.pop(index, None)
-        if asked is not None and not torch.equal(asked[0], ids):  # another batch than announced
-            self.client.wait(asked[2])
-            asked = None
-        prefetched = asked is not None
-        self.row_pulls["prefetched" if prefetched else "at_lookup"] += 1
-        ids, spans, h, started = asked or self._ask_rows(index, ids, self._step)
-        result = self.client.wait(h)
-        weight = module.weight
-        with torch.no_grad():
-            for key, _ in spans:
-                got = result.ids[key.id]
-                if got.numel():
-                    values = result.values[key.id].to(device=weight.device, dtype=weight.dtype)
-                    weight.index_copy_(0, got.to(weight.device) + self.layout.key_rows(key)[0], values)
-        if self.trace is not None:
-            self.trace(f"pull rows {self._named[index][0]}", started, h.done_at, thread="pull",
-                       rows=int(ids.numel()), prefetched=prefetched)
 
     def _load(self, values: dict[int, torch.Tensor]) -> None:
         """Copy {key id: flat values} into the parameters (the keys given, whole)."""
@@ -474,54 +323,12 @@ class PSEngine:
         self.settle()  # values of parameters this step's forward did not use
         loss.backward()
 
-    def _defer(self) -> set[int]:
-        """ps.order=forward: leave this step's push+pulls to the forward pre-hooks of the
-        modules whose parameters they bring values of; the ids of their handles (the bytes
-        of their values add up in _coming)."""
-        deferred = set()
-        for name, sent_at, handle in self._pushes:
-            keys = self._carries.pop(id(handle), None)
-            if keys is None:
-                continue
-            self._coming += self._value_bytes(keys)
-            entry = [name, sent_at, handle, False]
-            for param in {self.layout.keys[k].param for k in keys}:
-                self._awaiting.setdefault(param, []).append(entry)
-            deferred.add(id(handle))
-        self._carries.clear()
-        return deferred
-
-    def _await(self, indexes: list[int], _module, _args) -> None:
-        """Forward pre-hook of a module whose parameters are `indexes` (ps.order=forward):
-        their values first, as soon as their replies are in."""
-        for i in indexes:
-            for entry in self._awaiting.pop(i, ()):
-                self._take(entry)
-
-    def _take(self, entry: list, counted: bool = True) -> None:
-        """Wait for one deferred push+pull and load its values (counted: the wait is the
-        step's communication, not compute)."""
-        name, sent_at, handle, taken = entry
-        if taken:
-            return
-        entry[3] = True
-        start = time.perf_counter()
-        result = self.client.wait(handle)
-        if counted:
-            self._late["forward_s"] += time.perf_counter() - start
-        self._load(result.values)
-        self._late["staleness"].append(result.staleness)
-        self._late["wait_s"] = max(self._late["wait_s"], result.waited_s)
-        if self.trace is not None:
-            self.trace(f"push+pull {name}", sent_at, handle.done_at, thread="push", waited_on_server_s=result.waited_s)
-
     def settle(self, counted: bool = True) -> None:
         """Take every value the last step left to the next forward (ps.order=forward): the
-        parameters then hold the shards' values."""
-        awaiting, self._awaiting = self._awaiting, {}
-        for entries in awaiting.values():
-            for entry in entries:
-                self._take(entry, counted)
+        parameters then hold the shards' values (counted: the wait is this step's
+        communication)."""
+        if self._forward is not None:
+            self._forward.settle(counted)
 
     def step(self) -> dict:
         start = time.perf_counter()
@@ -548,7 +355,7 @@ class PSEngine:
                 self._pulls = [(f"step {self._step}", time.time(), self.client.pull(rest, clock=clock))]
             self._returned = set()
             waited = self._phase() if self._phased else 0.0
-            deferred = self._defer() if self._lazy else set()  # the next forward takes their values
+            deferred = self._forward.defer(self._pushes) if self._forward is not None else set()  # to the next forward
             pushes = [entry for entry in self._pushes if id(entry[2]) not in deferred]
             pushed = [self.client.wait(h) for _, _, h in pushes]
             pulled = [self.client.wait(h) for _, _, h in self._pulls]
@@ -557,8 +364,9 @@ class PSEngine:
         except (PeerTimeout, PSError) as err:
             if not self.config.reconnect_s:
                 raise
-            self._pushes, self._pulls, self._awaiting, self._coming = [], [], {}, 0
-            self._carries.clear()
+            self._pushes, self._pulls = [], []
+            if self._forward is not None:
+                self._forward.clear()
             self._bucket, self._bucket_names, self._bucket_dense, self._bucket_bytes = {}, [], [], 0
             self._reconnect(err)
             self._step += 1
@@ -586,8 +394,8 @@ class PSEngine:
         self._step += 1
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
-        late, self._late = self._late, {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}
-        coming, self._coming = self._coming, 0
+        late, coming = self._forward.handed_over() if self._forward is not None else \
+            ({"staleness": [], "wait_s": 0.0, "forward_s": 0.0}, 0)
         out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(coming),
                "wait_s": max([r.waited_s for r in results] + [waited, late["wait_s"]]),
                "staleness": late["staleness"] + staleness}
@@ -607,11 +415,6 @@ class PSEngine:
         sent, received = sent_now - self._sent, self.client.bytes_recv - self._received + coming
         self._sent, self._received = sent_now, self.client.bytes_recv + coming
         return {"bytes_sent": sent, "bytes_recv": received}
-
-    def _value_bytes(self, keys) -> int:
-        """The bytes of keys' values as the shards send them (ps.compression's dtype, or the layout's)."""
-        wire = WIRE_DTYPES[self.config.compression]
-        return sum(self.layout.keys[k].numel * ITEMSIZE[wire or self.layout.key_dtype[k]] for k in keys)
 
     def _phase(self) -> float:
         """ps.exchange=phased: wait until every shard has finished the step, then pull the
