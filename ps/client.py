@@ -14,17 +14,19 @@ import threading
 import time
 import heapq
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
+from ps.client_heartbeat import Heartbeats
+from ps.client_window import PushWindow
 from ps.codec import Codec, Packed
+from ps.flight import Handle, PSError, Result
 from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import Limits, Message, ProtocolError, decode, encode
 from ps.security import load_client_keys
-from ps.transport import ClientTransport, PeerTimeout, PollSet, TransportError
+from ps.transport import ClientTransport, PeerTimeout, PollSet
 
 log = logging.getLogger("psar.ps.client")
 
@@ -36,61 +38,7 @@ UNBLOCK_S = 0.5
 ones anyway (see PSClient._unblock)."""
 
 
-class PSError(RuntimeError):
-    """A server answered with an error, or sent something that does not fit the protocol.
-    code: the error reply's code (ps.protocol.ERROR_CODES), None where it has none."""
-
-    def __init__(self, text: str, code: str | None = None) -> None:
-        super().__init__(text)
-        self.code = code
-
-
-@dataclass
-class Handle:
-    """An operation in flight on one or more shards; pass it to PSClient.wait."""
-
-    kind: str
-    pending: dict[int, int] = field(default_factory=dict)  # request id -> shard
-    replies: dict[int, Message] = field(default_factory=dict)  # shard -> reply
-    error: Exception | None = None
-    timeout_s: float = 60.0
-    keep: list = field(default_factory=list, repr=False)  # sent tensors stay alive until the replies
-    done_at: float = 0.0  # wall time (time.time) the last reply was read
-
-    @property
-    def done(self) -> bool:
-        return not self.pending or self.error is not None
-
-
-@dataclass
-class Result:
-    """What PSClient.wait gives for every kind of request: what its shards' replies carry
-    (fields a kind's replies do not carry keep their empty defaults)."""
-
-    kind: str
-    """The request: "push", "push+pull", "pull", "wait", "norm", "stats", "checkpoint", ..."""
-    version: int = 0
-    """The smallest version over the shards that answered (0 where none names one)."""
-    versions: dict[int, int] = field(default_factory=dict)
-    """shard -> the version its reply names (of the values it sent, for a pull)."""
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    """key id -> flat chunk (built on the received frame, no copy): pull, push+pull, checkpoint."""
-    waited_s: float = 0.0
-    """Longest time a shard held the answer back for its condition (waiting for other workers)."""
-    ids: dict[int, torch.Tensor] = field(default_factory=dict)
-    """key id -> the row ids whose values `values` holds ((n, dim)), for keys pulled by rows."""
-    staleness: int = 0
-    """Of a push or push+pull: the largest staleness the shards reported for the push."""
-    sq: dict[int, float] = field(default_factory=dict)
-    """Of a norm: shard -> the sum of squares of its averaged gradient of the held step."""
-    bodies: dict[int, Any] = field(default_factory=dict)
-    """shard -> the body its reply carries (stats: its counters)."""
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    """key id -> under compressed pulls, the gradient the shard's update applied
-    (decompressed, flat), for this worker to apply the same optimizer step to (ps.codec)."""
-
-
-class PSClient:
+class PSClient(PushWindow, Heartbeats):
     """Client of worker `worker` towards the server shards at `addresses` (shard order).
 
     Args:
@@ -491,38 +439,6 @@ class PSClient:
     # before it can answer anyone). Without it, one shard and 2 workers on 200mbit: 2.19 s a
     # step; with 3 MiB, 2.11 s (4 workers: 4.79 s, 4.45 s; the ideal 1.95 s and 3.90 s).
 
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes of the push+pulls the window still holds on this client (not in bytes_sent)."""
-        return sum(m[3] for held in self._held.values() for m in held)
-
-    def _fits(self, s: int, nbytes: int) -> bool:
-        return not self._unanswered[s] or self._unanswered[s] + nbytes <= self._window
-
-    def _send(self, s: int, req: int, frames: list, nbytes: int, counted: bool = False) -> None:
-        self._transports[s].send(frames)
-        self.bytes_sent += nbytes
-        if counted and self._window:
-            self._unanswered[s] += nbytes
-            self._counted[req] = (s, nbytes)
-
-    def _release(self, req: int) -> None:
-        """req was answered (or abandoned): send what the window now lets through."""
-        s, nbytes = self._counted.pop(req, (None, 0))
-        if s is None:
-            return
-        self._unanswered[s] -= nbytes
-        held = self._held[s]
-        while held and self._fits(s, held[0][3]):
-            self._send(s, *heapq.heappop(held)[1:], counted=True)
-
-    def _unblock(self) -> None:
-        """Nothing came for a while with messages held: send each shard's next one anyway, so
-        that workers whose keys leave in different orders can never wait on each other."""
-        for s, held in self._held.items():
-            if held:
-                self._send(s, *heapq.heappop(held)[1:], counted=True)
-
     def _wait_replies(self, h: Handle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         waited = False
@@ -552,29 +468,6 @@ class PSClient:
         h.keep.clear()
         if h.error is not None:
             raise h.error
-
-    def _check_heartbeats(self, h: Handle) -> None:
-        """A shard that stopped answering heartbeats is gone: say so without waiting timeout_s
-        (a reply held back on purpose still comes with heartbeats answered meanwhile)."""
-        if self._hb_thread is None or self._hb_stop.is_set():
-            return
-        silence_s = max(3 * self.heartbeat_s, 2.0)
-        now = time.monotonic()
-        if now - self._hb_tick > silence_s:  # the heartbeats did not run (this process stopped): nothing known
-            return
-        pending = sorted(set(h.pending.values()))
-        # Any shard, not only those this wait is for: a reply from another shard may be held
-        # back until the other workers take their next step, which needs that shard rejoined.
-        restarted = sorted(self.forgotten) if h.kind != "join" else []
-        if restarted:
-            where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in restarted)
-            raise PSError(f"worker {self.worker}: {where} restarted and no longer knows this worker; "
-                          f"{h.kind} (req {sorted(h.pending)}) cannot go on until it joins again")
-        gone = [s for s in pending if now - self.last_heard.get(s, now) > silence_s]
-        if gone:
-            where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in gone)
-            raise PeerTimeout(f"worker {self.worker}: {where} stopped answering heartbeats "
-                              f"{silence_s:g} s ago, with {h.kind} (req {sorted(h.pending)}) unanswered")
 
     def abandon(self) -> None:
         """Forget every request in flight (after a shard restarted, their replies never come)."""
@@ -628,48 +521,3 @@ class PSClient:
             h.pending.clear()
         else:
             h.replies[s] = msg
-
-    # -- heartbeats ----------------------------------------------------------------------------
-
-    def _start_heartbeat(self) -> None:
-        if self._hb_thread is None:
-            self.last_heard = {s: time.monotonic() for s in range(len(self.addresses))}
-            self._hb_tick = time.monotonic()
-            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"ps-heartbeat-{self.worker}",
-                                               daemon=True)
-            self._hb_thread.start()
-
-    def _heartbeat_loop(self) -> None:
-        transports = [self._transport(a, send_timeout_s=self.heartbeat_s) for a in self.addresses]
-        try:
-            while not self._hb_stop.wait(self.heartbeat_s):
-                now = time.monotonic()
-                if now - self._hb_tick > 2 * self.heartbeat_s + 1.0:
-                    # This process was stopped (SIGSTOP, a preempted VM): the shards' silence
-                    # meanwhile is ours; they get a fresh interval to answer.
-                    self.last_heard = {s: now for s in self.last_heard}
-                self._hb_tick = now
-                joins = self.joins
-                header = encode({"op": "heartbeat", "worker": self.worker, "req": joins})
-                for s, t in enumerate(transports):
-                    while t.readable(0):  # replies: proof of life; errors are kept
-                        self.last_heard[s] = time.monotonic()
-                        try:
-                            msg = decode(t.recv(0), None, None, self._limits)
-                        except ProtocolError as e:
-                            msg = None
-                            self.heartbeat_error = f"{t.address}: malformed heartbeat reply: {e}"
-                        if msg is not None and msg.op == "error":
-                            self.heartbeat_error = f"{t.address}: {msg.get('error')}"
-                            # It restarted and forgot us; an answer to a heartbeat sent
-                            # before our last join says nothing about that join.
-                            with self._joins_lock:
-                                if msg.get("code") == "not_joined" and msg.req >= self.joins:
-                                    self.forgotten.add(s)
-                    try:
-                        t.send(header)
-                    except TransportError as e:
-                        self.heartbeat_error = str(e)
-        finally:
-            for t in transports:
-                t.close()
