@@ -15,120 +15,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 
+from experiments.runtime.iproute import (CMD_TIMEOUT_S, PREFIX, NetworkError, _alive, _kill_inside,  # noqa: F401
+                                         _namespaces, clean_stale, has_netem, run, unavailable)
+from experiments.runtime.netprobes import Probes
 from experiments.settings.net import parse_rate
 
-CMD_TIMEOUT_S = 20
-PREFIX = "psar-"
 IFNAME = "psar0"
 """Every host's interface to the bridge has this name, in its own namespace."""
 SUBNET = "10.213.0"
-
-class NetworkError(RuntimeError):
-    """A namespace, link or qdisc could not be made; the message has the command and its error."""
-
-
-def run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-    """Run an iproute2 command (input: its standard input); a failure raises NetworkError with
-    the command and stderr."""
-    cmd = tuple(map(str, cmd))
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S, input=input)
-    except subprocess.TimeoutExpired:
-        raise NetworkError(f"`{' '.join(cmd)}` did not end within {CMD_TIMEOUT_S} s") from None
-    except FileNotFoundError:
-        raise NetworkError(f"`{cmd[0]}` is not installed (iproute2)") from None
-    if check and res.returncode != 0:
-        raise NetworkError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
-    return res
-
-
-def unavailable() -> str | None:
-    """Why emulated hosts cannot be made here, in one line, or None if they can."""
-    if not os.uname().sysname == "Linux":
-        return f"emulated networks need Linux network namespaces, this is {os.uname().sysname}"
-    if os.geteuid() != 0:
-        return "emulated networks need root (network namespaces, veths and tc qdiscs)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"emulated networks need iproute2's `{tool}`, which is not on PATH"
-    probe = f"{PREFIX}{os.getpid()}-probe"
-    try:
-        run("ip", "netns", "add", probe)
-        run("ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
-        run("tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "1mbit",
-            "burst", "32kb", "latency", "50ms")
-    except NetworkError as err:
-        return f"cannot build a shaped link here: {err}"
-    finally:
-        run("ip", "netns", "del", probe, check=False)
-    return None
-
-
-def has_netem() -> bool:
-    """Whether this kernel has the netem qdisc (latency); tbf and htb are enough for rate."""
-    probe = f"{PREFIX}{os.getpid()}-netem"
-    try:
-        run("ip", "netns", "add", probe)
-        run("ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
-        return run("tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "netem", "delay", "1ms",
-                   check=False).returncode == 0
-    except NetworkError:
-        return False
-    finally:
-        run("ip", "netns", "del", probe, check=False)
-
-
-def _namespaces() -> list[str]:
-    return [line.split()[0] for line in run("ip", "netns", "list", check=False).stdout.splitlines()
-            if line.split()]
-
-
-def clean_stale() -> list[str]:
-    """Delete the namespaces of runs whose process is gone (a run killed before it could clean
-    up); returns their names. Live runs' namespaces are left alone."""
-    removed = []
-    for name in _namespaces():
-        m = re.match(rf"{PREFIX}(\d+)-", name)
-        if not m or _alive(int(m.group(1))):
-            continue
-        _kill_inside(name)
-        if run("ip", "netns", "del", name, check=False).returncode == 0:
-            removed.append(name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_inside(netns: str, attempts: int = 50) -> list[int]:
-    """SIGKILL every process in netns (only ones a run started there); the pids that stayed."""
-    pids: list[int] = []
-    for _ in range(attempts):
-        pids = [int(p) for p in run("ip", "netns", "pids", netns, check=False).stdout.split()]
-        if not pids:
-            return []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    return pids
 
 
 @dataclass
@@ -181,7 +79,7 @@ SMALL_SHARE = 0.05
 
 
 @dataclass
-class Network:
+class Network(Probes):
     """Hosts `names` on one bridge, every link shaped to `rate` both ways (htb where the host
     sends, tbf where the bridge sends), with
     `latency_ms` of netem delay each way where the kernel has netem.
@@ -365,98 +263,6 @@ class Network:
         self.created.clear()
         problems += [f"namespace {n} is still there" for n in _namespaces() if n.startswith(self.prefix + "-")]
         return problems
-
-    def check_tcp(self, port: int, timeout_s: float = 15.0) -> None:
-        """Every host can open a TCP connection to every other host's address (and reads back
-        which host answered); raises NetnsError naming the pair that cannot."""
-        listen = ("import socket,sys\n"
-                  "s=socket.create_server((sys.argv[1],int(sys.argv[2])))\n"
-                  "while True:\n"
-                  "    c,_=s.accept(); c.sendall(sys.argv[1].encode()); c.close()\n")
-        connect = ("import socket,sys,time\n"
-                   "end=time.monotonic()+float(sys.argv[2])\n"
-                   "for a in sys.argv[3:]:\n"
-                   "    while True:\n"
-                   "        try:\n"
-                   "            with socket.create_connection((a,int(sys.argv[1])),timeout=2) as c:\n"
-                   "                got=c.recv(64).decode()\n"
-                   "            break\n"
-                   "        except OSError as e:\n"
-                   "            if time.monotonic()>end: sys.exit(f'{a}: {e}')\n"
-                   "            time.sleep(0.1)\n"
-                   "    if got!=a: sys.exit(f'{a} answered as {got!r}')\n")
-        listeners = []
-        try:
-            for h in self.hosts.values():
-                listeners.append(subprocess.Popen(h.argv(sys.executable, "-c", listen, h.addr, port),
-                                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-            for src in self.hosts.values():
-                others = [h.addr for h in self.hosts.values() if h is not src]
-                try:
-                    res = subprocess.run(src.argv(sys.executable, "-c", connect, port, timeout_s, *others),
-                                         capture_output=True, text=True, timeout=timeout_s + 10)
-                except subprocess.TimeoutExpired:
-                    raise NetworkError(f"connectivity check from {src.netns} hung") from None
-                if res.returncode != 0:
-                    raise NetworkError(f"{src.netns} ({src.addr}) cannot reach another host over "
-                                     f"TCP port {port}: {res.stderr.strip()}")
-        finally:
-            for p in listeners:
-                p.kill()
-                p.wait(timeout=10)
-
-    def all_to_all(self, nbytes: int, port: int, timeout_s: float = 60.0) -> dict[str, float]:
-        """Every host sends nbytes to every other host at once, over connections opened
-        beforehand, and reads what they send it: the seconds from the common start until each
-        host has all its bytes acknowledged and all the others' in (bare TCP, the traffic of
-        co-located shards without psar). Raises NetworkError naming a host that fails."""
-        # Listeners first, connections a second before the common start, the bytes at it.
-        script = ("import socket,sys,threading,time\n"
-                  "me,port,n,start,limit=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),float(sys.argv[4]),"
-                  "float(sys.argv[5])\n"
-                  "peers=sys.argv[6:]\n"
-                  "srv=socket.create_server((me,port)); srv.settimeout(start+limit-time.time())\n"
-                  "time.sleep(max(0,start-1-time.time()))\n"
-                  "conns=[socket.create_connection((p,port),timeout=10) for p in peers]\n"
-                  "ends=[]\n"
-                  "def take(c):\n"
-                  "    got=0\n"
-                  "    while got<n:\n"
-                  "        b=c.recv(1<<20)\n"
-                  "        if not b: sys.exit(f'{me}: a peer closed after {got} of {n} bytes')\n"
-                  "        got+=len(b)\n"
-                  "    ends.append(time.time()); c.sendall(b'k')\n"
-                  "takers=[threading.Thread(target=take,args=(srv.accept()[0],)) for _ in peers]\n"
-                  "time.sleep(max(0,start-time.time()))\n"
-                  "buf=bytes(n)\n"
-                  "def give(c):\n"
-                  "    c.sendall(buf)\n"
-                  "    if c.recv(1)!=b'k': sys.exit(f'{me}: no acknowledgement')\n"
-                  "givers=[threading.Thread(target=give,args=(c,)) for c in conns]\n"
-                  "for t in takers+givers: t.start()\n"
-                  "for t in takers+givers: t.join(start+limit-time.time())\n"
-                  "print(max(ends+[time.time()])-start)\n")
-        start = time.time() + 2.0 + 0.3 * len(self.hosts)
-        procs = {name: subprocess.Popen(h.argv(sys.executable, "-c", script, h.addr, port, nbytes, start, timeout_s,
-                                               *[o.addr for o in self.hosts.values() if o is not h]),
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name, h in self.hosts.items()}
-        seconds = {}
-        try:
-            for name, proc in procs.items():
-                try:
-                    out, err = proc.communicate(timeout=max(1.0, start + timeout_s - time.time()))
-                except subprocess.TimeoutExpired:
-                    raise NetworkError(f"all-to-all: host {name} did not finish within {timeout_s:g} s") from None
-                if proc.returncode != 0:
-                    raise NetworkError(f"all-to-all: host {name} failed: {err.strip()[-300:]}")
-                seconds[name] = float(out.split()[-1])
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=10)
-        return seconds
 
     def __enter__(self) -> "Network":
         self._old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
