@@ -9,7 +9,6 @@ thread has its own sockets.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 import heapq
@@ -19,26 +18,20 @@ from typing import Any, Sequence
 import torch
 
 from ps.client_heartbeat import Heartbeats
+from ps.client_replies import Replies
 from ps.client_window import PushWindow
 from ps.codec import Codec, Packed
 from ps.flight import Handle, PSError, Result
 from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
-from ps.protocol import Limits, Message, ProtocolError, decode, encode
+from ps.protocol import Limits, Message, encode
 from ps.security import load_client_keys
 from ps.transport import ClientTransport, PeerTimeout, PollSet
-
-log = logging.getLogger("psar.ps.client")
 
 __all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "Result"]
 
 
-UNBLOCK_S = 0.5
-"""With push+pulls held by the window, a wait that hears nothing for this long sends the next
-ones anyway (see PSClient._unblock)."""
-
-
-class PSClient(PushWindow, Heartbeats):
+class PSClient(Replies, PushWindow, Heartbeats):
     """Client of worker `worker` towards the server shards at `addresses` (shard order).
 
     Args:
@@ -438,86 +431,3 @@ class PSClient(PushWindow, Heartbeats):
     # waits, leaving that shard's link to the workers behind (whose pieces the shard needs
     # before it can answer anyone). Without it, one shard and 2 workers on 200mbit: 2.19 s a
     # step; with 3 MiB, 2.11 s (4 workers: 4.79 s, 4.45 s; the ideal 1.95 s and 3.90 s).
-
-    def _wait_replies(self, h: Handle, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while not h.done:
-            if waited:  # what heartbeats learn ends a wait that goes on, not one answered at once
-                self._check_heartbeats(h)
-            waited = True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(h.pending.values()))
-                where = ", ".join(f"{self.addresses[s]} (shard {s})" for s in missing)
-                hint = f"; last heartbeat error: {self.heartbeat_error}" if self.heartbeat_error else ""
-                for s in missing:  # a refused handshake is the likeliest cause of a silent shard
-                    why = self._transports[s].handshake_error()
-                    hint += f"; handshake with {self.addresses[s]} failed: {why}" if why else ""
-                raise PeerTimeout(f"worker {self.worker}: no reply from {where} within {timeout_s:g} s "
-                                  f"to {h.kind} (req {sorted(h.pending)}){hint}")
-            # Wake at least every heartbeat interval: what the heartbeats learn (a shard gone
-            # silent, or restarted) must end this wait, not the timeout.
-            wait_s = min(left, self.heartbeat_s) if self._hb_thread is not None else left
-            if any(self._held.values()):
-                wait_s = min(wait_s, UNBLOCK_S)
-                if not self._progress(wait_s):
-                    self._unblock()
-            else:
-                self._progress(wait_s)
-        h.keep.clear()
-        if h.error is not None:
-            raise h.error
-
-    def abandon(self) -> None:
-        """Forget every request in flight (after a shard restarted, their replies never come)."""
-        for h in self._inflight.values():
-            h.pending.clear()
-        self._inflight.clear()
-        self._held.clear()
-        self._unanswered.clear()
-        self._counted.clear()
-
-    def _progress(self, timeout_s: float, drain: bool = False) -> int:
-        """Wait at most timeout_s for replies from the shards; file one from each shard that
-        has one (drain: every reply already here); how many came. Late replies of requests
-        no longer awaited are filed (and dropped) too."""
-        came = 0
-        ready = self._pollset.poll(timeout_s)
-        while ready:
-            for s in ready:
-                frames = self._transports[s].recv_ready()
-                if frames is not None:
-                    self._file(s, frames)
-                    came += 1
-            # A wait polls again while its handle is pending; a failed non-blocking receive
-            # costs 4x a poll, so more replies are looked for by polling.
-            ready = self._pollset.poll(0) if drain else ()
-        return came
-
-    def _file(self, s: int, frames: list) -> None:
-        self.bytes_recv += sum(len(f) for f in frames)  # bytes, or byte views (ps.transport)
-        try:
-            msg = decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire, codec=self.codec)
-        except ProtocolError as e:
-            raise PSError(f"malformed reply from {self.addresses[s]} (shard {s}): {e}") from e
-        h = self._inflight.pop(msg.req, None)
-        self._release(msg.req)
-        if h is None:
-            if msg.op == "error" and msg.req == -1:  # the server could not even read our request id
-                raise PSError(f"{self.addresses[s]} (shard {s}) refused a message: {msg.get('error')}")
-            log.debug("worker %d: late reply %d from shard %d ignored", self.worker, msg.req, s)
-            return
-        h.pending.pop(msg.req, None)
-        h.done_at = time.time()
-        if msg.op == "error":
-            h.error = PSError(f"{self.addresses[s]} (shard {s}) refused {h.kind} (req {msg.req}): {msg.get('error')}",
-                              msg.get("code"))
-            for req in h.pending:  # the handle has failed: its other replies are not awaited
-                self._inflight.pop(req, None)
-            for shard, held in self._held.items():  # and what the window still holds of it is not sent
-                self._held[shard] = [m for m in held if m[1] not in h.pending]
-                heapq.heapify(self._held[shard])
-            h.pending.clear()
-        else:
-            h.replies[s] = msg
