@@ -11,7 +11,10 @@ the worker pulls only once every shard has finished the step, so that no reply s
 link with a push (shards co-located with workers). Under async and ssp each push asks for
 its keys' values once it is applied (ssp: within the staleness bound), so they too come back
 while later pieces leave. `step()` waits for the pushes and the pulls and copies the values
-into the model. The optimizer runs on the servers, so the `make_optimizer` given to attach is
+into the model; under ps-sync with ps.order=forward it leaves the push+pulls' values to the
+next forward, which takes each module's as it reaches it (ps/forward_loads.py). The buckets,
+the tables moved by rows and what a script does between backward and step are mixins of
+their own (ps/engine_buckets.py, ps/engine_rows.py, ps/engine_script.py). The optimizer runs on the servers, so the `make_optimizer` given to attach is
 not used here.
 
 Downpour SGD (ps.push_every, ps.fetch_every): a worker steps its own optimizer on each step's
