@@ -38,7 +38,7 @@ def _experiment_or_script(ctx, param, value: str) -> str:
                              f"comparison ({', '.join(COMPARISONS)}) nor a script (SCRIPT.py)")
 
 
-@click.command(short_help="Run an experiment or comparison with every engine: table, figures.")
+@click.command()
 @click.argument("name", callback=_experiment_or_script, metavar="NAME")
 @click.option("--args", "script_args", default="", metavar="'ARGS'",
               help="A script's own arguments, quoted as one string (NAME a SCRIPT.py).")
@@ -177,7 +177,7 @@ def _replace(out: Path, overwrite: bool) -> None:
     shutil.rmtree(out / "runs")
 
 
-@click.command(short_help="Draw the table and figures of finished runs.")
+@click.command()
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
@@ -208,7 +208,7 @@ def _say_skipped(run_dirs) -> None:
         click.echo(f"skipped {path}: {why}", err=True)
 
 
-@click.command("table", short_help="Print the comparison table of finished runs.")
+@click.command("table")
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False, path_type=Path))
 @friendly
@@ -226,7 +226,7 @@ def table_cmd(run_dirs) -> None:
     _say_skipped(run_dirs)
 
 
-@click.command("tensorboard", short_help="Write TensorBoard event files for finished runs.")
+@click.command("tensorboard")
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False, path_type=Path))
 @friendly
@@ -245,7 +245,7 @@ def tensorboard_cmd(run_dirs) -> None:
         click.echo(str(convert(run_dir)))
 
 
-@click.command("model", short_help="Alpha-beta cost model of a step: ring against parameter server.")
+@click.command("model")
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--bench", "bench_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -292,7 +292,7 @@ def model_cmd(run_dirs, bench_path, validate, out) -> None:
         click.echo(f"figure: {path}")
 
 
-@click.command(short_help="Make CurveZMQ keys for --curve.")
+@click.command()
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--workers", "names", default="worker", show_default=True, callback=_csv(str),
               help="Comma-separated client names, one keypair each (all allowed to connect).")

@@ -19,7 +19,7 @@ from experiments.cli.options import (
 )
 
 
-@click.command("list", short_help="List the named experiments, comparisons and engines.")
+@click.command("list")
 def list_cmd() -> None:
     """List the named experiments and the engines."""
     click.echo("experiments:")
@@ -36,8 +36,7 @@ def list_cmd() -> None:
         click.echo(f"  {spec.name:15s} {spec.summary}{carries}")
 
 
-@click.command(short_help="Run your own training script on N workers with one engine.",
-               context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("script", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @process_counts
@@ -94,7 +93,7 @@ def launch(script, script_args, workers, servers, out, engine, device, trace, ov
     click.echo(f"run directory: {run_dir}")
 
 
-@click.command(short_help="Train an experiment with one engine on this machine.")
+@click.command()
 @click.argument("experiment", type=click.Choice(list(presets.PRESETS)), required=False, metavar="EXPERIMENT")
 @process_counts
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -139,7 +138,7 @@ def run(experiment, workers, servers, out, resume_dir, max_restarts, overwrite, 
     click.echo(f"run directory: {run_dir}")
 
 
-@click.command(short_help="Run one worker of a multi-node job (torchrun, Slurm, by hand).")
+@click.command()
 @click.argument("experiment", type=click.Choice(list(presets.PRESETS)), metavar="EXPERIMENT")
 @click.option("--rank", type=int, default=None, help="This worker's rank (default: $RANK).")
 @click.option("--world", type=int, default=None, help="Number of workers (default: $WORLD_SIZE).")
@@ -202,7 +201,7 @@ def worker(experiment, rank, world, addresses, out, rejoin, engine, steps, seed,
     click.echo(f"run directory: {out}")
 
 
-@click.command(short_help="Measure all-reduce, push+pull and the engines' throughput.")
+@click.command()
 @click.option("--steps", type=int, default=15, show_default=True, help="Steps per throughput run.")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved rounds per engine.")
 @click.option("--workers", type=int, default=2, show_default=True)
@@ -237,7 +236,7 @@ def _addresses(value: str, bind: bool = False) -> tuple[str, ...]:
     return addresses
 
 
-@click.command(short_help="Serve one parameter-server shard of a multi-node run.")
+@click.command()
 @click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True,
               help="Address to serve at, tcp://HOST:PORT (127.0.0.1 keeps it on this host; "
               "tcp://0.0.0.0:PORT accepts other hosts).")

@@ -19,6 +19,7 @@ from experiments.cli.options import describe_summary
 from experiments.runtime.launcher import free_port
 from experiments.settings.presets import PRESETS, build_config
 
+ROOT_DIR = Path(__file__).resolve().parents[2]
 RECORD_FIELDS = {"step", "time", "loss", "samples", "compute_s", "comm_s", "bytes_sent", "bytes_recv"}
 SUMMARY_FIELDS = {"experiment", "engine", "workers", "steps", "seed", "final_loss", "eval",
                   "samples_per_sec", "wall_s", "bytes_per_worker_per_step", "param_sha256"}
@@ -327,8 +328,17 @@ def test_a_cuda_run_that_cannot_run_is_refused_before_anything_starts(tmp_path):
         check_devices(build_config("quickstart", (), engine="ps-sync", workers=2, device="cuda"), count=lambda: 0)
 
 
-def test_the_command_list_cuts_no_summary():
+def test_the_command_list_cuts_no_summary_and_imports_no_torch():
+    from experiments.cli import COMMANDS, SUMMARIES
+
     result = invoke("--help")
     assert result.exit_code == 0
     commands = result.output.split("Commands:")[1]
-    assert "..." not in commands and len(re.findall(r"^  \w", commands, flags=re.M)) == len(main.commands)
+    assert "..." not in commands and len(re.findall(r"^  \w", commands, flags=re.M)) == len(COMMANDS)
+    assert set(SUMMARIES) == set(COMMANDS)
+    code = ("import sys\nfrom experiments.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT_DIR)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+    for name in COMMANDS:  # every command loads and has its own help
+        assert invoke(name, "--help").exit_code == 0, name
