@@ -47,7 +47,7 @@ with open(f"{sys.argv[1]}/rank{job.rank}.json", "w") as f:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("engine", ["allreduce", "ddp", "ps-sync"])
+@pytest.mark.parametrize("engine", ["allreduce", "ddp", "ps-sync", "ps-easgd"])
 def test_the_scripts_own_collectives_and_destroy_work_on_every_engine(tmp_path, engine):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
