@@ -34,6 +34,25 @@ COLUMNS = [
 """Every column of summary.csv; summary.md leaves out those that are empty in every row
 (runs and the range appear with --repeats, note where a figure needs one)."""
 
+STATISTICS = {
+    "samples_per_sec": "all workers' samples per second while every worker trained (step 0 left out); "
+                       "median over the cell's runs",
+    "samples_per_sec_range": "slowest to fastest of the cell's runs",
+    "speedup": "samples/s over the 1-worker cell's",
+    "final_loss": "mean training loss of the last 10% of steps over every worker, median over the runs",
+    "steps_to_target": "first step at which the loss, averaged over workers and 5 steps, reached the "
+                       "target; median over the runs that reached it",
+    "comm_share": "communication time over step time, every rank and step after the first of every run",
+    "mb_per_worker_step": "MB one worker sent plus received in a step, averaged over steps and workers, "
+                          "mean over the runs",
+    "step_s": "median over ranks and steps after the first (mean over whole periods where the engine "
+              "communicates every H steps), median over the runs",
+    "theory_step_s": "compute plus the link time of the step's bytes at the link's rate (once in H "
+                     "steps under a period), median over the runs",
+    "staleness_median": "over every push of the cell's runs",
+}
+"""What each column is, for the lines under the table (legend)."""
+
 OPTIONAL = ("runs", "samples_per_sec_range", "steps_to_target", "time_to_target_s", "step_s",
             "theory_step_s", "measured_over_theory", "collision_rate", "note")
 
@@ -260,6 +279,13 @@ def write_report(rows: list[dict], out_dir: Path, columns, name: str, figures) -
     return text, [md_path, csv_path, *(f for f in figures if f)]
 
 
+def legend(table: list[dict]) -> str:
+    """One line per column the comparison table shows that needs one: what statistic it is."""
+    shown = {key for key, _ in COLUMNS if key not in OPTIONAL or any(row.get(key) not in (None, "") for row in table)}
+    titles = dict(COLUMNS)
+    return "".join(f"- {titles[key]}: {text}\n" for key, text in STATISTICS.items() if key in shown)
+
+
 def write(table: list[dict], out_dir: Path, columns=None, name: str = "summary",
           text: str | None = None) -> tuple[Path, Path]:
     """name.csv and name.md in out_dir (the comparison table's columns by default; text: the
@@ -271,5 +297,5 @@ def write(table: list[dict], out_dir: Path, columns=None, name: str = "summary",
         writer = csv.DictWriter(f, fieldnames=[key for key, _ in columns or COLUMNS])
         writer.writeheader()
         writer.writerows(table)
-    md_path.write_text(text if text is not None else markdown(table))
+    md_path.write_text(text if text is not None else markdown(table) + ("\n" + legend(table) if columns is None else ""))
     return csv_path, md_path

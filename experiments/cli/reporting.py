@@ -77,7 +77,7 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, overw
     """
     overrides = with_board(with_curve(overrides, curve), tensorboard)
     from analysis.results import load_runs
-    from analysis.table import failed_rows, markdown, rows, write
+    from analysis.table import failed_rows, legend, markdown, rows, write
 
     from experiments.comparisons.runner import run_grid, variants_of
 
@@ -135,6 +135,7 @@ def compare(name, script_args, engines, worker_counts, server_counts, out, overw
     csv_path, md_path = write(table, out)
     click.echo("")
     click.echo(markdown(table))
+    click.echo(legend(table))
     click.echo(f"table: {md_path} and {csv_path}")
     from analysis.verdict import verdicts
 
@@ -216,13 +217,15 @@ def table_cmd(run_dirs) -> None:
     """Print the comparison table of finished RUN_DIRS (run directories, or folders of them
     such as a `psar compare --out` folder), one per experiment; nothing is rerun or written."""
     from analysis.results import by_experiment, load_runs
-    from analysis.table import markdown, rows
+    from analysis.table import legend, markdown, rows
 
     groups = by_experiment(load_runs(run_dirs))
     for experiment, runs in groups.items():
         if len(groups) > 1:
             click.echo(f"{experiment}:")
-        click.echo(markdown(rows(runs)))
+        table = rows(runs)
+        click.echo(markdown(table))
+        click.echo(legend(table), nl=False)
     _say_skipped(run_dirs)
 
 

@@ -142,3 +142,13 @@ def test_the_verdict_counts_shards_in_words():
     assert _name("ps-sync", "4 separate") == "ps-sync (4 separate shards)"
     assert _name("ps-sync", 1) == "ps-sync (1 shard)" and _name("ps-sync", 2) == "ps-sync (2 shards)"
     assert _name("allreduce/ring", "") == "allreduce/ring"
+
+
+def test_the_legend_says_which_statistic_each_shown_column_is():
+    from analysis.table import legend
+
+    table = rows([_run("allreduce", 2, 100.0), _run("allreduce", 2, 120.0)])
+    text = legend(table)
+    assert "- samples/s: " in text and "median over the cell's runs" in text
+    assert "- samples/s range: slowest to fastest" in text
+    assert "- step (s)" not in text  # no step column without a network: no line for it
