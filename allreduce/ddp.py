@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -51,6 +53,7 @@ class DDPEngine:
             raise ValueError(f"PowerSGD and allreduce.compression={config.compression}: one compression at a time")
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self._compression, self._steps = compression, 0
+        self._module: _NamingLostRanks | None = None  # what attach returns
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
@@ -100,7 +103,8 @@ class DDPEngine:
                 post_local_gradient_allreduce=False), local.post_localSGD_hook)
             self.optimizer = PostLocalSGDOptimizer(self.optimizer, PeriodicModelAverager(
                 period=self.config.period, warmup_steps=warmup))
-        return _NamingLostRanks(self._ddp, self._liveness)
+        self._module = _NamingLostRanks(self._ddp, self._liveness)
+        return self._module
 
     def no_sync(self):
         """DDP's own no_sync (around the forward too: DDP reads it there)."""
@@ -131,8 +135,17 @@ class DDPEngine:
     def close(self) -> None:
         self._liveness.stop_stamping()  # before rank 0's shutdown takes the store down
         with self._liveness.naming_lost_ranks():
-            shutdown(self._backward_states)
+            shutdown(self._backward_states, release=self._release)
         self._liveness.close()
+
+    def _release(self) -> None:
+        """DDP's reducer is destroyed now, while the process group stands: destroyed after a
+        script's own destroy_process_group, at the interpreter's teardown, it hung a rank in
+        Gloo's native code (1 run in about 40, 2 cores busy)."""
+        if self._module is not None:
+            self._module.release()
+        self._ddp = None
+        gc.collect()
 
 
 class _NamingLostRanks(torch.nn.Module):
@@ -153,8 +166,15 @@ class _NamingLostRanks(torch.nn.Module):
         self._liveness = liveness
 
     def forward(self, *args, **kwargs):
+        if self._ddp is None:  # after job.close(): the model alone (an evaluation, say)
+            return self._model(*args, **kwargs)
         with self._liveness.naming_lost_ranks():
             return self._ddp(*args, **kwargs)
+
+    def release(self) -> None:
+        """Let go of DDP (its reducer and hooks) while the process group still stands; from
+        now on forward is the model's own."""
+        object.__setattr__(self, "_ddp", None)
 
     def train(self, mode: bool = True) -> "_NamingLostRanks":
         self._model.train(mode)  # the model's own flag too: its forward may read self.training

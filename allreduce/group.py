@@ -112,15 +112,18 @@ def _destroy_left() -> None:
         dist.destroy_process_group()
 
 
-def shutdown(backward_states: BackwardStates | None = None) -> None:
+def shutdown(backward_states: BackwardStates | None = None, release=None) -> None:
     """Leave the job after every rank has arrived, so no rank tears down a peer mid-message,
     and once this rank's backend threads have let go of the collectives started inside
-    backward (see allreduce.backward_state). A script's group (script_group) stays, for the
-    script's own calls after job.close()."""
+    backward (see allreduce.backward_state); release(): what must go while the group still
+    stands. A script's group (script_group) stays, for the script's own calls after
+    job.close()."""
     if dist.is_initialized():
         dist.barrier()
         if backward_states is not None:
             backward_states.wait_released(f"rank {dist.get_rank()}")
+        if release is not None:
+            release()
         if not _script_owns:
             dist.destroy_process_group()
 

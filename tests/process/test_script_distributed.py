@@ -46,7 +46,7 @@ with open(f"{sys.argv[1]}/rank{job.rank}.json", "w") as f:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["allreduce", "ddp", "ps-sync", "ps-easgd"])
 def test_the_scripts_own_collectives_and_destroy_work_on_every_engine(tmp_path, engine):
     script = tmp_path / "train.py"
@@ -54,7 +54,7 @@ def test_the_scripts_own_collectives_and_destroy_work_on_every_engine(tmp_path, 
     out = tmp_path / "said"
     out.mkdir()
     cfg = script_config(str(script), [str(out)], engine=engine, workers=2)
-    launch_batch([(cfg, tmp_path / "run")], deadline_s=180, quiet=True, script=[str(script), str(out)])
+    launch_batch([(cfg, tmp_path / "run")], deadline_s=60, quiet=True, script=[str(script), str(out)])
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["means"] == ranks[1]["means"]
     for step, mean in enumerate(ranks[0]["means"]):
