@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import heapq
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -417,17 +416,12 @@ class PSClient(Replies, PushWindow, Heartbeats):
             header["worker"], header["req"] = self.worker, req  # each header is built for this call
             frames = encode(header, tensors, ids[0] if ids else None, ids[1] if len(ids) > 1 else None)
             nbytes = sum(len(f) for f in frames)  # bytes, or byte views (ps.protocol.encode)
-            if kind == "push+pull" and self._window and (self._held[s] or not self._fits(s, nbytes)):
-                heapq.heappush(self._held[s], (req if priority is None else priority, req, frames, nbytes))
+            if kind == "push+pull":
+                self._push_pull(s, req, frames, nbytes, priority)
             else:
-                self._send(s, req, frames, nbytes, counted=kind == "push+pull")
+                self._send(s, req, frames, nbytes)
             h.pending[req] = s
             h.keep.append((tensors, ids))
             self._inflight[req] = h
         return h
 
-    # A window of push+pulls per shard: each is answered once every worker has pushed its
-    # keys, so a worker whose flow to a shard runs ahead of the others' fills its window and
-    # waits, leaving that shard's link to the workers behind (whose pieces the shard needs
-    # before it can answer anyone). Without it, one shard and 2 workers on 200mbit: 2.19 s a
-    # step; with 3 MiB, 2.11 s (4 workers: 4.79 s, 4.45 s; the ideal 1.95 s and 3.90 s).

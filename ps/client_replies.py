@@ -7,7 +7,6 @@ _held, _limits, _wire, _hb_thread, heartbeat_s, heartbeat_error, bytes_recv."""
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 
@@ -99,9 +98,7 @@ class Replies:
                               msg.get("code"))
             for req in h.pending:  # the handle has failed: its other replies are not awaited
                 self._inflight.pop(req, None)
-            for shard, held in self._held.items():  # and what the window still holds of it is not sent
-                self._held[shard] = [m for m in held if m[1] not in h.pending]
-                heapq.heapify(self._held[shard])
+            self._drop_held(h.pending)  # and what the window still holds of it is not sent
             h.pending.clear()
         else:
             h.replies[s] = msg
