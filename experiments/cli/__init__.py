@@ -16,37 +16,23 @@ import importlib  # noqa: E402
 import click  # noqa: E402
 
 COMMANDS = {
-    "bench": ("running", "bench"),
-    "compare": ("reporting", "compare"),
-    "keys": ("reporting", "keys"),
-    "launch": ("running", "launch"),
-    "list": ("running", "list_cmd"),
-    "model": ("reporting", "model_cmd"),
-    "plot": ("reporting", "plot"),
-    "run": ("running", "run"),
-    "server": ("running", "server"),
-    "table": ("reporting", "table_cmd"),
-    "tensorboard": ("reporting", "tensorboard_cmd"),
-    "worker": ("running", "worker"),
+    "bench": ("running", "bench", "Measure all-reduce, push+pull and the engines' throughput."),
+    "compare": ("reporting", "compare", "Run an experiment or comparison with every engine: table, figures."),
+    "keys": ("reporting", "keys", "Make CurveZMQ keys for --curve."),
+    "launch": ("running", "launch", "Run your own training script on N workers with one engine."),
+    "list": ("running", "list_cmd", "List the named experiments, comparisons and engines."),
+    "model": ("reporting", "model_cmd", "Alpha-beta cost model of a step: ring against parameter server."),
+    "plot": ("reporting", "plot", "Draw the table and figures of finished runs."),
+    "run": ("running", "run", "Train an experiment with one engine on this machine."),
+    "server": ("running", "server", "Serve one parameter-server shard of a multi-node run."),
+    "table": ("reporting", "table_cmd", "Print the comparison table of finished runs."),
+    "tensorboard": ("reporting", "tensorboard_cmd", "Write TensorBoard event files for finished runs."),
+    "worker": ("running", "worker", "Run one worker of a multi-node job (torchrun, Slurm, by hand)."),
 }
-"""name -> (module of experiments/cli, attribute): a command is imported (and torch with it)
-only when it runs or its own help is asked for."""
+"""name -> (module of experiments/cli, attribute, what `psar --help` says of it): a command is
+imported (and torch with it) only when it runs or its own help is asked for."""
 
-SUMMARIES = {
-    "bench": "Measure all-reduce, push+pull and the engines' throughput.",
-    "compare": "Run an experiment or comparison with every engine: table, figures.",
-    "keys": "Make CurveZMQ keys for --curve.",
-    "launch": "Run your own training script on N workers with one engine.",
-    "list": "List the named experiments, comparisons and engines.",
-    "model": "Alpha-beta cost model of a step: ring against parameter server.",
-    "plot": "Draw the table and figures of finished runs.",
-    "run": "Train an experiment with one engine on this machine.",
-    "server": "Serve one parameter-server shard of a multi-node run.",
-    "table": "Print the comparison table of finished runs.",
-    "tensorboard": "Write TensorBoard event files for finished runs.",
-    "worker": "Run one worker of a multi-node job (torchrun, Slurm, by hand).",
-}
-"""What `psar --help` says of each command, whole, without importing it."""
+SUMMARIES = {name: summary for name, (_, _, summary) in COMMANDS.items()}
 
 
 class Commands(click.Group):
@@ -58,7 +44,7 @@ class Commands(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module, attribute = COMMANDS[name]
+        module, attribute, _ = COMMANDS[name]
         return getattr(importlib.import_module(f"experiments.cli.{module}"), attribute)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
