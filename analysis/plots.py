@@ -57,10 +57,11 @@ def _order(run: Run) -> tuple:
     return run.label, run.summary["workers"], run.summary.get("servers", 1), run.placement or "", run.compression, run.period
 
 
-def _variant(run: Run, runs: list[Run]) -> int:
+def _variant(run: Run, runs: list[Run], named: dict | None = None) -> int:
     """Which of the runs that share run's label (and so its colour) this one is, so that a
-    line style or hatch can tell them apart (runs that differ in a setting are apart too)."""
-    named = style.names(runs, workers=True)
+    line style or hatch can tell them apart (runs that differ in a setting are apart too;
+    named: style.names(runs, workers=True), where the caller has it)."""
+    named = named if named is not None else style.names(runs, workers=True)
     shape = lambda r: (*_order(r), named[r.path])  # noqa: E731
     shapes = sorted({shape(r) for r in runs if r.label == run.label}, key=str)
     return shapes.index(shape(run))
@@ -70,9 +71,9 @@ def _line(run: Run, runs: list[Run]) -> dict:
     """Plot keywords of one run's line among `runs`: its label's colour, a line style per
     variant of that label, and widths that shrink down the list so that runs with identical
     losses (local, allreduce and ps-sync compute the same update) stay visible as outlines."""
-    i = runs.index(run)
-    return dict(color=style.colour(run.label), label=style.names(runs, workers=True)[run.path],
-                linestyle=LINESTYLES[_variant(run, runs) % len(LINESTYLES)],
+    i, named = runs.index(run), style.names(runs, workers=True)
+    return dict(color=style.colour(run.label), label=named[run.path],
+                linestyle=LINESTYLES[_variant(run, runs, named) % len(LINESTYLES)],
                 linewidth=3.0 - 2.0 * i / max(1, len(runs) - 1))
 
 
@@ -277,6 +278,7 @@ def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
     if not series:
         return None
     shown = [run for run, _ in series]
+    named = style.names(shown, workers=True)
     values = sorted({v for _, counts in series for v in counts})
     width = 0.8 / len(series)
     path = Path(out_dir) / "staleness_histogram.png"
@@ -287,8 +289,8 @@ def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
             offset = (i - (len(series) - 1) / 2) * width
             ax.bar([v + offset for v in values], [counts[v] / total for v in values], width,
                    color=style.colour(run.label), edgecolor="black", linewidth=0.5,
-                   hatch=HATCHES[_variant(run, shown) % len(HATCHES)],
-                   label=style.names(shown, workers=True)[run.path])
+                   hatch=HATCHES[_variant(run, shown, named) % len(HATCHES)],
+                   label=named[run.path])
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return path
 

@@ -225,10 +225,10 @@ def expand(paths) -> list[Path]:
     run directories found in it (in its runs/ first, as `psar compare` writes them)."""
     out = []
     for path in map(Path, paths):
-        if (path / "summary.json").exists() or not path.is_dir():
+        inner = _folder(path)
+        if inner is None:
             out.append(path)
             continue
-        inner = path / "runs" if (path / "runs").is_dir() else path
         found = sorted(p for p in inner.iterdir() if (p / "summary.json").exists())
         if not found:
             raise ValueError(f"{path} is neither a finished run directory (no summary.json) nor a "
@@ -237,15 +237,20 @@ def expand(paths) -> list[Path]:
     return out
 
 
+def _folder(path: Path) -> Path | None:
+    """Where the runs of a folder of them are (its runs/ first, as `psar compare` writes
+    them); None where path is a run directory itself (it has a summary.json) or no folder."""
+    if (path / "summary.json").exists() or not path.is_dir():
+        return None
+    return path / "runs" if (path / "runs").is_dir() else path
+
+
 def skipped(paths) -> list[tuple[Path, str]]:
     """The directories in the folders of `paths` that expand leaves out, each with why: a
     failed run (its worker's own account, "psar: ..." in its logs), an unfinished one (a
     config.json and no summary.json: still running, or stopped), or not a run at all."""
     out = []
-    for path in map(Path, paths):
-        if (path / "summary.json").exists() or not path.is_dir():
-            continue
-        inner = path / "runs" if (path / "runs").is_dir() else path
+    for inner in filter(None, map(_folder, map(Path, paths))):
         for p in sorted(inner.iterdir()):
             if (p / "summary.json").exists():
                 continue

@@ -250,12 +250,17 @@ def _fmt(value, missing: str = "-") -> str:
     return str(value)
 
 
+def _shown(table: list[dict], columns, optional) -> list[tuple[str, str]]:
+    """The (key, title) of columns a table shows: the optional ones only where a row has a value."""
+    return [(key, title) for key, title in columns
+            if key not in optional or any(row.get(key) not in (None, "") for row in table)]
+
+
 def markdown(table: list[dict], columns=None, optional=None, missing: str = "-") -> str:
     """The table in markdown: columns [(key, title)] (the comparison table's by default), the
     optional ones shown only where a row has a value; None printed as `missing`."""
     columns, optional = (COLUMNS, OPTIONAL) if columns is None else (columns, optional or ())
-    shown = [(key, title) for key, title in columns
-             if key not in optional or any(row.get(key) not in (None, "") for row in table)]
+    shown = _shown(table, columns, optional)
     lines = ["| " + " | ".join(title for _, title in shown) + " |",
              "|" + "|".join("---" for _ in shown) + "|"]
     for row in table:
@@ -281,9 +286,8 @@ def write_report(rows: list[dict], out_dir: Path, columns, name: str, figures) -
 
 def legend(table: list[dict]) -> str:
     """One line per column the comparison table shows that needs one: what statistic it is."""
-    shown = {key for key, _ in COLUMNS if key not in OPTIONAL or any(row.get(key) not in (None, "") for row in table)}
-    titles = dict(COLUMNS)
-    return "".join(f"- {titles[key]}: {text}\n" for key, text in STATISTICS.items() if key in shown)
+    shown = dict(_shown(table, COLUMNS, OPTIONAL))
+    return "".join(f"- {shown[key]}: {text}\n" for key, text in STATISTICS.items() if key in shown)
 
 
 def write(table: list[dict], out_dir: Path, columns=None, name: str = "summary",
