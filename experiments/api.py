@@ -124,9 +124,10 @@ def _process_group(job: Job, cfg: RunConfig, env: DistEnv) -> None:
 
     from allreduce.group import script_group
 
-    if get_engine(cfg.engine).uses_servers and env.restarts:
+    servers = get_engine(cfg.engine).uses_servers
+    if servers and env.restarts:
         return
-    device = torch.device("cpu") if get_engine(cfg.engine).uses_servers else job.device
+    device = torch.device("cpu") if servers else job.device
     script_group(device, env.rank, env.world, cfg.timeout_s)
 
 

@@ -54,7 +54,7 @@ from .config import PSConfig
 from .engine_buckets import Buckets
 from .engine_rows import RowTables
 from .engine_script import ScriptSteps
-from .forward_loads import ForwardLoads
+from .forward_loads import ForwardLoads, nothing_late
 from .layout import ParamSpec
 from .protocol import MODES
 
@@ -322,8 +322,7 @@ class PSEngine(Buckets, RowTables, ScriptSteps):
         self._step += 1
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
-        late, coming = self._forward.handed_over() if self._forward is not None else \
-            ({"staleness": [], "wait_s": 0.0, "forward_s": 0.0}, 0)
+        late, coming = self._forward.handed_over() if self._forward is not None else (nothing_late(), 0)
         out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(coming),
                "wait_s": max([r.waited_s for r in results] + [waited, late["wait_s"]]),
                "staleness": late["staleness"] + staleness}

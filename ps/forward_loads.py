@@ -19,6 +19,11 @@ from .config import WIRE_DTYPES
 from .layout import ITEMSIZE, Layout
 
 
+def nothing_late() -> dict:
+    """What taking no deferred values learns: no staleness, no hold-up, no wait."""
+    return {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}
+
+
 class ForwardLoads:
     """The values a step left to the next forward. load(values) copies {key: values} into
     the parameters (the engine's _load); trace as the engine's."""
@@ -35,7 +40,7 @@ class ForwardLoads:
         """Forget everything in flight (the client abandoned it)."""
         self._carries.clear()
         self._awaiting = {}
-        self._late = {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}
+        self._late = nothing_late()
         self._coming = 0
 
     def hooks(self, model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]) -> list:
@@ -105,5 +110,5 @@ class ForwardLoads:
         """({"staleness", "wait_s", "forward_s"} learnt since the last call, bytes of the values
         still coming), for step()'s record; both start again."""
         late, coming = self._late, self._coming
-        self._late, self._coming = {"staleness": [], "wait_s": 0.0, "forward_s": 0.0}, 0
+        self._late, self._coming = nothing_late(), 0
         return late, coming

@@ -80,7 +80,6 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-
 def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket | None:
     """A PAIR socket receiving sock's events, or None (monitoring is only diagnostics)."""
     try:
