@@ -34,7 +34,11 @@ job.close().
 
 Under the parameter-server engines the optimizer runs on the shards: make_optimizer is
 called once, on worker 0, to learn which optimizer and settings to run there (SGD, Adam,
-AdamW or Adagrad, one parameter group).
+AdamW or Adagrad, one parameter group). A script's own checkpoint works on every engine: after
+job.step(), model.state_dict() and job.optimizer.state_dict() are the state after that step
+(under the parameter servers read from the shards, in torch's layout); load the model before
+attach() and the optimizer with job.optimizer.load_state_dict() after it (which puts the state
+back on the shards). What the shards cannot take is refused by name.
 
 As under DDP, every gradient is final when `job.backward(loss)` returns on allreduce and
 ddp, so `job.clip_grad_norm_(max_norm)` (or torch's own clip on the model's parameters)

@@ -18,6 +18,7 @@ import torch
 
 from ps.client_heartbeat import Heartbeats
 from ps.client_replies import Replies
+from ps.client_whole import WholeCalls
 from ps.client_window import PushWindow
 from ps.codec import Codec, Packed
 from ps.flight import Handle, PSError, Result
@@ -30,7 +31,7 @@ from ps.transport import ClientTransport, PeerTimeout, PollSet
 __all__ = ["PSClient", "PSError", "PeerTimeout", "Handle", "Result"]
 
 
-class PSClient(Replies, PushWindow, Heartbeats):
+class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
     """Client of worker `worker` towards the server shards at `addresses` (shard order).
 
     Args:
@@ -363,26 +364,6 @@ class PSClient(Replies, PushWindow, Heartbeats):
         """Take whatever replies have arrived, without blocking; True once handle is done."""
         self._progress(0.0, drain=True)
         return handle.done
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Each shard's counters (blocking)."""
-        h = self._start("stats", {s: ({"op": "stats"}, None) for s in range(len(self.addresses))})
-        return [body for _, body in sorted(self.wait(h).bodies.items())]
-
-    def checkpoint(self) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
-        """({shard: version}, {key id: values}) snapshot of every shard (blocking)."""
-        result = self.wait(self._start("checkpoint", {s: ({"op": "checkpoint"}, None) for s in range(len(self.addresses))}))
-        return result.versions, result.values
-
-    def leave(self) -> None:
-        """Tell every shard this worker is done (blocking); it stops watching this worker and
-        ends once all have left. Stops the heartbeats."""
-        self._hb_stop.set()
-        self.wait(self._start("leave", {s: ({"op": "leave"}, None) for s in range(len(self.addresses))}))
-
-    def shutdown(self) -> None:
-        """Ask every shard to stop serving (blocking)."""
-        self.wait(self._start("shutdown", {s: ({"op": "shutdown"}, None) for s in range(len(self.addresses))}))
 
     def close(self) -> None:
         """Stop heartbeats and close the sockets; pending handles are abandoned."""

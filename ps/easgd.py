@@ -34,6 +34,8 @@ class EASGDEngine(PSEngine):
     """ps-easgd on the worker side: local steps, and an elastic exchange every
     config.easgd_tau steps with moving rate config.easgd_alpha (checked by PSConfig)."""
 
+    values_on_shards = False  # each worker's model is its own; the shards hold the centre
+
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str], config: PSConfig,
                  **kwargs) -> None:
         super().__init__(rank, world, device, addresses, "async", config, **kwargs)
@@ -50,6 +52,10 @@ class EASGDEngine(PSEngine):
         self._hooks = []
         self._optimizer = make_optimizer([p for _, p in self._named])
         return model
+
+    def _refuse_state(self, call: str, loading: bool) -> None:
+        raise NotImplementedError(f"{call} under ps-easgd: each worker's model and optimizer are its own and the "
+                                  "centre is the shards', so no one worker's checkpoint is the run's state")
 
     def allow_clip(self) -> None:
         pass  # torch's own clip_grad_norm_ acts on this worker's gradient, which never leaves

@@ -54,6 +54,7 @@ from .config import PSConfig
 from .engine_buckets import Buckets
 from .engine_rows import RowTables
 from .engine_script import ScriptSteps
+from .script_state import ScriptState
 from .forward_loads import ForwardLoads, nothing_late
 from .layout import ParamSpec
 from .protocol import MODES
@@ -61,8 +62,11 @@ from .protocol import MODES
 log = logging.getLogger("psar.ps.engine")
 
 
-class PSEngine(Buckets, RowTables, ScriptSteps):
+class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
     """Engine protocol (attach / backward / step / close) over server shards at `addresses`."""
+
+    values_on_shards = True
+    """The shards hold the parameters: a worker's own change to them would be lost."""
 
     def __init__(self, rank: int, world: int, device: torch.device, addresses: list[str],
                  mode: str, config: PSConfig, trace=None, settings: dict | None = None,
@@ -166,6 +170,7 @@ class PSEngine(Buckets, RowTables, ScriptSteps):
         self._pushes_made = self._step if self.mode != "sync" else 0  # async/ssp pushes carry it as their clock
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
                        for i, (_, p) in enumerate(self._named)]
+        self._mark_values()
         return model
 
     def _join(self):
@@ -249,6 +254,8 @@ class PSEngine(Buckets, RowTables, ScriptSteps):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.settle()  # values of parameters this step's forward did not use
+        if self.schedule is not None and self.values_on_shards and self._forward is None:
+            self._check_values()
         loss.backward()
 
     def settle(self, counted: bool = True) -> None:
@@ -319,6 +326,7 @@ class PSEngine(Buckets, RowTables, ScriptSteps):
         if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._pushes_made += int(self._pushing())
+        self._mark_values()
         self._step += 1
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
@@ -374,6 +382,7 @@ class PSEngine(Buckets, RowTables, ScriptSteps):
                                   f"ps.reconnect_s={self.config.reconnect_s:g} s: {again}") from err
                 time.sleep(self.config.heartbeat_s)
         self._load(values)
+        self._mark_values()
         self._want = dict(self.client.versions)
         self._prefetched = {}  # abandoned with everything else in flight
         lost = max((before.get(s, 0) - v for s, v in self.client.versions.items()), default=0)

@@ -2,7 +2,7 @@
 clipping by the global norm on the shards (ps-sync holds each step's update for it), the
 learning rate of its schedule, and refusals by name of what the shards would never see. A
 mixin of ps.engine.PSEngine, whose fields it reads: mode, config, client, clip_mode,
-schedule, _named, _tables, _deferred, _pushed_grads, _hyper, _scale."""
+schedule, _named, _tables, _deferred, _pushed_grads, _hyper, _scale, _marks."""
 
 from __future__ import annotations
 
@@ -53,6 +53,22 @@ class ScriptSteps:
         total = math.sqrt(sum(sums[s] for s in sorted(sums)))
         self._scale = min(1.0, max_norm / (total + 1e-6))
         return torch.tensor(total, dtype=torch.float64)
+
+    def _mark_values(self) -> None:
+        """The parameters now hold the shards' values (after attach and each step)."""
+        self._marks = [p._version for _, p in self._named]
+
+    def _check_values(self) -> None:
+        """A script that changed the parameters since (loaded a model after attach, or edited
+        them after a step) is refused before its gradients leave: the shards keep their own
+        values, so the change would be lost at the next step."""
+        changed = [name for i, ((name, p), mark) in enumerate(zip(self._named, self._marks))
+                   if p._version != mark and i not in self._tables]
+        if changed:
+            shown = ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
+            raise RuntimeError(f"the values of {shown} changed after job.attach() or job.step() (model.load_state_dict, "
+                               f"or an edit of the parameters): under ps-{self.mode} the shards hold the parameters and "
+                               f"would overwrite them. Load a model before job.attach(), which gives it to the shards")
 
     def _lr(self) -> float | None:
         """The learning rate of the script's schedule for this step (None without one)."""

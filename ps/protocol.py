@@ -31,6 +31,10 @@ then gives, per key, how many frames its message has, and 'meta' the small ints 
 receiver's codec says which frames a key's message must have; anything else is refused
 before a tensor is built. Whole keys only: a message has 'rows' or 'parts', never both.
 
+A 'state' asks a shard for the optimizer state of some of its keys; the reply carries it as
+ps/protocol_state.py says ('slots'). A 'load', from worker 0, carries the state of every key
+of the shard in the same form, and replaces the shard's.
+
 A 'wait' carries no keys: the shard answers it ('ok' with its version, no values) once it has
 finished the sync step to 'min_version', every key updated. A worker that pulls only after
 every shard answered its wait never has a pull's reply compete with a push for a link.
@@ -51,6 +55,7 @@ from ps.protocol_schema import (_ALLOWED, _BASE_SET, _FRAME_NAMES, _INT_SET, _MA
                                 _RARE_FIELDS, _TENSORS, BASE_FIELDS, ERROR_CODES, FRAME_DTYPES, FRAME_ITEMSIZE,
                                 MAX_PARTS, MODES, OP_FIELDS, OPS, PROTOCOL_VERSION, REPLIES, REQUESTS, Limits,
                                 Message, ProtocolError)
+from ps.protocol_state import decode_slots
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
@@ -79,6 +84,8 @@ def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None
     key, the int64 row ids it names, or None for the whole key ('rows' is filled in).
     parts, instead of tensors: per key, a compressed message's (frames, header ints)."""
     header = {"v": PROTOCOL_VERSION, **header}
+    if "slots" in header:  # optimizer state: the header has its fields (ps.protocol_state.state_fields)
+        return [msgpack.packb(header, use_bin_type=True), *(tensor_frame(t) for t in tensors)]
     n = len(header.get("keys", ()))
     if parts is not None:
         if n != len(parts) or tensors is not None or ids is not None:
@@ -208,6 +215,10 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
                 _fail(f"key {k} is not in the layout (keys 0..{n_keys - 1})")
             if shard is not None and key_shard[k] != shard:
                 _fail(f"key {k} belongs to shard {key_shard[k]}, not to this shard {shard}")
+    if "slots" in h:
+        if not _TENSORS <= fields:
+            _fail("optimizer state ('slots') needs header fields 'keys', 'dtypes' and 'shapes'")
+        return decode_slots(h, keys, views[1:], layout, limits)
     by_rows = "rows" in h
     rows = _check_rows(h, keys, layout, limits) if by_rows else itertools.repeat(-1)  # whole keys
     if h.get("pull") not in (None, 0, 1):

@@ -12,7 +12,8 @@ import torch
 from ps.layout import TORCH_DTYPES
 
 PROTOCOL_VERSION = 1
-REQUESTS = ("init", "join", "push", "pull", "wait", "norm", "heartbeat", "stats", "checkpoint", "shutdown", "leave")
+REQUESTS = ("init", "join", "push", "pull", "wait", "norm", "heartbeat", "stats", "checkpoint", "shutdown", "leave",
+            "state", "load")
 REPLIES = ("ok", "error")
 OPS = REQUESTS + REPLIES
 
@@ -30,7 +31,9 @@ OP_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "checkpoint": (set(), set()),
     "shutdown": (set(), set()),
     "leave": (set(), set()),
-    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows", "sq", "parts", "meta"} | _TENSORS),
+    "state": ({"keys"}, set()),
+    "load": ({"slots"} | _TENSORS, set()),
+    "ok": (set(), {"step", "version", "staleness", "body", "waited_us", "rows", "sq", "parts", "meta", "slots"} | _TENSORS),
     "error": ({"error"}, {"code"}),
 }
 BASE_FIELDS = ("op", "v", "worker", "req")

@@ -39,7 +39,17 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--lr-step", type=int, default=0, help="halve the learning rate every this many steps")
     parser.add_argument("--micro", type=int, default=1, help="micro-batches a step accumulates")
     parser.add_argument("--job-clip", action="store_true", help="convnet_psar.py: clip with job.clip_grad_norm_")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--save", default="", help="write a checkpoint here (model, optimizer, schedule, step)")
+    parser.add_argument("--save-at", type=int, default=0, help="... after this many steps")
+    parser.add_argument("--resume", default="", help="go on from this checkpoint")
     return parser.parse_args()
+
+
+def make_optimizer(args: argparse.Namespace, params) -> torch.optim.Optimizer:
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=args.lr)
 
 
 def main() -> None:
@@ -49,15 +59,25 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(convnet().to(dtype))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    net = convnet().to(dtype)
+    saved = torch.load(args.resume, weights_only=True) if args.resume else None
+    if saved:
+        net.load_state_dict(saved["model"])
+    model = DistributedDataParallel(net)
+    optimizer = make_optimizer(args, model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, args.lr_step or 1 << 30, gamma=0.5)
+    if saved:
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
     data = digits(dtype)
     sampler = DistributedSampler(data, world, rank, seed=0)
-    step = 0
+    step, done = 0, saved["step"] if saved else 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
+            step += 1
+            if step <= done:  # trained on before the checkpoint
+                continue
             optimizer.zero_grad()
             parts = list(zip(x.chunk(args.micro), y.chunk(args.micro)))
             for i, (xs, ys) in enumerate(parts):  # all but the last only accumulate
@@ -68,7 +88,12 @@ def main() -> None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
             scheduler.step()
-            step += 1
+            mean = loss.detach() * len(parts)
+            dist.all_reduce(mean)  # the step's loss (of its last micro-batch), over every rank
+            mean /= world
+            if step == args.save_at and rank == 0:
+                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(), "step": step}, args.save)
             if step == args.steps:
                 break
         if step == args.steps:
@@ -77,7 +102,7 @@ def main() -> None:
         out = os.environ.get("CONVNET_OUT")
         if out:
             torch.save(model.module.state_dict(), out)
-        print(f"rank 0: {step} steps, last loss {loss.item():.4f}")
+        print(f"rank 0: {step} steps, mean loss {mean.item():.6f}")
     dist.barrier()  # both ranks tear Gloo down together (one leaving mid-save aborted the other)
     dist.destroy_process_group()
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from experiments import api as psar                                    # psar
-from experiments.examples.convnet_ddp import arguments, convnet, digits
+from experiments.examples.convnet_ddp import arguments, convnet, digits, make_optimizer
 
 
 def main() -> None:
@@ -22,16 +22,25 @@ def main() -> None:
     job = psar.init()                                                  # psar
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = job.attach(convnet().to(dtype),                            # psar
-                       lambda params: torch.optim.SGD(params, lr=args.lr))
-    scheduler = torch.optim.lr_scheduler.StepLR(job.optimizer,         # psar
-                                                args.lr_step or 1 << 30, gamma=0.5)
+    net = convnet().to(dtype)
+    saved = torch.load(args.resume, weights_only=True) if args.resume else None
+    if saved:
+        net.load_state_dict(saved["model"])
+    model = job.attach(net, lambda params: make_optimizer(args, params))  # psar
+    optimizer = job.optimizer                                          # psar: every engine
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, args.lr_step or 1 << 30, gamma=0.5)
+    if saved:
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
     data = digits(dtype)
     sampler = DistributedSampler(data, world, rank, seed=0)
-    step = 0
+    step, done = 0, saved["step"] if saved else 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True):
+            step += 1
+            if step <= done:  # trained on before the checkpoint
+                continue
             parts = list(zip(x.chunk(args.micro), y.chunk(args.micro)))
             for i, (xs, ys) in enumerate(parts):  # all but the last only accumulate
                 with job.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():  # psar
@@ -43,7 +52,12 @@ def main() -> None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             job.step()                                                 # psar
             scheduler.step()
-            step += 1
+            mean = loss.detach() * len(parts)
+            dist.all_reduce(mean)  # the step's loss (of its last micro-batch), over every rank
+            mean /= world
+            if step == args.save_at and rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),  # psar
+                            "scheduler": scheduler.state_dict(), "step": step}, args.save)
             if step == args.steps:
                 break
         if step == args.steps:
@@ -53,7 +67,7 @@ def main() -> None:
         out = os.environ.get("CONVNET_OUT")
         if out:
             torch.save(model.state_dict(), out)                        # psar: the model's own keys
-        print(f"rank 0: {step} steps, last loss {loss.item():.4f}")
+        print(f"rank 0: {step} steps, mean loss {mean.item():.6f}")
     dist.barrier()  # both ranks tear Gloo down together (one leaving mid-save aborted the other)
     dist.destroy_process_group()
 

@@ -127,7 +127,7 @@ class Job:
         self._phases["rendezvous_s"] += time.time() - start - restore_s
         record_start(self.run_dir, self.rank, self._restarts, self._began, **self._phases)
         if self._uses_servers:  # the shards step; the script schedules this one
-            self._engine.schedule = make_optimizer([p for p in model.parameters() if p.requires_grad])
+            self._engine.use_schedule(make_optimizer([p for p in model.parameters() if p.requires_grad]))
             self._engine.allow_clip()
         module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from ps.protocol_state import STATE_SLOTS
+
 SETUP_METHODS = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
 
 
@@ -127,6 +129,39 @@ class ShardOptimizer:
         return {k: {"state": {0: full["state"][i]} if i in full["state"] else {},
                     "param_groups": [{**hyper, "params": [0]}]}
                 for i, k in enumerate(self.keys)}
+
+    def slots(self, k: int) -> list[tuple[str, torch.Tensor]]:
+        """Key k's optimizer state as it travels (ps.protocol_state): copies, flat or 0-d.
+        ValueError naming a slot the wire does not carry (a sparse buffer, another name)."""
+        chunk, out = self.chunks[k], []
+        for name, value in sorted(self.optimizer.state.get(chunk, {}).items()):
+            kind = STATE_SLOTS.get(name)
+            if value is None and kind == "key":  # SGD keeps momentum_buffer None without momentum
+                continue
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(float(value), dtype=torch.float64)
+            if kind is None or value.layout != torch.strided or value.is_sparse:
+                raise ValueError(f"key {k}'s optimizer state {name!r} ({type(value).__name__}, {value.layout}) "
+                                 f"cannot travel; the shards send {sorted(STATE_SLOTS)} as dense tensors")
+            if kind == "key" and (value.numel() != chunk.numel() or value.dtype != chunk.dtype):
+                raise ValueError(f"key {k}'s optimizer state {name!r} is {value.dtype} of {value.numel()} elements, "
+                                 f"the key {chunk.dtype} of {chunk.numel()}")
+            if kind == "scalar" and value.numel() != 1:
+                raise ValueError(f"key {k}'s optimizer state {name!r} has {value.numel()} elements; expected one")
+            out.append((name, value.detach().reshape(-1 if kind == "key" else ()).clone()))
+        return out
+
+    def load_slots(self, states: dict[int, list[tuple[str, torch.Tensor]]]) -> None:
+        """Replace the optimizer state of every key by states {key: [(slot, tensor)]} (as
+        slots() gives it; a key with none starts afresh), as torch's load_state_dict does."""
+        if set(states) != set(self.keys):
+            raise ValueError(f"optimizer state given for keys {sorted(states)[:8]}, this shard has {self.keys[:8]}")
+        for k in self.keys:
+            chunk = self.chunks[k]
+            self.optimizer.state.pop(chunk, None)
+            if states[k]:
+                self.optimizer.state[chunk] = {name: t.reshape(chunk.shape if STATE_SLOTS[name] == "key" else ()).clone()
+                                               for name, t in states[k]}
 
     def load_state_dict(self, saved: dict[int, dict[str, Any]]) -> None:
         if set(saved) != set(self.keys):

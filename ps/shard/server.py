@@ -34,13 +34,14 @@ from ps.shard.optim import ShardOptimizer
 from ps.shard.reject import Reject
 from ps.shard.settings import SettingsCheck
 from ps.shard.snapshots import SnapshotPool
+from ps.shard.state import ShardState
 from ps.shard.waiting import Waiting
 from ps.shard.workers import Workers
 
 log = logging.getLogger("psar.ps.server")
 
 
-class ShardServer:
+class ShardServer(ShardState):
     """Server shard `shard` of `layout`.
 
     Args:
@@ -409,31 +410,6 @@ class ShardServer:
         self.version += 1
         if self.save is not None and self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self.save(self.state_dict())
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume this shard: values, optimizer state, version, clocks."""
-        return {"shard": self.shard, "fingerprint": self.layout.fingerprint, "version": self.version,
-                "values": {k: t.detach().reshape(-1).clone() for k, t in self.chunks.items()},
-                "optimizer": self.optimizer.state_dict(),
-                "clocks": dict(self.workers.clocks), "counters": dict(self.counters)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from state_dict(); refuses a checkpoint of another shard or layout."""
-        if state.get("shard") != self.shard or state.get("fingerprint") != self.layout.fingerprint:
-            raise ValueError(f"checkpoint is of shard {state.get('shard')} with layout "
-                             f"{str(state.get('fingerprint'))[:12]}, not shard {self.shard} with layout "
-                             f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard?")
-        with torch.no_grad():
-            for k, t in state["values"].items():
-                self.snapshots.own(k)
-                self.chunks[k].copy_(t.reshape(self.chunks[k].shape))
-        self.optimizer.load_state_dict(state.get("optimizer") or {})
-        self.version = int(state["version"])
-        self.workers.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
-        self.counters.update(state["counters"])
-        self.snapshots.clear()
-        if self.pulls is not None:
-            self.pulls.reset()
 
     def stats(self) -> dict[str, Any]:
         """Counters as a plain dict (str keys, msgpack-able)."""

@@ -37,6 +37,7 @@ def torchrun_ddp(args, tmp_path: Path) -> dict:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     output, _ = proc.communicate(timeout=150)
     assert proc.returncode == 0, output
+    (tmp_path / "torchrun.log").write_text(output)
     return torch.load(out, weights_only=True)
 
 

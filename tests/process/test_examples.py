@@ -92,7 +92,7 @@ def test_convnet_ddp_trains_under_psar_launch_which_asks_for_job_close(tmp_path)
                             str(EXAMPLES / "convnet_ddp.py"), "--steps", "2", "--float64",
                             env={"CONVNET_OUT": str(saved)})
     # The script ran as under torchrun: both ranks joined, rank 0 trained 2 steps and saved.
-    line = next((ln for ln in out.splitlines() if ln.startswith("rank 0: 2 steps, last loss")), None)
+    line = next((ln for ln in out.splitlines() if ln.startswith("rank 0: 2 steps, mean loss")), None)
     assert line is not None, out
     assert math.isfinite(float(line.rsplit(" ", 1)[1]))
     state = torch.load(saved, weights_only=True)

@@ -21,6 +21,7 @@ from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, ParamSpec, build_layout, join_values, split_values
 from ps.local import LocalCluster
 from ps.protocol import BASE_FIELDS, OP_FIELDS, PROTOCOL_VERSION, Limits, ProtocolError, decode, encode
+from ps.protocol_state import state_fields
 from ps.transport import ClientTransport
 
 SPECS = [ParamSpec("w", (12, 20), "float32"), ParamSpec("b", (20,), "float32"),
@@ -34,7 +35,7 @@ WORKERS = 2
 SOCKETS = 4
 BATCH = 64  # messages in flight per socket before its replies are read
 REPLY_WAIT_S = 10.0
-REQUESTS = ("push", "pull", "wait", "heartbeat", "stats", "checkpoint", "leave", "shutdown")
+REQUESTS = ("push", "pull", "wait", "heartbeat", "stats", "checkpoint", "leave", "shutdown", "state", "load")
 
 
 def init_params():
@@ -55,6 +56,13 @@ def request(rng, op, worker=None, keys=None, step=0, version=0):
         header["keys"] = rng.sample(KEYS0, rng.randint(0, len(KEYS0)))
     elif op == "wait":
         header["min_version"] = 0  # answered at once: nothing here completes a step
+    elif op == "state":
+        header["keys"] = rng.sample(KEYS0, rng.randint(0, len(KEYS0)))
+    elif op == "load":  # Adam's state of every key of the shard
+        fields, tensors = state_fields([[("exp_avg", torch.full((LAYOUT.keys[k].numel,), 0.5,
+                                                                dtype=TORCH_DTYPES[LAYOUT.dtype(k)])),
+                                         ("step", torch.tensor(1.0))] for k in KEYS0])
+        header.update(keys=KEYS0, **fields)
     frames = encode(header, tensors)
     return msgpack.unpackb(frames[0]), [bytes(f) for f in frames[1:]]
 
