@@ -71,7 +71,7 @@ class BatchUpdateServer:
 
 def train_worker(server_rref, experiment: str, workers: int, steps: int, shard: int) -> list[float]:
     """One worker's loop; returns the wall time at which each step ended."""
-    from experiments.workloads.data import BatchFeeder
+    from experiments.workloads.datasets import BatchFeeder
     from experiments.workloads.tasks import get_task
 
     torch.set_num_threads(1)

@@ -30,8 +30,18 @@ reconstruct; see experiments.compression.powersgd.
 Methods: none, fp16, bf16 (casts.py), topk, randomk, sign, qsgd, powersgd, one module each.
 """
 
-from experiments.compression.base import Compressor, Context, Message, sum_messages
+import importlib
+
 from experiments.compression.config import CompressConfig
-from experiments.compression.errorfeedback import ErrorFeedback
 
 __all__ = ["CompressConfig", "Compressor", "Context", "ErrorFeedback", "Message", "sum_messages"]
+_MODULES = {"Compressor": "base", "Context": "base", "Message": "base", "sum_messages": "base",
+            "ErrorFeedback": "errorfeedback"}
+
+
+def __getattr__(name: str):
+    """The compressors' pieces import torch: each is imported when it is first asked for, so
+    that reading a run's settings (CompressConfig) does not."""
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"experiments.compression.{_MODULES[name]}"), name)

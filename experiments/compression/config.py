@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-from experiments.compression.base import Compressor
-from experiments.compression.casts import bf16, fp16, none
-from experiments.compression.errorfeedback import ErrorFeedback
-from experiments.compression.powersgd import PowerSGD
-from experiments.compression.qsgd import QSGD
-from experiments.compression.randomk import RandomK
-from experiments.compression.sign import Sign
-from experiments.compression.topk import TopK
+if TYPE_CHECKING:
+    from experiments.compression.base import Compressor
+    from experiments.compression.errorfeedback import ErrorFeedback
 
 # The settings each method reads (error_feedback: every method but none).
 READS = {"none": (), "fp16": ("error_feedback",), "bf16": ("error_feedback",),
@@ -68,6 +64,14 @@ class CompressConfig:
 
     def build(self) -> tuple[Compressor, ErrorFeedback | None]:
         """The compressor, and an error-feedback memory where it is on (None where off)."""
+        from experiments.compression.casts import bf16, fp16, none
+        from experiments.compression.errorfeedback import ErrorFeedback
+        from experiments.compression.powersgd import PowerSGD
+        from experiments.compression.qsgd import QSGD
+        from experiments.compression.randomk import RandomK
+        from experiments.compression.sign import Sign
+        from experiments.compression.topk import TopK
+
         compressor = {
             "none": none, "fp16": fp16, "bf16": bf16, "sign": Sign,
             "topk": lambda: TopK(self.ratio),

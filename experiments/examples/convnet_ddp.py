@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from experiments.workloads.data import load_digits_arrays
+from experiments.workloads.datasets import load_digits_arrays
 
 
 def convnet() -> nn.Module:

@@ -17,7 +17,7 @@ import torch
 
 from experiments.settings import config as config_mod
 from experiments.settings.config import RunConfig
-from experiments.workloads.data import BatchFeeder
+from experiments.workloads.datasets import BatchFeeder
 from experiments.harness.distenv import DistEnv
 from experiments.harness.job import Job
 from experiments.workloads.tasks import get_task

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from experiments.rundir import files
+
+if TYPE_CHECKING:
+    import torch
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -38,6 +40,8 @@ def load(path: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: was the run started with "
                                 "--set checkpoint.every=K, and did it reach step K?")
+    import torch
+
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

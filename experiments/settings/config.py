@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from allreduce.config import AllReduceConfig
 from ps.config import PSConfig, forward_window, key_mb
 
 from experiments.workloads import data
 
-from experiments.compression import CompressConfig
+from experiments.compression.config import CompressConfig
 from experiments.rundir import files
 
 from experiments.workloads import models
@@ -22,12 +20,15 @@ from experiments.engines import engines, get_engine
 from experiments.settings.faults import FaultConfig
 from experiments.settings.net import NetConfig, parse_rate
 from experiments.settings.overrides import OverrideError, apply_overrides, dumps, from_dict
-from experiments.workloads.sparsity import embedding_tables, sparse_update_problem
+
+if TYPE_CHECKING:
+    import torch
 
 CASTS = ("fp16", "bf16")
 """The compress.method values that are the engines' own wire casts (allreduce.compression,
 ps.compression)."""
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = ("float32", "float64")
+"""The parameters' dtypes a run may have (torch's float32 and float64)."""
 DEVICES = ("cpu", "cuda")
 
 
@@ -55,6 +56,8 @@ class OptimConfig:
             raise ValueError(f"optim.lr={self.lr}: must be > 0")
 
     def build(self, params) -> torch.optim.Optimizer:
+        import torch
+
         params = list(params)
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
@@ -243,6 +246,8 @@ class RunConfig:
         """{name: module} of the embedding tables this run's engine moves row-sparse (none for
         local and ddp, which stay dense as the reference). ValueError when row-sparse is asked
         for, the model has tables, and the optimizer's sparse update is not its dense one."""
+        from experiments.workloads.sparsity import embedding_tables, sparse_update_problem
+
         problem = sparse_update_problem(self.optim)
         decide = get_engine(self.engine).row_sparse
         forced, on = decide(self, problem) if decide else ("", False)
@@ -273,7 +278,9 @@ class RunConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)

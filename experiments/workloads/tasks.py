@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.workloads.data import Dataset, test_batches
+from experiments.workloads.datasets import Dataset, test_batches
 
 
 class Task:

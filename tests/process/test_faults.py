@@ -22,7 +22,7 @@ from conftest import FIT_SCRIPT as SCRIPT, max_param_diff
 from experiments.rundir.metrics import read_metrics
 from experiments.runtime.launcher import launch
 from experiments.settings.presets import build_config
-from experiments.workloads.data import BatchFeeder
+from experiments.workloads.datasets import BatchFeeder
 from experiments.workloads.tasks import get_task
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

@@ -1,20 +1,10 @@
 import pytest
 import torch
 
-from experiments.workloads.data import (
-    VOCAB,
-    VOCAB_SIZE,
-    BatchFeeder,
-    CharCorpusConfig,
-    Dataset,
-    DigitsConfig,
-    SparseConfig,
-    decode,
-    encode,
-    shard_indices,
-    stdlib_source_text,
-    test_batches,
-)
+from experiments.workloads.data import CharCorpusConfig, DigitsConfig, SparseConfig
+from experiments.workloads.datasets import (BatchFeeder, Dataset, decode, encode, shard_indices, stdlib_source_text,
+                                            test_batches)
+from experiments.workloads.vocab import VOCAB, VOCAB_SIZE
 
 
 def _toy(n: int = 40) -> Dataset:

@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
-from experiments.workloads.data import VOCAB_SIZE, BatchFeeder, CharCorpusConfig, DigitsConfig, SparseConfig
+from experiments.workloads.data import CharCorpusConfig, DigitsConfig, SparseConfig
+from experiments.workloads.vocab import VOCAB_SIZE
+from experiments.workloads.datasets import BatchFeeder
 from experiments.workloads.models import CNNConfig, GPTConfig, LogRegConfig, MLPConfig
 from experiments.workloads.tasks import get_task
 
