@@ -191,7 +191,7 @@ class CostModel:
         kind = family(label)
         if kind == "local":
             return 0.0
-        if kind == "ring":
+        if kind in ("ring", "sharded"):  # sharded: a reduce-scatter and an all-gather, the ring's two halves
             fit = self._fit(label_info(label)[1].fit or "library", label)
             steps = 2 * (workers - 1)
             gather = ((workers - 1) * fit.alpha_s + gathered * fit.beta_s_per_byte) if gathered else 0.0

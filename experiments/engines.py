@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 MakeOptimizer = Callable[[list["torch.nn.Parameter"]], "torch.optim.Optimizer"]
 Trace = Callable[..., None]
 PLUGINS_ENV = "PSAR_ENGINES"
-FAMILIES = ("local", "ring", "ps")
+FAMILIES = ("local", "ring", "ps", "sharded")
 
 
 class Engine(Protocol):
@@ -71,7 +71,8 @@ class EngineSpec:
     run builds one; trace is a tracer's record function when the run is traced, else None."""
     family: str
     """How its workers communicate, which the cost and link models price: "local" (not at
-    all), "ring" (an all-reduce of the gradient) or "ps" (push to and pull from shards)."""
+    all), "ring" (an all-reduce of the gradient), "ps" (push to and pull from shards) or
+    "sharded" (a reduce-scatter of the gradient to its owners, an all-gather of the values)."""
     colour: str
     """The colour of its label in every figure."""
     processes_per_worker: bool = True
@@ -199,6 +200,10 @@ def _allreduce_label(config: Mapping) -> str:
     return label + "+allgather" if settings.get("sparse") == "allgather" else label
 
 
+def _zero_label(config: Mapping) -> str:
+    return f"zero-{(config.get('zero') or {}).get('stage', 1)}"
+
+
 def _ps_sync_label(config: Mapping) -> str:
     return "ps-sync+backup" if (config.get("ps") or {}).get("backup_workers") else "ps-sync"
 
@@ -245,6 +250,11 @@ for _spec in [
                          Label("allreduce/hierarchical+allgather", "#ad494a", "ring", gathers_rows=True),
                          Label("allreduce/auto", "#5254a3", "ring"),
                          Label("allreduce/auto+allgather", "#9c9ede", "ring", gathers_rows=True))),
+    EngineSpec("zero", "ZeRO: optimizer state (stage 1) and gradients (2) sharded over the workers",
+               "experiments.harness.builders:zero", "sharded", "#a55194", reads=("zero.",),
+               label_of=_zero_label, compressions=("none",),
+               variants=(Label("zero-1", "#a55194", "library"),                   # purple-pink
+                         Label("zero-2", "#7b4173", "library"))),                 # plum
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
                reads=_PS_READS, skips=("ps.staleness", "ps.async_scale") + _EASGD, own=_PS_OWN, row_sparse=_ps_rows,

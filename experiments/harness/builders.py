@@ -41,6 +41,12 @@ def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
     return DDPEngine(env.rank, env.world, device, cfg.allreduce, cfg.timeout_s, compression=compression(cfg))
 
 
+def zero(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
+    from allreduce.zero import ZeroEngine
+
+    return ZeroEngine(env.rank, env.world, device, cfg.zero, cfg.timeout_s, trace)
+
+
 def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from ps.engine import PSEngine
 

@@ -161,8 +161,9 @@ class Job:
         and update with the coefficient every worker sends (call it from the first step on);
         ps-async and ps-ssp have no averaged gradient and refuse it."""
         self._need("attached", "clip_grad_norm_")
-        if self._uses_servers:
-            return self._engine.clip_grad_norm_(max_norm, norm_type)
+        own = getattr(self._engine, "clip_grad_norm_", None)  # the shards', or zero's sharded gradient
+        if own is not None:
+            return own(max_norm, norm_type)
         params = [p for p in self._model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from allreduce.config import AllReduceConfig
+from allreduce.zero_config import ZeroConfig
 from ps.config import PSConfig, forward_window, key_mb
 
 from experiments.workloads import data
@@ -116,6 +117,8 @@ class RunConfig:
     """All-reduce engine section."""
     ps: PSConfig = field(default_factory=PSConfig)
     """Parameter-server section."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """Sharded data-parallel (ZeRO) section."""
     compress: CompressConfig = field(default_factory=CompressConfig)
     """Gradient compression, one setting for every engine. compress.method=fp16 or bf16 sets
     allreduce.compression (allreduce, ddp) and ps.compression (ps-*) alike, which remain as
@@ -300,7 +303,7 @@ class ScriptConfig:
 
 
 def _section_types() -> dict[str, type]:
-    classes = [RunConfig, OptimConfig, AllReduceConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
+    classes = [RunConfig, OptimConfig, AllReduceConfig, ZeroConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
                CompressConfig, ScriptConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]

@@ -1,0 +1,272 @@
+"""ZeRO (Rajbhandari et al., SC'20), the sharded data-parallel family: the engine `zero`.
+
+The trained parameters are cut into buckets by bytes, in the order backward produces their
+gradients (allreduce/buckets.py, as the all-reduce engine's). Each bucket is one flat buffer
+padded to a multiple of N, and rank r owns the r-th 1/N of every bucket (DeepSpeed's and
+FSDP's even split, cutting tensors where it must), so it owns 1/N of every byte count. The
+optimizer (make_optimizer's) runs over the owned pieces only, so its state is 1/N of a
+replica's; a piece shares its storage with the bucket's buffer, so a step updates the
+parameters it owns in place.
+
+- zero.stage=1: the optimizer state is sharded. Each rank keeps a whole gradient buffer (the
+  parameters' .grad are views into it); as soon as backward has produced a bucket's gradient
+  it is averaged and reduce-scattered to the owners (2(N-1)/N of the model's bytes a step
+  with the all-gather, as the paper's stage 1; an all-reduce would send 3(N-1)/N to use 1/N
+  of what it sums); the owners step; the updated pieces are all-gathered into every rank's
+  parameters.
+- zero.stage=2: the gradients are sharded too: a bucket's gradient is copied into a buffer of
+  its own, which is reduce-scattered and freed, and the parameters' .grad with it; a rank
+  keeps only the gradient of what it owns.
+
+Collectives are the backend's (Gloo on CPU, NCCL on CUDA), started in bucket order on every
+rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .buckets import assign_buckets
+from .group import broadcast_tensors, init_process_group, shutdown
+from .liveness import Liveness
+from .backward_state import BackwardStates
+from .zero_config import ZeroConfig
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "comm_buffers")
+
+
+def _collective(name: str):
+    """torch's name for a collective on single tensors (torch 2.13 renamed them *_single)."""
+    new = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_tensor": "all_gather_single"}[name]
+    return getattr(dist, new, None) or getattr(dist, name)
+
+
+_REDUCE_SCATTER = _collective("reduce_scatter_tensor")
+_ALL_GATHER = _collective("all_gather_into_tensor")
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    values: torch.Tensor
+    """The parameters' flat buffer, padded to a multiple of N (their .data are views of it)."""
+    piece: torch.nn.Parameter
+    """This rank's 1/N of values (the same storage): what its optimizer steps."""
+    grad: torch.Tensor | None = None
+    """Stage 1: the whole gradient buffer (the parameters' .grad are views of it)."""
+    sending: torch.Tensor | None = None
+    """Stage 2: the gradient being reduce-scattered, freed once it is."""
+    ready: set[int] = field(default_factory=set)
+    handle: dist.Work | None = None
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class ZeroEngine:
+    """Engine protocol (attach / backward / step / close) of ZeRO stage config.stage."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, config: ZeroConfig,
+                 timeout_s: float = 60.0, trace=None) -> None:
+        if config.stage not in (1, 2):
+            raise ValueError(f"zero.stage={config.stage}: stages 1 and 2 are built")
+        self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
+        self.shards = [rank]
+        init_process_group(device, rank, world, timeout_s)
+        self._liveness = Liveness(rank, world)
+        self._backward_states = BackwardStates(timeout_s)
+        self._syncing = True
+        self._bytes = 0
+        self._waited = 0.0
+        self._next = 0
+        self.memory = dict.fromkeys(MEMORY_KEYS, 0)  # the most each held at once, in bytes
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
+        with self._liveness.naming_lost_ranks():
+            broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+        self._buffers = list(model.buffers())
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        order = assign_buckets([p.numel() * p.element_size() for _, p in named],
+                               cap_bytes=int(self.config.bucket_mb * 2**20),
+                               first_cap_bytes=int(self.config.first_bucket_mb * 2**20),
+                               groups=[(p.dtype, p.device) for _, p in named])
+        self.buckets: list[Bucket] = []
+        self._slot: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        for b, indices in enumerate(order):
+            self.buckets.append(self._bucket([named[i] for i in indices]))
+            for j, i in enumerate(indices):
+                self._slot[named[i][1]] = (b, j)
+        self.optimizer = make_optimizer([bucket.piece for bucket in self.buckets])
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
+        self._note()
+        return model
+
+    def _bucket(self, named: list[tuple[str, torch.nn.Parameter]]) -> Bucket:
+        params = [p for _, p in named]
+        numel = sum(p.numel() for p in params)
+        size = -(-numel // self.world)  # each rank's piece; the buffer is padded to N of them
+        values = torch.zeros(size * self.world, dtype=params[0].dtype, device=params[0].device)
+        grad = torch.zeros_like(values) if self.config.stage == 1 else None
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                values[offset: offset + p.numel()].copy_(p.reshape(-1))
+                p.data = values[offset: offset + p.numel()].view_as(p)
+                if grad is not None:
+                    p.grad = grad[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+        mine = slice(self.rank * size, (self.rank + 1) * size)
+        piece = torch.nn.Parameter(values[mine])
+        # stage 1 reduce-scatters in place: this rank's part of the whole gradient is its piece's
+        piece.grad = grad[mine] if grad is not None else torch.zeros_like(piece)
+        return Bucket([n for n, _ in named], params, values, piece, grad)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes in here only accumulate the gradients (DDP's no_sync); the next
+        backward outside it reduce-scatters the sum."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.config.stage == 1:  # a script may have replaced a .grad: it goes back into the buffer
+            for p, (b, j) in self._slot.items():
+                view = self._grad_view(b, j)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+        with self._liveness.naming_lost_ranks():
+            self._backward_states.backward(loss)
+            if not self._syncing:
+                return
+            start = time.perf_counter()
+            self._finish()
+            self._waited += time.perf_counter() - start
+
+    def _grad_view(self, b: int, j: int) -> torch.Tensor:
+        bucket = self.buckets[b]
+        offset = sum(p.numel() for p in bucket.params[:j])
+        return bucket.grad[offset: offset + bucket.params[j].numel()].view_as(bucket.params[j])
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        b, j = self._slot[param]
+        self.buckets[b].ready.add(j)
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._reduce(self.buckets[self._next])
+            self._next += 1
+
+    def _reduce(self, bucket: Bucket) -> None:
+        """Average the bucket's gradient and reduce-scatter it: this rank's piece lands in
+        bucket.piece.grad. Stage 2 frees the parameters' .grad at once."""
+        if bucket.grad is not None:
+            flat = bucket.grad
+        else:
+            flat = torch.zeros_like(bucket.values)
+            offset = 0
+            for p in bucket.params:
+                flat[offset: offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+                p.grad = None
+            bucket.sending = flat
+            held = sum(nbytes(b.sending) for b in self.buckets)
+            self.memory["comm_buffers"] = max(self.memory["comm_buffers"], held)
+        flat.div_(self.world)  # averaged before the sum, as the all-reduce engine does
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            bucket.handle = _REDUCE_SCATTER(bucket.piece.grad, flat, async_op=True)
+        self._bytes += nbytes(flat) * (self.world - 1) // self.world
+
+    def _finish(self) -> None:
+        """Every bucket's reduce-scatter started (in order) and waited for."""
+        missing = [bucket.names[j] for bucket in self.buckets for j in range(len(bucket.params))
+                   if j not in bucket.ready]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise RuntimeError(f"{len(missing)} parameter(s) got no gradient this step: {shown}; under zero "
+                               "every rank must use every parameter")
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            bucket.handle, bucket.sending, bucket.ready = None, None, set()
+        self._next = 0
+        self._note()
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm (torch's clip_grad_norm_ under DDP):
+        each rank's sum of squares of its pieces, all-reduced. Returns the norm before."""
+        if norm_type != 2.0:
+            raise NotImplementedError(f"job.clip_grad_norm_ with norm_type={norm_type} under zero: the 2-norm only")
+        square = torch.stack([b.piece.grad.double().pow(2).sum() for b in self.buckets]).sum()
+        with self._liveness.naming_lost_ranks():
+            dist.all_reduce(square)
+        total = square.sqrt()
+        coefficient = min(1.0, max_norm / (float(total) + 1e-6))
+        if coefficient < 1.0:
+            for bucket in self.buckets:
+                bucket.piece.grad.mul_(coefficient)
+        return total
+
+    def step(self) -> dict[str, float]:
+        self.optimizer.step()
+        self._note()
+        start = time.perf_counter()
+        with self._liveness.naming_lost_ranks(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # in place: each piece is its part of values
+            works = [_ALL_GATHER(b.values, b.piece.detach(), async_op=True) for b in self.buckets]
+            for work in works:
+                work.wait()
+            self._bytes += sum(nbytes(b.values) * (self.world - 1) // self.world for b in self.buckets)
+            if self._buffers:
+                self._bytes += broadcast_tensors(self._buffers) * (self.rank == 0)
+        in_backward, self._waited = self._waited, 0.0
+        for bucket in self.buckets:
+            (bucket.grad if bucket.grad is not None else bucket.piece.grad).zero_()
+        sent, self._bytes = self._bytes, 0
+        return {"comm_s": time.perf_counter() - start + in_backward, "in_backward_s": in_backward,
+                "bytes_sent": sent, "bytes_recv": sent}
+
+    def _note(self) -> None:
+        """The bytes of what this rank holds now, each kept at its most."""
+        held = {"params": sum(nbytes(b.values) for b in self.buckets),
+                "grads": sum(nbytes(b.grad) if b.grad is not None else nbytes(b.piece.grad) for b in self.buckets),
+                "optimizer": sum(nbytes(t) for state in self.optimizer.state.values()
+                                 for t in state.values() if isinstance(t, torch.Tensor))}
+        for key, value in held.items():
+            self.memory[key] = max(self.memory[key], value)
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        return {"memory_bytes_per_worker": dict(self._largest)}
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        with self._liveness.naming_lost_ranks():
+            most = torch.tensor([self.memory[k] for k in MEMORY_KEYS], dtype=torch.float64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest over ranks (the last holds padding)
+            self._largest = {k: int(v) for k, v in zip(MEMORY_KEYS, most.tolist())}
+        self._liveness.stop_stamping()
+        with self._liveness.naming_lost_ranks():
+            shutdown(self._backward_states)
+        self._liveness.close()
