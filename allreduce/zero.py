@@ -27,57 +27,29 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .backward_state import BackwardStates
 from .buckets import assign_buckets
 from .group import broadcast_tensors, init_process_group, shutdown
 from .liveness import Liveness
-from .backward_state import BackwardStates
+from .zero_buckets import ALL_GATHER, REDUCE_SCATTER, Bucket, nbytes
 from .zero_config import ZeroConfig
+from .zero_units import Units
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "comm_buffers")
+IN_FLIGHT = 2
+"""Stages 2 and 3: gradient buffers being reduce-scattered at once, besides the newest; a
+bucket waits for the oldest beyond that (DeepSpeed's reduce buckets, FSDP's rate limit)."""
 
 
-def _collective(name: str):
-    """torch's name for a collective on single tensors (torch 2.13 renamed them *_single)."""
-    new = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_tensor": "all_gather_single"}[name]
-    return getattr(dist, new, None) or getattr(dist, name)
-
-
-_REDUCE_SCATTER = _collective("reduce_scatter_tensor")
-_ALL_GATHER = _collective("all_gather_into_tensor")
-
-
-@dataclass
-class Bucket:
-    names: list[str]
-    params: list[torch.nn.Parameter]
-    values: torch.Tensor
-    """The parameters' flat buffer, padded to a multiple of N (their .data are views of it)."""
-    piece: torch.nn.Parameter
-    """This rank's 1/N of values (the same storage): what its optimizer steps."""
-    grad: torch.Tensor | None = None
-    """Stage 1: the whole gradient buffer (the parameters' .grad are views of it)."""
-    sending: torch.Tensor | None = None
-    """Stage 2: the gradient being reduce-scattered, freed once it is."""
-    ready: set[int] = field(default_factory=set)
-    handle: dist.Work | None = None
-
-
-def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-class ZeroEngine:
+class ZeroEngine(Units):
     """Engine protocol (attach / backward / step / close) of ZeRO stage config.stage."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: ZeroConfig,
                  timeout_s: float = 60.0, trace=None) -> None:
-        if config.stage not in (1, 2):
-            raise ValueError(f"zero.stage={config.stage}: stages 1 and 2 are built")
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
@@ -87,6 +59,8 @@ class ZeroEngine:
         self._bytes = 0
         self._waited = 0.0
         self._next = 0
+        self._sending: list[Bucket] = []  # stages 2 and 3: buffers being reduce-scattered, oldest first
+        self._held = 0  # their bytes, and those of the whole gradients waiting for their bucket
         self.memory = dict.fromkeys(MEMORY_KEYS, 0)  # the most each held at once, in bytes
 
     # -- set-up --------------------------------------------------------------------------------
@@ -95,23 +69,24 @@ class ZeroEngine:
         with self._liveness.naming_lost_ranks():
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self._buffers = list(model.buffers())
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        order = assign_buckets([p.numel() * p.element_size() for _, p in named],
-                               cap_bytes=int(self.config.bucket_mb * 2**20),
-                               first_cap_bytes=int(self.config.first_bucket_mb * 2**20),
-                               groups=[(p.dtype, p.device) for _, p in named])
-        self.buckets: list[Bucket] = []
-        self._slot: dict[torch.nn.Parameter, tuple[int, int]] = {}
-        for b, indices in enumerate(order):
-            self.buckets.append(self._bucket([named[i] for i in indices]))
-            for j, i in enumerate(indices):
-                self._slot[named[i][1]] = (b, j)
+        if self.config.stage == 3:
+            self._attach_units(model)
+        else:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            order = assign_buckets([p.numel() * p.element_size() for _, p in named],
+                                   cap_bytes=int(self.config.bucket_mb * 2**20),
+                                   first_cap_bytes=int(self.config.first_bucket_mb * 2**20),
+                                   groups=[(p.dtype, p.device) for _, p in named])
+            self.buckets = [self._make_bucket([named[i] for i in indices]) for indices in order]
+        self._slot = {p: (b, j) for b, bucket in enumerate(self.buckets) for j, p in enumerate(bucket.params)}
         self.optimizer = make_optimizer([bucket.piece for bucket in self.buckets])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
         self._note()
         return model
 
-    def _bucket(self, named: list[tuple[str, torch.nn.Parameter]]) -> Bucket:
+    def _make_bucket(self, named: list[tuple[str, torch.nn.Parameter]], sharded: bool = False) -> Bucket:
+        """One bucket of the parameters `named`, whose .data become views of its buffer.
+        sharded (stage 3): this rank's piece gets storage of its own."""
         params = [p for _, p in named]
         numel = sum(p.numel() for p in params)
         size = -(-numel // self.world)  # each rank's piece; the buffer is padded to N of them
@@ -126,7 +101,7 @@ class ZeroEngine:
                     p.grad = grad[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
         mine = slice(self.rank * size, (self.rank + 1) * size)
-        piece = torch.nn.Parameter(values[mine])
+        piece = torch.nn.Parameter(values[mine].clone() if sharded else values[mine])
         # stage 1 reduce-scatters in place: this rank's part of the whole gradient is its piece's
         piece.grad = grad[mine] if grad is not None else torch.zeros_like(piece)
         return Bucket([n for n, _ in named], params, values, piece, grad)
@@ -151,6 +126,8 @@ class ZeroEngine:
                     if p.grad is not None:
                         view.copy_(p.grad)
                     p.grad = view
+        if self.config.stage == 3:
+            self._start_backward()
         with self._liveness.naming_lost_ranks():
             self._backward_states.backward(loss)
             if not self._syncing:
@@ -169,6 +146,8 @@ class ZeroEngine:
             return
         b, j = self._slot[param]
         self.buckets[b].ready.add(j)
+        if self.config.stage > 1:  # a whole gradient until its bucket leaves
+            self._transient(nbytes(param.grad))
         while self._next < len(self.buckets) and \
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             self._reduce(self.buckets[self._next])
@@ -176,24 +155,48 @@ class ZeroEngine:
 
     def _reduce(self, bucket: Bucket) -> None:
         """Average the bucket's gradient and reduce-scatter it: this rank's piece lands in
-        bucket.piece.grad. Stage 2 frees the parameters' .grad at once."""
+        bucket.piece.grad. Stages 2 and 3 copy it into a buffer of its own and free the
+        parameters' .grad at once; the buffer goes once its reduce-scatter is done, and at most
+        IN_FLIGHT of them are (besides the newest)."""
         if bucket.grad is not None:
             flat = bucket.grad
         else:
+            self._release(IN_FLIGHT)
             flat = torch.zeros_like(bucket.values)
             offset = 0
             for p in bucket.params:
                 flat[offset: offset + p.numel()].copy_(p.grad.reshape(-1))
                 offset += p.numel()
+            self._transient(nbytes(flat))
+            for p in bucket.params:
+                self._transient(-nbytes(p.grad))
                 p.grad = None
             bucket.sending = flat
-            held = sum(nbytes(b.sending) for b in self.buckets)
-            self.memory["comm_buffers"] = max(self.memory["comm_buffers"], held)
+            self._sending.append(bucket)
         flat.div_(self.world)  # averaged before the sum, as the all-reduce engine does
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            bucket.handle = _REDUCE_SCATTER(bucket.piece.grad, flat, async_op=True)
+            bucket.handle = REDUCE_SCATTER(bucket.piece.grad, flat, async_op=True)
         self._bytes += nbytes(flat) * (self.world - 1) // self.world
+        if self.config.stage == 3:  # its backward is done: the values go until the next forward
+            self._free(self.buckets.index(bucket))
+
+    def _release(self, most: int) -> None:
+        """Free the gradient buffers whose reduce-scatter is done; wait for the oldest while
+        more than `most` of them are in flight."""
+        while self._sending:
+            oldest = self._sending[0]
+            if not oldest.handle.is_completed() and len(self._sending) <= most:
+                return
+            oldest.handle.wait()
+            self._transient(-nbytes(oldest.sending))
+            oldest.sending = None
+            self._sending.pop(0)
+
+    def _transient(self, change: int) -> None:
+        """Whole gradients held on their way to a reduce-scatter: comm_buffers at its most."""
+        self._held += change
+        self.memory["comm_buffers"] = max(self.memory["comm_buffers"], self._held)
 
     def _finish(self) -> None:
         """Every bucket's reduce-scatter started (in order) and waited for."""
@@ -203,9 +206,10 @@ class ZeroEngine:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise RuntimeError(f"{len(missing)} parameter(s) got no gradient this step: {shown}; under zero "
                                "every rank must use every parameter")
+        self._release(0)
         for bucket in self.buckets:
             bucket.handle.wait()
-            bucket.handle, bucket.sending, bucket.ready = None, None, set()
+            bucket.handle, bucket.ready = None, set()
         self._next = 0
         self._note()
 
@@ -232,10 +236,11 @@ class ZeroEngine:
         start = time.perf_counter()
         with self._liveness.naming_lost_ranks(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # in place: each piece is its part of values
-            works = [_ALL_GATHER(b.values, b.piece.detach(), async_op=True) for b in self.buckets]
-            for work in works:
-                work.wait()
-            self._bytes += sum(nbytes(b.values) * (self.world - 1) // self.world for b in self.buckets)
+            if self.config.stage < 3:  # stage 3 gathers each unit before its next forward
+                works = [ALL_GATHER(b.values, b.piece.detach(), async_op=True) for b in self.buckets]
+                for work in works:
+                    work.wait()
+                self._bytes += sum(nbytes(b.values) * (self.world - 1) // self.world for b in self.buckets)
             if self._buffers:
                 self._bytes += broadcast_tensors(self._buffers) * (self.rank == 0)
         in_backward, self._waited = self._waited, 0.0
@@ -247,7 +252,8 @@ class ZeroEngine:
 
     def _note(self) -> None:
         """The bytes of what this rank holds now, each kept at its most."""
-        held = {"params": sum(nbytes(b.values) for b in self.buckets),
+        pieces = sum(nbytes(b.piece) for b in self.buckets) if self.config.stage == 3 else 0  # their own storage
+        held = {"params": sum(nbytes(b.values) for b in self.buckets if b.gathered) + pieces,
                 "grads": sum(nbytes(b.grad) if b.grad is not None else nbytes(b.piece.grad) for b in self.buckets),
                 "optimizer": sum(nbytes(t) for state in self.optimizer.state.values()
                                  for t in state.values() if isinstance(t, torch.Tensor))}
@@ -266,6 +272,8 @@ class ZeroEngine:
             most = torch.tensor([self.memory[k] for k in MEMORY_KEYS], dtype=torch.float64)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest over ranks (the last holds padding)
             self._largest = {k: int(v) for k, v in zip(MEMORY_KEYS, most.tolist())}
+            if self.config.stage == 3:  # the run's model, whole (model.pt, eval)
+                self._gather_all()
         self._liveness.stop_stamping()
         with self._liveness.naming_lost_ranks():
             shutdown(self._backward_states)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 1
-    """ZeRO's stage: 1 shards the optimizer state, 2 the gradients too (allreduce/zero.py)."""
+    """ZeRO's stage: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too
+    (allreduce/zero.py, allreduce/zero_units.py)."""
     bucket_mb: float = 25.0
     """Parameter bytes per bucket (MiB): each is one buffer of which every rank owns 1/N, and
     its gradient is reduce-scattered as soon as backward has produced it."""

@@ -66,9 +66,9 @@ def phases(label: str, workers: int, servers: int, nbytes: float,
     if kind == "ring":
         each = 2 * (n - 1) / n * m + gathered
         return [{f"w{i}": (each, each) for i in range(n)}]
-    if kind == "sharded":  # a reduce-scatter of the gradient, then an all-gather of the values
+    if kind == "sharded":  # a reduce-scatter of the gradient, an all-gather of the values (zero-3: two)
         each = (n - 1) / n * m
-        return [{f"w{i}": (each, each) for i in range(n)}] * 2
+        return [{f"w{i}": (each, each) for i in range(n)}] * (3 if label == "zero-3" else 2)
     s = servers
 
     def pushes(b: float) -> dict[str, tuple[float, float]]:

@@ -250,11 +250,12 @@ for _spec in [
                          Label("allreduce/hierarchical+allgather", "#ad494a", "ring", gathers_rows=True),
                          Label("allreduce/auto", "#5254a3", "ring"),
                          Label("allreduce/auto+allgather", "#9c9ede", "ring", gathers_rows=True))),
-    EngineSpec("zero", "ZeRO: optimizer state (stage 1) and gradients (2) sharded over the workers",
+    EngineSpec("zero", "ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded over the workers",
                "experiments.harness.builders:zero", "sharded", "#a55194", reads=("zero.",),
                label_of=_zero_label, compressions=("none",),
                variants=(Label("zero-1", "#a55194", "library"),                   # purple-pink
-                         Label("zero-2", "#7b4173", "library"))),                 # plum
+                         Label("zero-2", "#7b4173", "library"),                   # plum
+                         Label("zero-3", "#ce6dbd", "library"))),                 # orchid
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
                reads=_PS_READS, skips=("ps.staleness", "ps.async_scale") + _EASGD, own=_PS_OWN, row_sparse=_ps_rows,

@@ -1,7 +1,7 @@
 """ZeRO (allreduce/zero.py): every stage computes the update every engine computes, sends
 the bytes of the paper's formula, and holds 1/N of what it shards.
 
-After 20 steps in float64, zero stages 1 and 2 end with local's parameters (and rank 0's
+After 20 steps in float64, zero stages 1, 2 and 3 end with local's parameters (and rank 0's
 BatchNorm buffers) within 1e-10 on quickstart and cnn with SGD and momentum, on quickstart
 with AdamW, and with three workers (a bucket that does not divide by 3 is padded)."""
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 F64 = ("dtype=float64", "threads=1")
 ADAMW = ("optim.name=adamw", "optim.lr=0.01", "optim.weight_decay=0.01")
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 
 
 def POOL_JOBS() -> dict[str, dict]:
@@ -30,6 +30,7 @@ def POOL_JOBS() -> dict[str, dict]:
     jobs["q3-local"] = dict(experiment="quickstart", engine="local", workers=3, overrides=F64)
     jobs["q3-zero2"] = dict(experiment="quickstart", engine="zero", workers=3,
                             overrides=F64 + ("zero.stage=2", "zero.bucket_mb=0.01", "zero.first_bucket_mb=0.01"))
+    jobs["q3-zero3"] = dict(experiment="quickstart", engine="zero", workers=3, overrides=F64 + ("zero.stage=3",))
     return jobs
 
 
@@ -47,20 +48,23 @@ def test_every_stage_ends_with_locals_parameters(results, experiment, stage):
     assert max_param_diff(ref, state) < 1e-10
 
 
-def test_three_workers_with_padded_buckets_end_with_locals_parameters(results):
-    assert max_param_diff(results["q3-local"][1], results["q3-zero2"][1]) < 1e-10
+@pytest.mark.parametrize("stage", [2, 3])
+def test_three_workers_with_padded_buckets_end_with_locals_parameters(results, stage):
+    assert max_param_diff(results["q3-local"][1], results[f"q3-zero{stage}"][1]) < 1e-10
 
 
-def test_stage_one_and_two_send_what_an_all_reduce_sends(results):
+def test_stages_one_and_two_send_what_an_all_reduce_sends_and_stage_three_half_as_much_again(results):
     """The paper's 2(N-1)/N of the model's bytes a step: a reduce-scatter of the gradient and
-    an all-gather of the values (quickstart's 9,610 float64 parameters divide by 2)."""
+    an all-gather of the values (quickstart's 9,610 float64 parameters divide by 2); stage 3
+    gathers the values twice, for the forward and for the backward."""
     sent = results["quickstart-allreduce"][0]["bytes_per_worker_per_step"]
     assert sent == 2 * 9610 * 8  # 2(N-1)/N of 76,880 bytes, each way
-    for stage in STAGES:
+    for stage in (1, 2):
         assert results[f"quickstart-zero{stage}"][0]["bytes_per_worker_per_step"] == sent
+    assert results["quickstart-zero3"][0]["bytes_per_worker_per_step"] == 1.5 * sent
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", [1, 2])
 def test_each_stage_holds_the_papers_bytes(results, stage):
     """Psi = 9,610 float64 parameters, N = 2: whole parameters; whole gradients under stage 1,
     half under stage 2; AdamW's two moments of half the parameters, and its float32 step (the
@@ -70,4 +74,70 @@ def test_each_stage_holds_the_papers_bytes(results, stage):
     assert memory["params"] == psi
     assert memory["grads"] == (psi if stage == 1 else psi // n)
     assert memory["optimizer"] == 2 * psi // n + 4
-    assert memory["comm_buffers"] == (0 if stage == 1 else psi)  # stage 2: the bucket's gradient in flight
+    # stage 2: the bucket's whole gradients, and their copy while it is made (one bucket: the model)
+    assert memory["comm_buffers"] == (0 if stage == 1 else 2 * psi)
+
+
+def test_stage_three_holds_a_piece_of_everything_but_the_units_in_use(results):
+    """quickstart's two Linear layers are two units, each padded to even: AdamW's moments and
+    step (one per unit) of half the parameters; the gradient of half; and at most the pieces
+    with both units gathered (the next one's gather starts before the first's forward)."""
+    psi, n = 9610 * 8, 2
+    memory = results["adamw-zero3"][0]["memory_bytes_per_worker"]
+    assert memory["grads"] == psi // n and memory["optimizer"] == 2 * psi // n + 4 * 2
+    assert memory["params"] == psi // n + psi
+
+
+TIED = '''
+import sys
+import torch
+from experiments import api as psar
+
+class Tied(torch.nn.Module):
+    """A language model's token embedding tied to its output head."""
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 20, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+job = psar.init()
+torch.manual_seed(0)
+model = job.attach(Tied().double(), lambda p: torch.optim.AdamW(p, lr=0.05))
+gen = torch.Generator().manual_seed(job.rank)
+for step in job.steps(6):
+    ids = torch.randint(0, 20, (16,), generator=gen)
+    loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % 20)
+    job.backward(loss)
+    job.clip_grad_norm_(0.5)
+    job.step()
+job.close()
+if job.rank == 0:
+    torch.save(model.state_dict(), sys.argv[1])
+'''
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_tied_embedding_is_owned_gathered_and_updated_once_with_a_clip(tmp_path, stage):
+    """A script's model whose head shares the embedding's weight, AdamW and job.clip_grad_norm_:
+    every stage ends where allreduce ends (float64)."""
+    import torch
+
+    from experiments.api import script_config
+    from experiments.runtime.launcher import launch_batch
+
+    script = tmp_path / "tied.py"
+    script.write_text(TIED)
+    states = {}
+    for engine, overrides in (("allreduce", ()), ("zero", (f"zero.stage={stage}",))):
+        out = tmp_path / f"{engine}.pt"
+        cfg = script_config(str(script), [str(out)], overrides, engine=engine, workers=2)
+        launch_batch([(cfg, tmp_path / engine)], deadline_s=60, quiet=True, script=[str(script), str(out)])
+        states[engine] = torch.load(out, weights_only=True)
+    assert list(states["zero"]) == ["embed.weight", "mix.weight", "mix.bias", "head.weight"]
+    assert torch.equal(states["zero"]["embed.weight"], states["zero"]["head.weight"])
+    assert max_param_diff(states["allreduce"], states["zero"]) < 1e-10

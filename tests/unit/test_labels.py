@@ -51,7 +51,8 @@ def fake_run(path, engine, workers=2, algorithm="library", sparse="dense", bytes
 def every_variant(tmp_path):
     """One run per engine, per all-reduce algorithm and sparse mode, and ps-sync with backups."""
     runs = [fake_run(tmp_path / "ps-sync-backup", "ps-sync", bytes_sent=M, backups=1),
-            fake_run(tmp_path / "zero-2", "zero", bytes_sent=M, stage=2)]
+            fake_run(tmp_path / "zero-2", "zero", bytes_sent=M, stage=2),
+            fake_run(tmp_path / "zero-3", "zero", bytes_sent=M, stage=3)]
     for name in engines():
         settings = itertools.product(ALGORITHMS, SPARSE_MODES) if name == "allreduce" else [("library", "dense")]
         for algorithm, sparse in settings:

@@ -80,3 +80,14 @@ def test_messages_overlap_only_separate_ps_sync():
     assert psar_link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated", [0.5, 0.5]) == \
         pytest.approx(psar_link_time("ps-sync", 4, 4, 1e6, 1e6, "colocated"))
     assert psar_link_time("ps-async", 4, 1, 1e6, 1e6, "separate", [0.5, 0.5]) == pytest.approx(two_phase)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zero_sends_an_all_reduce_and_stage_three_half_as_much_again(n):
+    """ZeRO's reduce-scatter and all-gather are the ring all-reduce's two halves, 2(N-1)/N M;
+    stage 3 gathers twice, 3(N-1)/N M (Rajbhandari et al.'s 2 and 3 Psi)."""
+    ring = link_time("allreduce/library", n, 1, 1e6, 200e6)
+    assert link_time("zero-1", n, 1, 1e6, 200e6) == pytest.approx(ring)
+    assert link_time("zero-2", n, 1, 1e6, 200e6) == pytest.approx(ring)
+    assert link_time("zero-3", n, 1, 1e6, 200e6) == pytest.approx(1.5 * ring)
+    assert psar_link_time("zero-3", n, 1, 1e6, 200e6) == pytest.approx(1.5 * ring)
