@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -43,13 +44,16 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--save", default="", help="write a checkpoint here (model, optimizer, schedule, step)")
     parser.add_argument("--save-at", type=int, default=0, help="... after this many steps")
     parser.add_argument("--resume", default="", help="go on from this checkpoint")
+    parser.add_argument("--zero-redundancy", action="store_true",
+                        help="convnet_ddp.py: shard the optimizer with torch's ZeroRedundancyOptimizer")
     return parser.parse_args()
 
 
 def make_optimizer(args: argparse.Namespace, params) -> torch.optim.Optimizer:
-    if args.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    return torch.optim.SGD(params, lr=args.lr)
+    cls, settings = (torch.optim.AdamW, {"weight_decay": 0.01}) if args.optimizer == "adamw" else (torch.optim.SGD, {})
+    if args.zero_redundancy:  # torch's own ZeRO stage 1: each rank steps the state of its share
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, lr=args.lr, **settings)
+    return cls(params, lr=args.lr, **settings)
 
 
 def main() -> None:

@@ -141,3 +141,16 @@ def test_a_tied_embedding_is_owned_gathered_and_updated_once_with_a_clip(tmp_pat
     assert list(states["zero"]) == ["embed.weight", "mix.weight", "mix.bias", "head.weight"]
     assert torch.equal(states["zero"]["embed.weight"], states["zero"]["head.weight"])
     assert max_param_diff(states["allreduce"], states["zero"]) < 1e-10
+
+
+def test_the_converted_ddp_script_under_each_stage_ends_where_torchs_zero_redundancy_optimizer_does(tmp_path):
+    """convnet_ddp.py with AdamW sharded by torch's ZeroRedundancyOptimizer under torchrun (Gloo,
+    float64), and convnet_psar.py (the doc's diff) under `psar launch --engine zero`: the same
+    parameters after 8 steps, on every stage."""
+    from tests.process.test_ddp_contract import launched, torchrun_ddp
+
+    args = ["--float64", "--optimizer", "adamw", "--lr", "0.01", "--steps", "8"]
+    reference = torchrun_ddp(args + ["--zero-redundancy"], tmp_path)
+    for stage in STAGES:
+        state = launched("zero", args, tmp_path / f"zero{stage}", overrides=(f"zero.stage={stage}",))
+        assert list(state) == list(reference) and max_param_diff(reference, state) < 1e-10, stage
