@@ -129,6 +129,18 @@ class DDPEngine:
         self._steps += 1
         return {"comm_s": 0.0, "bytes_sent": nbytes, "bytes_recv": nbytes}
 
+    def comm_bytes(self) -> int:
+        """The bytes of DDP's own gradient buckets: copies of the gradients it all-reduces
+        (gradient_as_bucket_view is off), as its logging data gives their sizes; 0 where it
+        does not say."""
+        try:
+            data = self._ddp._get_ddp_logging_data()
+        except (AttributeError, RuntimeError):
+            return 0
+        if data.get("gradient_as_bucket_view"):
+            return 0
+        return sum(int(size) for size in str(data.get("bucket_sizes", "")).split(",") if size.strip().isdigit())
+
     def report(self) -> dict:
         return {}
 

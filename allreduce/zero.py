@@ -263,15 +263,12 @@ class ZeroEngine(Units):
     # -- end -----------------------------------------------------------------------------------
 
     def report(self) -> dict:
-        return {"memory_bytes_per_worker": dict(self._largest)}
+        return {}
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         with self._liveness.naming_lost_ranks():
-            most = torch.tensor([self.memory[k] for k in MEMORY_KEYS], dtype=torch.float64)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest over ranks (the last holds padding)
-            self._largest = {k: int(v) for k, v in zip(MEMORY_KEYS, most.tolist())}
             if self.config.stage == 3:  # the run's model, whole (model.pt, eval)
                 self._gather_all()
         self._liveness.stop_stamping()

@@ -423,6 +423,9 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
             out["row_pulls"] = dict(self.row_pulls)
         if self._server_stats:
             out["server_stats"] = self._server_stats
+            kept = [s["memory"] for s in self._server_stats if isinstance(s.get("memory"), dict)]
+            if kept:  # the most any shard held, by kind
+                out["memory_bytes_per_shard"] = {k: max(m[k] for m in kept) for k in kept[0]}
         return out
 
 

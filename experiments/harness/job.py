@@ -30,6 +30,7 @@ from experiments.rundir.starts import record_start
 from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
 from experiments.engines import get_engine
+from experiments.rundir.memory import MemoryPeaks
 from experiments.rundir.metrics import MetricsWriter, param_sha256, step_record, summarize, summary_config
 from experiments.settings.overrides import to_dict
 from experiments.rundir.progress import Progress
@@ -134,6 +135,7 @@ class Job:
         # a worker that rejoined running shards goes on at their step: its earlier records stay
         self._first = self._step = max(self._step, getattr(self._engine, "next_step", self._step))
         self._writer = MetricsWriter(self.run_dir, self.rank, keep_before=self._step)
+        self._memory = MemoryPeaks(self._engine)
         self._board = RankBoard(self.run_dir, to_dict(self.config), self.rank) if self.config.tensorboard else None
         self._state = "attached"
         self._start = self._mark = time.perf_counter()
@@ -203,9 +205,14 @@ class Job:
         if not self._losses:
             raise RuntimeError("step() before backward(loss): there is no gradient to apply")
         computed = time.perf_counter()
+        self._memory.before_step(self._model)
         with self._tracer.span("step", step=self._step):
             stats = self._engine.step()
         done = time.perf_counter()
+        self._memory.after_step(self._model)
+        memory = self._memory.changed()
+        if memory is not None:  # each rank's peaks, in the record of the step they grew
+            stats = {**stats, "memory": memory}
         loss = torch.stack([l.double() for l in self._losses]).mean().item()
         record = step_record(self._step, self._start, self._mark, computed, done, loss,
                              self._samples if samples is None else samples, stats)

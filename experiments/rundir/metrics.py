@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from experiments.rundir import files
+from experiments.rundir.memory import largest
 
 WARMUP_STEPS = 1
 """Steps left out of throughput: the first step pays for allocation and connection set-up."""
@@ -85,6 +86,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     compress_s_per_step: seconds a worker spent per step compressing, decompressing and on
     error feedback (compress.method on allreduce and ps-*), None where not measured.
     peak_rss_mb: each rank's peak resident memory (MiB) as of its last step.
+    memory_bytes_per_worker: the most bytes of parameters, gradients, optimizer state and
+    communication buffers any rank held (experiments/rundir/memory.py), where counted.
     """
     per_rank = read_metrics(run_dir)
     steps = len(per_rank.get(0, []))
@@ -117,6 +120,7 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
         "param_sha256": sha,
         "peak_rss_mb": {f"rank{r}": recs[-1]["peak_rss_mb"] for r, recs in sorted(per_rank.items())
                         if recs and "peak_rss_mb" in recs[-1]},
+        **({"memory_bytes_per_worker": memory} if (memory := largest(records)) is not None else {}),
     }
 
 

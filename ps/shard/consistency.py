@@ -207,6 +207,7 @@ class SyncRule(Rule):
     def __init__(self, host: Host) -> None:
         super().__init__(host)
         self._sum: dict[int, torch.Tensor] = {}  # key -> sum of the step's gradients
+        self.summing = self.most_summing = 0  # their bytes now, and at most
         self._rows: dict[int, list] = {}  # pushed by rows: key -> [(ids, rows), ...] of the step
         self._pushed: dict[int, set[int]] = {}  # key -> workers that pushed it this step
         self._updated: set[int] = set()  # keys already updated in this step
@@ -256,6 +257,8 @@ class SyncRule(Rule):
                 self._sum[k].add_(g)
             else:
                 self._sum[k] = g  # built on the received frame, which is ours to keep and write
+                self.summing += g.numel() * g.element_size()
+                self.most_summing = max(self.most_summing, self.summing)
             self._pushed.setdefault(k, set()).add(w)
         self._update_ready()
 
@@ -310,6 +313,7 @@ class SyncRule(Rule):
                 grad = grad / count
             else:
                 grad = self._sum.pop(k).reshape(host.chunks[k].shape).div_(count)
+                self.summing -= grad.numel() * grad.element_size()
             if self._step_hold:
                 self._held[k] = grad
             else:

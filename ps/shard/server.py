@@ -425,4 +425,5 @@ class ShardServer(ShardState):
             "max_clock_gap": self.max_clock_gap,
             "dropped": {str(s): sorted(ws) for s, ws in sorted(self.rule.dropped.items())},
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
+            "memory": self.memory(),
         }

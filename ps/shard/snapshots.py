@@ -77,6 +77,12 @@ class SnapshotPool:
         for wire, old in self._snap.pop(k, {}).items():
             self._keep((k, wire), old)
 
+    def nbytes(self) -> int:
+        """The bytes of the snapshots and spare buffers held now."""
+        held = [t for copies in self._snap.values() for t in copies.values()]
+        held += [t for spares in self._spare.values() for t in spares]
+        return sum(t.numel() * t.element_size() for t in held)
+
     def clear(self) -> None:
         """Every chunk was written (a checkpoint loaded): no snapshot holds."""
         self._snap = {}

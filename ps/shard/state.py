@@ -69,3 +69,14 @@ class ShardState:
             raise Reject(str(e)) from None
         log.info("shard %d: optimizer state loaded by worker 0 at version %d", self.shard, self.version)
         return [self._ok(peer, msg)]
+
+    def memory(self) -> dict[str, int]:
+        """The bytes of what this shard holds, by kind: its parameters; the sync step's summed
+        gradients at their most (async and ssp apply each push as it comes); its optimizer's
+        state; the snapshots and spare buffers its replies are sent from."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+        return {"params": size(self.chunks.values()), "grads": getattr(self.rule, "most_summing", 0),
+                "optimizer": size(t for state in self.optimizer.optimizer.state.values() for t in state.values()),
+                "comm_buffers": self.snapshots.nbytes()}

@@ -27,6 +27,8 @@ def POOL_JOBS() -> dict[str, dict]:
             jobs[f"{exp}-zero{stage}"] = dict(experiment=experiment, engine="zero",
                                               overrides=F64 + extra + (f"zero.stage={stage}",))
     jobs["quickstart-allreduce"] = dict(experiment="quickstart", engine="allreduce", overrides=F64)
+    for engine in ("allreduce", "ddp", "ps-sync"):  # memory, the axis of every engine
+        jobs[f"adamw-{engine}"] = dict(experiment="quickstart", engine=engine, overrides=F64 + ADAMW)
     jobs["q3-local"] = dict(experiment="quickstart", engine="local", workers=3, overrides=F64)
     jobs["q3-zero2"] = dict(experiment="quickstart", engine="zero", workers=3,
                             overrides=F64 + ("zero.stage=2", "zero.bucket_mb=0.01", "zero.first_bucket_mb=0.01"))
@@ -154,3 +156,21 @@ def test_the_converted_ddp_script_under_each_stage_ends_where_torchs_zero_redund
     for stage in STAGES:
         state = launched("zero", args, tmp_path / f"zero{stage}", overrides=(f"zero.stage={stage}",))
         assert list(state) == list(reference) and max_param_diff(reference, state) < 1e-10, stage
+
+
+def test_memory_is_an_axis_of_every_engine(results):
+    """AdamW's state, quickstart in float64 (Psi = 76,880 bytes, 4 parameters each with a
+    float32 step): whole on allreduce and ddp (ddp's buckets copy the gradients), none on a
+    parameter server's worker but all of it on its one shard, half of it under zero-1."""
+    psi = 9610 * 8
+    whole = 2 * psi + 4 * 4
+    for engine in ("allreduce", "ddp"):
+        memory = results[f"adamw-{engine}"][0]["memory_bytes_per_worker"]
+        assert memory == {"params": psi, "grads": psi, "optimizer": whole,
+                          "comm_buffers": psi if engine == "ddp" else 0}, engine
+    ps = results["adamw-ps-sync"][0]
+    assert ps["memory_bytes_per_worker"]["optimizer"] == 0
+    assert ps["memory_bytes_per_shard"]["optimizer"] == whole and ps["memory_bytes_per_shard"]["params"] == psi
+    assert ps["memory_bytes_per_shard"]["grads"] == psi  # the step's summed gradient, every key at once
+    zero = results["adamw-zero1"][0]["memory_bytes_per_worker"]["optimizer"]
+    assert abs(zero / whole - 0.5) < 0.02
