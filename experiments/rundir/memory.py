@@ -24,7 +24,10 @@ def nbytes(tensors) -> int:
     """Bytes of the tensors, each storage counted once (views into one buffer, tied weights)."""
     seen, total = set(), 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel():
+        if isinstance(t, torch.Tensor) and t.is_sparse:  # a row-sparse gradient: its rows and their ids
+            t = t.coalesce() if not t.is_coalesced() else t
+            total += t._values().numel() * t._values().element_size() + t._indices().numel() * 8
+        elif isinstance(t, torch.Tensor) and t.numel():
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
             if key not in seen:
                 seen.add(key)

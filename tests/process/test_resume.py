@@ -18,16 +18,18 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 SETTINGS = ("dtype=float64", "threads=1", "checkpoint.every=5")
 # cnn has BatchNorm buffers, which must come back too; quickstart keeps the rest cheap.
 ENGINES = {"allreduce": ("cnn", {}), "ddp": ("quickstart", {}), "local": ("quickstart", {}),
-           "ps-sync": ("cnn", {"servers": 2})}
+           "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {})}
+OWN = {"zero": ("zero.stage=2",)}  # each rank's checkpoint holds the optimizer state of its pieces
 
 
 def POOL_JOBS() -> dict[str, dict]:
     jobs = {}
     for engine, (experiment, extra) in ENGINES.items():
-        jobs[f"{engine}-full"] = dict(experiment=experiment, engine=engine, steps=12, overrides=SETTINGS, **extra)
+        settings = SETTINGS + OWN.get(engine, ())
+        jobs[f"{engine}-full"] = dict(experiment=experiment, engine=engine, steps=12, overrides=settings, **extra)
         # Stopped after step 7 (its last checkpoint is step 5), then resumed to step 12.
         jobs[f"{engine}-cut"] = dict(experiment=experiment, engine=engine, steps=7, resume_steps=12,
-                                     overrides=SETTINGS, **extra)
+                                     overrides=settings, **extra)
     return jobs
 
 

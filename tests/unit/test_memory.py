@@ -14,6 +14,8 @@ def test_views_and_tied_weights_count_once_and_distinct_slices_add_up():
     embed = torch.nn.Embedding(5, 3)
     head.weight = embed.weight
     assert nbytes(list(embed.parameters()) + list(head.parameters())) == 5 * 3 * 4
+    rows = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 3), (5, 3))
+    assert nbytes([rows]) == 2 * 3 * 4 + 2 * 8  # a row-sparse gradient: its rows and their ids
 
 
 def test_peaks_grow_and_are_told_once():

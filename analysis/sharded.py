@@ -1,0 +1,114 @@
+"""The sharded comparison: memory per worker against time per step, ZeRO's stages beside the
+ring and the parameter server, each measured figure beside the formula it should meet.
+
+Formula (Rajbhandari et al., SC'20, with Psi the model's bytes and K the optimizer's state
+per byte of parameters: 2 for Adam and AdamW, 1 for SGD with momentum and Adagrad, 0 for
+plain SGD): a replica (ddp, allreduce) holds Psi of parameters, Psi of gradients and K*Psi of
+optimizer state; zero-1 K*Psi/N of state; zero-2 also Psi/N of gradients; zero-3 also Psi/N
+of parameters (besides the units gathered at once, which the formula leaves out, as it does
+the communication buffers). A parameter-server worker holds Psi and Psi and no state; its S
+shards K*Psi/S each (co-located: on the workers' hosts). Each rank's optimizer step counters
+(a float per parameter tensor) are left out of the formula.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .plots import save_figure  # first: analysis.style selects the Agg backend
+from .linkmodel import run_link_time
+from .results import Run, family, time_to_target
+from .style import colour
+from .table import write_report
+from .traffic import gradient_bytes, run_traffic
+
+import matplotlib.pyplot as plt
+
+COLUMNS = [
+    ("engine", "engine"), ("workers", "workers"), ("step_ms", "mean step ms"), ("theory_ms", "link theory ms"),
+    ("mb_per_step", "MB/worker/step"), ("params_mb", "params MB"), ("grads_mb", "grads MB"),
+    ("optimizer_mb", "optimizer MB"), ("comm_mb", "comm buffers MB"), ("formula_mb", "formula MB"),
+    ("measured_mb", "measured MB"), ("shard_mb", "shard MB"), ("time_to_target_s", "s to target"),
+    ("final_loss", "final loss"),
+]
+STATE = {"adam": 2, "adamw": 2, "adagrad": 1}
+
+
+def state_per_byte(config: dict) -> int:
+    """K: optimizer state bytes per parameter byte of the run's optimizer."""
+    optim = config.get("optim") or {}
+    name = optim.get("name", "sgd")
+    return STATE.get(name, 1 if optim.get("momentum") else 0)
+
+
+def formula(run: Run) -> dict[str, float]:
+    """The paper's bytes per worker of the run: params, grads, optimizer."""
+    psi, n, k = float(gradient_bytes(run)), int(run.summary["workers"]), state_per_byte(run.config)
+    kind, label = family(run.label), run.label
+    if kind == "sharded":
+        stage = int(label.rsplit("-", 1)[1])
+        return {"params": psi / n if stage == 3 else psi, "grads": psi / n if stage >= 2 else psi,
+                "optimizer": k * psi / n}
+    if kind == "ps":
+        return {"params": psi, "grads": psi, "optimizer": 0.0}
+    return {"params": psi, "grads": psi, "optimizer": k * psi}
+
+
+def mean_step(run: Run) -> float:
+    steps = [r["step_s"] for r in run.steady_records()]
+    return sum(steps) / len(steps)
+
+
+def rows(runs: list[Run]) -> list[dict]:
+    out = []
+    for run in sorted(runs, key=lambda r: (r.label, int(r.summary["workers"]))):
+        memory = run.summary.get("memory_bytes_per_worker") or {}
+        shard = run.summary.get("memory_bytes_per_shard") or {}
+        expected = formula(run)
+        link = run_link_time(run, run_traffic(run))
+        hit = time_to_target(run)
+        out.append({
+            "engine": run.label, "workers": int(run.summary["workers"]), "step_ms": 1e3 * mean_step(run),
+            "theory_ms": None if link is None else 1e3 * link,
+            "mb_per_step": run.summary.get("bytes_per_worker_per_step", 0) / 1e6,
+            **{f"{key}_mb": memory.get(key, 0) / 1e6 for key in ("params", "grads", "optimizer")},
+            "comm_mb": memory.get("comm_buffers", 0) / 1e6,
+            "formula_mb": sum(expected.values()) / 1e6,
+            "measured_mb": sum(memory.get(key, 0) for key in expected) / 1e6,
+            "shard_mb": sum(shard.values()) / 1e6 if shard else None,
+            "time_to_target_s": hit[1] if hit else None, "final_loss": run.summary.get("final_loss"),
+        })
+    return out
+
+
+def memory_vs_step(table: list[dict], out_dir: Path) -> Path | None:
+    """Memory per worker (parameters, gradients, optimizer state and communication buffers)
+    against the mean step, one point per engine and worker count."""
+    if not table:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    try:
+        _points(ax, table)
+        return save_figure(fig, out_dir, "memory_vs_step.png")
+    finally:
+        plt.close(fig)
+
+
+def _points(ax, table: list[dict]) -> None:
+    for row in table:
+        held = row["measured_mb"] + (row["comm_mb"] or 0)
+        ax.scatter(row["step_ms"], held, color=colour(row["engine"]), s=30 + 15 * row["workers"],
+                   label=row["engine"] if row["workers"] == min(r["workers"] for r in table
+                                                               if r["engine"] == row["engine"]) else None)
+        ax.annotate(f"x{row['workers']}", (row["step_ms"], held), textcoords="offset points", xytext=(5, 3),
+                    fontsize=8)
+    ax.set(xlabel="mean step (ms)", ylabel="MB per worker (params, grads, optimizer, comm buffers)",
+           title="memory against time per step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
+    """sharded.md (and .csv) of rows(runs), and the figure."""
+    table = rows(runs)
+    return write_report(table, out_dir, COLUMNS, "sharded", [memory_vs_step(table, out_dir)])
