@@ -181,14 +181,17 @@ class ZeroEngine(Units):
         if self.config.stage == 3:  # its backward is done: the values go until the next forward
             self._free(self.buckets.index(bucket))
 
-    def _release(self, most: int) -> None:
+    def _release(self, most: int, timed: bool = True) -> None:
         """Free the gradient buffers whose reduce-scatter is done; wait for the oldest while
-        more than `most` of them are in flight."""
+        more than `most` of them are in flight (timed: the wait counts as the step's
+        communication; _finish times its own)."""
         while self._sending:
             oldest = self._sending[0]
             if not oldest.handle.is_completed() and len(self._sending) <= most:
                 return
+            began = time.perf_counter()
             oldest.handle.wait()
+            self._waited += (time.perf_counter() - began) * timed
             self._transient(-nbytes(oldest.sending))
             oldest.sending = None
             self._sending.pop(0)
@@ -206,7 +209,7 @@ class ZeroEngine(Units):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise RuntimeError(f"{len(missing)} parameter(s) got no gradient this step: {shown}; under zero "
                                "every rank must use every parameter")
-        self._release(0)
+        self._release(0, timed=False)
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle, bucket.ready = None, set()

@@ -13,11 +13,12 @@ parameters stay views of the buffer throughout, so autograd's saved tensors find
 again once the storage is back. After close every unit stays gathered (model.pt, eval).
 
 A mixin of allreduce.zero.ZeroEngine, whose fields and methods it uses: buckets, world, rank,
-memory, _bytes, _make_bucket, _ALL_GATHER.
+memory, _bytes, _waited, _make_bucket.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -75,8 +76,10 @@ class Units:
         self._gather(b)
         bucket = self.buckets[b]
         if bucket.gathering is not None:
+            began = time.perf_counter()
             bucket.gathering.wait()
             bucket.gathering = None
+            self._waited += time.perf_counter() - began  # the step's communication, not its compute
 
     def _free(self, b: int) -> None:
         bucket = self.buckets[b]

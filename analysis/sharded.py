@@ -54,6 +54,11 @@ def formula(run: Run) -> dict[str, float]:
     return {"params": psi, "grads": psi, "optimizer": k * psi}
 
 
+def _colocated(run: Run) -> bool:
+    """Its shards share the workers' hosts (ps-* with net.placement=colocated)."""
+    return family(run.label) == "ps" and (run.config.get("net") or {}).get("placement", "colocated") == "colocated"
+
+
 def mean_step(run: Run) -> float:
     steps = [r["step_s"] for r in run.steady_records()]
     return sum(steps) / len(steps)
@@ -76,14 +81,16 @@ def rows(runs: list[Run]) -> list[dict]:
             "formula_mb": sum(expected.values()) / 1e6,
             "measured_mb": sum(memory.get(key, 0) for key in expected) / 1e6,
             "shard_mb": sum(shard.values()) / 1e6 if shard else None,
+            "host_mb": (sum(memory.values()) + (sum(shard.values()) if _colocated(run) else 0)) / 1e6,
             "time_to_target_s": hit[1] if hit else None, "final_loss": run.summary.get("final_loss"),
         })
     return out
 
 
 def memory_vs_step(table: list[dict], out_dir: Path) -> Path | None:
-    """Memory per worker (parameters, gradients, optimizer state and communication buffers)
-    against the mean step, one point per engine and worker count."""
+    """Memory per worker's host (parameters, gradients, optimizer state and communication
+    buffers; with co-located shards, the host's shard too) against the mean step, one point
+    per engine and worker count."""
     if not table:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -96,13 +103,13 @@ def memory_vs_step(table: list[dict], out_dir: Path) -> Path | None:
 
 def _points(ax, table: list[dict]) -> None:
     for row in table:
-        held = row["measured_mb"] + (row["comm_mb"] or 0)
+        held = row["host_mb"]
         ax.scatter(row["step_ms"], held, color=colour(row["engine"]), s=30 + 15 * row["workers"],
                    label=row["engine"] if row["workers"] == min(r["workers"] for r in table
                                                                if r["engine"] == row["engine"]) else None)
         ax.annotate(f"x{row['workers']}", (row["step_ms"], held), textcoords="offset points", xytext=(5, 3),
                     fontsize=8)
-    ax.set(xlabel="mean step (ms)", ylabel="MB per worker (params, grads, optimizer, comm buffers)",
+    ax.set(xlabel="mean step (ms)", ylabel="MB per worker's host (with its shard)",
            title="memory against time per step")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
