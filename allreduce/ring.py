@@ -117,6 +117,14 @@ def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
     return bounds
 
 
+PHASES = ("", "reduce_scatter", "all_gather")
+
+
+def owner_chunk(rank: int, world: int) -> int:
+    """The chunk (of chunk_bounds(numel, world)) the reduce-scatter half leaves summed on rank."""
+    return (rank + 1) % world
+
+
 def ring_allreduce(
     flat: torch.Tensor,
     rank: int,
@@ -126,8 +134,14 @@ def ring_allreduce(
     delay_s: float = 0.0,
     piece_bytes: int = PIECE_BYTES,
     most_pieces: int = MAX_PIECES,
+    phase: str = "",
 ) -> tuple[int, int]:
     """Sum the 1-D tensor `flat` in place over the ranks of `group`; return (bytes sent, received).
+
+    phase: "" runs both halves; "reduce_scatter" only the first, after which rank r holds
+    the sum of chunk owner_chunk(r) (chunk_bounds' (r + 1) % N) and the rest of `flat` is
+    partial; "all_gather" only the second, which passes every rank's chunk owner_chunk(r)
+    on to every other rank (ZeRO's two collectives, allreduce/zero.py).
 
     With `wire_dtype` the chunks travel in that dtype (compression) and partial sums are
     accumulated in `flat`'s own dtype; the reduced chunk is rounded to the wire dtype on its
@@ -139,6 +153,8 @@ def ring_allreduce(
         raise ValueError("ring_allreduce needs a contiguous 1-D tensor")
     if piece_bytes < 1:
         raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
+    if phase not in PHASES:
+        raise ValueError(f"ring phase {phase!r}: expected one of {PHASES}")
     if world == 1:
         return 0, 0
     wire = wire_dtype or flat.dtype
@@ -148,6 +164,7 @@ def ring_allreduce(
     pieces = piece_count(longest * itemsize, piece_bytes, most_pieces)
     right, left = (rank + 1) % world, (rank - 1) % world
     hops = 2 * (world - 1)  # world - 1 of the reduce-scatter, then as many of the all-gather
+    first, last = {"": (0, hops), "reduce_scatter": (0, world - 1), "all_gather": (world - 1, hops)}[phase]
     scratch = scratch_buffer(2 * longest, wire, flat.device)  # two chunks: a hop's slot, the next one's
     slots = chunk_bounds(longest, pieces)
     ordered = flat.device.type != "cpu"  # NCCL: a hop's receive and send are posted together
@@ -197,14 +214,14 @@ def ring_allreduce(
     # piece j moves on as soon as it has arrived and been summed.
     waiting: dict[tuple[int, int], list] = {}
     for j in range(pieces):
-        for hop in range(0 if ordered else min(2, hops)):
+        for hop in range(first, first if ordered else min(first + 2, last)):
             waiting[hop, j] = post(hop, j, send=False, recv=True)
     if delay_s:
         time.sleep(delay_s)
     for j in range(pieces):
-        waiting[0, j] = post(0, j, send=True, recv=ordered) + waiting.get((0, j), [])
-    for hop in range(hops):
-        if hop and delay_s:
+        waiting[first, j] = post(first, j, send=True, recv=ordered) + waiting.get((first, j), [])
+    for hop in range(first, last):
+        if hop > first and delay_s:
             time.sleep(delay_s)
         for j in range(pieces):
             for work in waiting.pop((hop, j)):
@@ -218,9 +235,9 @@ def ring_allreduce(
                         flat[r0:r1] = flat[r0:r1].to(wire)
                 elif into.data_ptr() != flat[r0:r1].data_ptr():
                     flat[r0:r1] = into
-            if not ordered and hop + 2 < hops:
+            if not ordered and hop + 2 < last:
                 waiting[hop + 2, j] = post(hop + 2, j, send=False, recv=True)
-            if hop + 1 < hops:
+            if hop + 1 < last:
                 waiting[hop + 1, j] = post(hop + 1, j, send=True, recv=ordered) + waiting.get((hop + 1, j), [])
     for _, works in kept:
         for work in works:

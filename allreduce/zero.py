@@ -18,15 +18,14 @@ parameters it owns in place.
   its own, which is reduce-scattered and freed, and the parameters' .grad with it; a rank
   keeps only the gradient of what it owns.
 
-Collectives are the backend's (Gloo on CPU, NCCL on CUDA), started in bucket order on every
-rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP.
+Collectives are the backend's (zero.algorithm=library: Gloo on CPU, NCCL on CUDA) or the two
+halves of psar's own ring (ring: allreduce/ring.py), started in bucket order on every rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from .backward_state import BackwardStates
 from .buckets import assign_buckets
 from .group import broadcast_tensors, init_process_group, shutdown
 from .liveness import Liveness
-from .zero_buckets import ALL_GATHER, REDUCE_SCATTER, Bucket, nbytes
+from .zero_buckets import Bucket, LibraryCollectives, RingCollectives, nbytes
 from .zero_config import ZeroConfig
 from .zero_units import Units
 
@@ -53,6 +52,7 @@ class ZeroEngine(Units):
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
+        self._collectives = (RingCollectives if config.algorithm == "ring" else LibraryCollectives)(rank, world)
         self._liveness = Liveness(rank, world)
         self._backward_states = BackwardStates(timeout_s)
         self._syncing = True
@@ -100,7 +100,8 @@ class ZeroEngine(Units):
                 if grad is not None:
                     p.grad = grad[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
-        mine = slice(self.rank * size, (self.rank + 1) * size)
+        own = self._collectives.owner  # which of the N pieces is this rank's
+        mine = slice(own * size, (own + 1) * size)
         piece = torch.nn.Parameter(values[mine].clone() if sharded else values[mine])
         # stage 1 reduce-scatters in place: this rank's part of the whole gradient is its piece's
         piece.grad = grad[mine] if grad is not None else torch.zeros_like(piece)
@@ -174,9 +175,7 @@ class ZeroEngine(Units):
             bucket.sending = flat
             self._sending.append(bucket)
         flat.div_(self.world)  # averaged before the sum, as the all-reduce engine does
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            bucket.handle = REDUCE_SCATTER(bucket.piece.grad, flat, async_op=True)
+        bucket.handle = self._collectives.reduce_scatter(bucket.piece.grad, flat)
         self._bytes += nbytes(flat) * (self.world - 1) // self.world
         if self.config.stage == 3:  # its backward is done: the values go until the next forward
             self._free(self.buckets.index(bucket))
@@ -237,10 +236,9 @@ class ZeroEngine(Units):
         self.optimizer.step()
         self._note()
         start = time.perf_counter()
-        with self._liveness.naming_lost_ranks(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # in place: each piece is its part of values
-            if self.config.stage < 3:  # stage 3 gathers each unit before its next forward
-                works = [ALL_GATHER(b.values, b.piece.detach(), async_op=True) for b in self.buckets]
+        with self._liveness.naming_lost_ranks():
+            if self.config.stage < 3:  # in place: each piece is its part of values  # stage 3 gathers each unit before its next forward
+                works = [self._collectives.all_gather(b.values, b.piece.detach()) for b in self.buckets]
                 for work in works:
                     work.wait()
                 self._bytes += sum(nbytes(b.values) * (self.world - 1) // self.world for b in self.buckets)
@@ -274,6 +272,7 @@ class ZeroEngine(Units):
         with self._liveness.naming_lost_ranks():
             if self.config.stage == 3:  # the run's model, whole (model.pt, eval)
                 self._gather_all()
+            self._collectives.close()
         self._liveness.stop_stamping()
         with self._liveness.naming_lost_ranks():
             shutdown(self._backward_states)

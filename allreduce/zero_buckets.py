@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -42,3 +43,83 @@ class Bucket:
     """Stage 3: its storage is allocated (its values in, or on their way)."""
     gathering: dist.Work | None = None
     """Stage 3: the all-gather of its values under way."""
+
+
+class LibraryCollectives:
+    """The backend's reduce-scatter and all-gather (Gloo on CPU, NCCL on CUDA): rank r owns
+    chunk r of a bucket."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.owner = rank
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor):
+        with warnings.catch_warnings():  # torch 2.13 warns that the older names are going
+            warnings.simplefilter("ignore", FutureWarning)
+            return REDUCE_SCATTER(out, flat, async_op=True)
+
+    def all_gather(self, values: torch.Tensor, piece: torch.Tensor):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return ALL_GATHER(values, piece, async_op=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _RingWork:
+    """A ring half run on the collectives' thread; wait() then puts the owned chunk where it
+    goes (a reduce-scatter's output that is not a view of the summed buffer)."""
+
+    def __init__(self, future, copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self._future, self._copy = future, copy
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+        if self._copy is not None:
+            out, chunk = self._copy
+            out.copy_(chunk)
+            self._copy = None
+
+
+class RingCollectives:
+    """psar's own ring, its two halves (allreduce/ring.py), one after another on one thread in
+    the order they are started, which every rank shares: rank r owns chunk (r + 1) % N, where
+    the reduce-scatter half leaves the sum."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .ring import owner_chunk
+
+        self.rank, self.world = rank, world
+        self.owner = owner_chunk(rank, world)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-zero-ring")
+
+    def _chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        size = flat.numel() // self.world
+        return flat[self.owner * size: (self.owner + 1) * size]
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> _RingWork:
+        from .ring import ring_allreduce
+
+        future = self._pool.submit(ring_allreduce, flat, self.rank, self.world, phase="reduce_scatter")
+        chunk = self._chunk(flat)
+        return _RingWork(future, None if out.data_ptr() == chunk.data_ptr() else (out, chunk))
+
+    def all_gather(self, values: torch.Tensor, piece: torch.Tensor) -> _RingWork:
+        from .ring import ring_allreduce
+
+        chunk = self._chunk(values)
+
+        def gather() -> None:
+            if chunk.data_ptr() != piece.data_ptr():
+                chunk.copy_(piece)
+            ring_allreduce(values, self.rank, self.world, phase="all_gather")
+
+        return _RingWork(self._pool.submit(gather))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

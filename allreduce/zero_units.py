@@ -13,17 +13,16 @@ parameters stay views of the buffer throughout, so autograd's saved tensors find
 again once the storage is back. After close every unit stays gathered (model.pt, eval).
 
 A mixin of allreduce.zero.ZeroEngine, whose fields and methods it uses: buckets, world, rank,
-memory, _bytes, _waited, _make_bucket.
+memory, _bytes, _waited, _collectives, _make_bucket.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 
-from .zero_buckets import ALL_GATHER, Bucket, nbytes
+from .zero_buckets import nbytes
 
 
 class Units:
@@ -63,9 +62,7 @@ class Units:
         if bucket.gathered:
             return
         bucket.values.untyped_storage().resize_(nbytes(bucket.values))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            bucket.gathering = ALL_GATHER(bucket.values, bucket.piece.detach(), async_op=True)
+        bucket.gathering = self._collectives.all_gather(bucket.values, bucket.piece.detach())
         bucket.gathered = True
         self._bytes += nbytes(bucket.values) * (self.world - 1) // self.world
         held = sum(nbytes(x.values) for x in self.buckets if x.gathered) + sum(nbytes(x.piece) for x in self.buckets)
@@ -149,5 +146,3 @@ def _tensors(output) -> list[torch.Tensor]:
         return [t for item in output.values() for t in _tensors(item)]
     return []
 
-
-__all__ = ["Bucket", "Units"]

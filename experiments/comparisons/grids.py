@@ -109,12 +109,13 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
         "sharded", "mlp-mid", ("ddp", "allreduce", "zero", "ps-sync"), (2, 4), steps=10, net="200mbit",
         overrides=("model.hidden=[512,512]", "optim.name=adamw", "optim.lr=0.001"), report="sharded",
         variants=(Variant("ddp"), Variant("allreduce"),
-                  *(Variant("zero", 1, (f"zero.stage={k}",)) for k in (1, 2, 3)),
+                  *(Variant("zero", 1, (f"zero.stage={k}", "zero.algorithm=ring")) for k in (1, 2, 3)),
                   Variant("ps-sync", "N", ("net.placement=colocated",))),
         claim="Memory is the third axis: ZeRO's stages keep 1/N of the optimizer state (1), of the "
               "gradients too (2) and of the parameters too (3), sending what the ring sends at "
               "stages 1 and 2 and half as much again at 3; a parameter server's co-located shards "
-              "hold the state as stage 1 does, its workers none."),
+              "hold the state as stage 1 does, its workers none (zero on psar's ring halves: Gloo's own "
+              "reduce-scatter and all-gather are slower than its all-reduce)."),
     Comparison(
         "hogwild", "logreg-sparse", ("ps-async", "ps-sync", "allreduce"), (1, 2),
         claim="Hogwild!: on sparse logistic regression, lock-free asynchronous updates rarely "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from allreduce.ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, ring_allreduce
+from allreduce.ring import MAX_PIECES, PIECE_BYTES, chunk_bounds, owner_chunk, ring_allreduce
 from spawn import run_ranks
 
 LENGTHS = (0, 1, 2, 3, 5, 7, 1000, 1001, 4099)
@@ -131,3 +131,36 @@ def test_halving_doubling_tree_and_hierarchical_in_fp16_end_bit_identical_on_eve
         expected = sum(_values(r, numel) for r in range(3))
         torch.testing.assert_close(torch.tensor(results[0][numel][0], dtype=torch.float64), expected,
                                    rtol=5e-3, atol=5e-3)
+
+
+def _halves(rank, world):
+    """The ring's reduce-scatter alone, then its all-gather alone of the owned chunks."""
+    out = {}
+    for numel in (6, 12, 4099):
+        flat = _values(rank, numel)
+        sent_rs, _ = ring_allreduce(flat, rank, world, phase="reduce_scatter", piece_bytes=40)
+        a, b = chunk_bounds(numel, world)[owner_chunk(rank, world)]
+        owned = flat[a:b].tolist()
+        mine = torch.full((numel,), float("nan"), dtype=torch.float64)
+        mine[a:b] = flat[a:b]  # everything else of the buffer must come from the others
+        sent_ag, _ = ring_allreduce(mine, rank, world, phase="all_gather", piece_bytes=40)
+        out[numel] = (owned, mine.tolist(), sent_rs, sent_ag)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_rings_halves_reduce_scatter_to_the_owners_and_all_gather_their_chunks(world):
+    results = run_ranks(_halves, world)
+    for numel in (6, 12, 4099):
+        expected = sum(_values(r, numel) for r in range(world))
+        for rank in range(world):
+            owned, gathered, sent_rs, sent_ag = results[rank][numel]
+            a, b = chunk_bounds(numel, world)[owner_chunk(rank, world)]
+            torch.testing.assert_close(torch.tensor(owned, dtype=torch.float64), expected[a:b], rtol=1e-14, atol=1e-14)
+            torch.testing.assert_close(torch.tensor(gathered, dtype=torch.float64), expected, rtol=1e-14, atol=1e-14)
+            # each half moves (N-1) chunks of about numel/N elements
+            assert abs(sent_rs - (world - 1) * numel * 8 / world) <= (world - 1) * 8
+            assert abs(sent_ag - (world - 1) * numel * 8 / world) <= (world - 1) * 8
+        assert all(results[0][numel][1] == results[r][numel][1] for r in range(world))

@@ -33,6 +33,11 @@ def POOL_JOBS() -> dict[str, dict]:
     jobs["q3-zero2"] = dict(experiment="quickstart", engine="zero", workers=3,
                             overrides=F64 + ("zero.stage=2", "zero.bucket_mb=0.01", "zero.first_bucket_mb=0.01"))
     jobs["q3-zero3"] = dict(experiment="quickstart", engine="zero", workers=3, overrides=F64 + ("zero.stage=3",))
+    for stage in STAGES:  # psar's own ring, its two halves
+        jobs[f"cnn-ring{stage}"] = dict(experiment="cnn", engine="zero", overrides=F64 + (
+            f"zero.stage={stage}", "zero.algorithm=ring"))
+        jobs[f"q3-ring{stage}"] = dict(experiment="quickstart", engine="zero", workers=3, overrides=F64 + (
+            f"zero.stage={stage}", "zero.algorithm=ring"))
     return jobs
 
 
@@ -53,6 +58,14 @@ def test_every_stage_ends_with_locals_parameters(results, experiment, stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_three_workers_with_padded_buckets_end_with_locals_parameters(results, stage):
     assert max_param_diff(results["q3-local"][1], results[f"q3-zero{stage}"][1]) < 1e-10
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_on_psar_own_ring_every_stage_ends_with_locals_parameters_and_sends_the_same(results, stage):
+    assert max_param_diff(results["cnn-local"][1], results[f"cnn-ring{stage}"][1]) < 1e-10
+    assert max_param_diff(results["q3-local"][1], results[f"q3-ring{stage}"][1]) < 1e-10
+    assert results[f"cnn-ring{stage}"][0]["bytes_per_worker_per_step"] == \
+        results[f"cnn-zero{stage}"][0]["bytes_per_worker_per_step"]
 
 
 def test_stages_one_and_two_send_what_an_all_reduce_sends_and_stage_three_half_as_much_again(results):
