@@ -119,3 +119,35 @@ def report(runs: list[Run], out_dir: Path) -> tuple[str, list[Path]]:
     """sharded.md (and .csv) of rows(runs), and the figure."""
     table = rows(runs)
     return write_report(table, out_dir, COLUMNS, "sharded", [memory_vs_step(table, out_dir)])
+
+
+SCALES = (1, 2, 8, 64, 256, 1024)
+SETTINGS = ("replicated", "zero-1", "zero-2", "zero-3", "ps worker")
+
+
+def bytes_per_worker(setting: str, psi: float, k: int, n: int) -> float:
+    """The paper's bytes per worker (parameters, gradients and optimizer state) of setting
+    (a replica: ddp, allreduce; a ZeRO stage; a parameter server's worker) on n workers."""
+    return {"replicated": (2 + k) * psi, "zero-1": 2 * psi + k * psi / n, "zero-2": psi + (1 + k) * psi / n,
+            "zero-3": (2 + k) * psi / n, "ps worker": 2 * psi}[setting]
+
+
+def format_memory(runs: list[Run]) -> str:
+    """`psar model`'s memory table: the formula at N = 1 to 1024 for the runs' model and
+    optimizer, then each run's measured bytes beside its formula."""
+    base = runs[0]
+    psi, k = float(gradient_bytes(base)), state_per_byte(base.config)
+    lines = [f"memory per worker, the ZeRO paper's formula (M = {psi / 1e6:.2f} MB, optimizer state "
+             f"{k} bytes per parameter byte), MB:",
+             f"{'setting':<12}" + "".join(f"{f'N={n}':>10}" for n in SCALES)]
+    for setting in SETTINGS:
+        lines.append(f"{setting:<12}" + "".join(f"{bytes_per_worker(setting, psi, k, n) / 1e6:>10.3g}" for n in SCALES))
+    measured = [r for r in runs if r.summary.get("memory_bytes_per_worker")]
+    if measured:
+        lines.append("measured (params + grads + optimizer, without communication buffers), MB:")
+    for run in measured:
+        memory, expected = run.summary["memory_bytes_per_worker"], formula(run)
+        held = sum(memory.get(key, 0) for key in expected)
+        lines.append(f"  {run.label} x{run.summary['workers']}: {held / 1e6:.3g} (formula "
+                     f"{sum(expected.values()) / 1e6:.3g}; comm buffers {memory.get('comm_buffers', 0) / 1e6:.3g})")
+    return "\n".join(lines)

@@ -262,7 +262,7 @@ def model_cmd(run_dirs, bench_path, validate, out) -> None:
     """Alpha-beta cost model of one step, ring all-reduce against a parameter server, fitted to
     `psar bench` and to RUN_DIRS (their gradient bytes and compute time); predicts up to 1024
     workers."""
-    from analysis import costmodel, traffic
+    from analysis import costmodel, sharded, traffic
     from analysis.results import load_runs
 
     runs = load_runs(run_dirs)
@@ -291,6 +291,8 @@ def model_cmd(run_dirs, bench_path, validate, out) -> None:
         if r["workers"] in (1, 2, 8, 64, 256, 1024):
             click.echo(f"{r['setting']:<16} {r['workers']:>5} {r['servers'] or '-':>5} "
                        f"{r['step_s'] * 1e3:>10.2f} {r['samples_per_sec']:>12.0f}")
+    click.echo("")
+    click.echo(sharded.format_memory(runs))
     for path in costmodel.plot_scaling(rows, out):
         click.echo(f"figure: {path}")
 

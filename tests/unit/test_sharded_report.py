@@ -50,3 +50,14 @@ def test_the_table_sets_measured_beside_formula_and_draws_memory_against_step(tm
     assert table["ps-sync"]["shard_mb"] == 2 * M / 1e6 and table["zero-3"]["theory_ms"] > 0
     text, paths = report(runs, tmp_path / "out")
     assert "formula MB" in text and (tmp_path / "out" / "memory_vs_step.png").exists()
+
+
+def test_psar_models_memory_table_scales_the_formula_and_sets_each_run_beside_it(tmp_path):
+    from analysis.sharded import bytes_per_worker, format_memory
+
+    assert bytes_per_worker("zero-1", M, 2, 1) == bytes_per_worker("replicated", M, 2, 1) == 4 * M
+    assert bytes_per_worker("zero-3", M, 2, 1024) == 4 * M / 1024
+    assert bytes_per_worker("zero-2", M, 2, 4) == M + 3 * M / 4
+    run = run_with(tmp_path, "z1", "zero", {"params": M, "grads": M, "optimizer": M, "comm_buffers": 0})
+    text = format_memory([run])
+    assert "N=1024" in text and "zero-1 x2: 3.15 (formula 3.15; comm buffers 0)" in text
