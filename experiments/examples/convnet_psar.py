@@ -15,7 +15,7 @@ from experiments import api as psar                                    # psar
 from experiments.examples.convnet_ddp import arguments, convnet, digits, make_optimizer
 
 
-def main() -> None:
+def main() -> torch.nn.Module:
     args = arguments()
     dtype = torch.float64 if args.float64 else torch.float32
 
@@ -70,12 +70,15 @@ def main() -> None:
         print(f"rank 0: {step} steps, mean loss {mean.item():.6f}")
     dist.barrier()  # both ranks tear Gloo down together (one leaving mid-save aborted the other)
     dist.destroy_process_group()
+    return model  # freed by the exit below, not here: see there
 
 
 if __name__ == "__main__":
-    main()
+    kept = main()
     # With torch 2.13 and Gloo a rank sometimes aborts in the interpreter's own teardown after
     # destroy_process_group ("terminate called without an active exception", no Python frame;
-    # 2 to 3 of 12 runs with both cores busy). Everything is written by then: leave at once.
+    # 2 to 3 of 12 runs with both cores busy), and DDP's reducer freed after it can hang the rank
+    # in native code (1 of 12 torchrun runs with both cores busy, the rank's only frame this
+    # line, main() returned). Everything is written by then: leave at once, the model kept.
     sys.stdout.flush()
     os._exit(0)
