@@ -187,3 +187,77 @@ def test_memory_is_an_axis_of_every_engine(results):
     assert ps["memory_bytes_per_shard"]["grads"] == psi  # the step's summed gradient, every key at once
     zero = results["adamw-zero1"][0]["memory_bytes_per_worker"]["optimizer"]
     assert abs(zero / whole - 0.5) < 0.02
+
+
+FSDP = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).double()
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+for step in range(4):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()), dtype=torch.float64)
+    (model(x) ** 2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+if dist.get_rank() == 0:
+    torch.save(state, sys.argv[1])
+dist.destroy_process_group()
+import os
+os._exit(0)  # torch 2.13 with Gloo: the interpreter's own teardown may abort (convnet_ddp.py says more)
+'''
+
+ZERO3 = '''
+import sys
+import torch
+from experiments import api as psar
+
+job = psar.init()
+torch.manual_seed(0)
+model = job.attach(torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).double(),
+                   lambda params: torch.optim.AdamW(params, lr=0.05))
+for step in job.steps(4):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + job.rank), dtype=torch.float64)
+    job.backward((model(x) ** 2).mean())
+    job.step()
+job.close()
+if job.rank == 0:
+    torch.save(model.state_dict(), sys.argv[1])
+'''
+
+
+def test_stage_three_ends_where_torchs_fsdp_ends_on_gloo(tmp_path):
+    """torch's FSDP (fully_shard per layer, then the model; AdamW; Gloo on CPU, float64) under
+    torchrun, and the same model under zero.stage=3: the same parameters after 4 steps."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import started
+    from experiments.api import script_config
+    from experiments.runtime.launcher import launch_batch
+    from experiments.runtime.sites import free_port
+
+    (tmp_path / "fsdp.py").write_text(FSDP)
+    (tmp_path / "zero3.py").write_text(ZERO3)
+    proc = started(subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(tmp_path / "fsdp.py"), str(tmp_path / "fsdp.pt")], env=dict(os.environ), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    script = tmp_path / "zero3.py"
+    cfg = script_config(str(script), [str(tmp_path / "zero3.pt")], ("zero.stage=3",), engine="zero", workers=2)
+    launch_batch([(cfg, tmp_path / "run")], deadline_s=60, quiet=True, script=[str(script), str(tmp_path / "zero3.pt")])
+    fsdp, zero = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("fsdp", "zero3"))
+    assert list(fsdp) == list(zero) and max_param_diff(fsdp, zero) < 1e-10
