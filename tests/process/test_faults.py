@@ -89,12 +89,12 @@ def test_a_backup_worker_drops_the_stopped_workers_push_and_trains_on_the_others
     assert fault["kind"] == "pause" and fault["resumed"] - fault["wall"] >= 3.0
 
 
-@pytest.mark.parametrize("engine", ["allreduce", "ddp"])
-def test_a_killed_worker_restarts_every_worker_from_the_checkpoint(tmp_path, engine):
+@pytest.mark.parametrize("engine, own", [("allreduce", ()), ("ddp", ()), ("zero", ("zero.stage=2",))])
+def test_a_killed_worker_restarts_every_worker_from_the_checkpoint(tmp_path, engine, own):
     steps, kill = 9, 6
-    _, plain, state = run(tmp_path, "plain", engine, 2, steps, ("checkpoint.every=4",))
+    _, plain, state = run(tmp_path, "plain", engine, 2, steps, ("checkpoint.every=4",) + own)
     _, summary, restarted = run(tmp_path, "killed", engine, 2, steps, (
-        "checkpoint.every=4", "fault.kill_rank=1", f"fault.kill_step={kill}"), max_restarts=2)
+        "checkpoint.every=4", "fault.kill_rank=1", f"fault.kill_step={kill}") + own, max_restarts=2)
     assert summary["param_sha256"] == plain["param_sha256"]
     assert max_param_diff(state, restarted) == 0.0
     assert summary["restarts"] == 1 and summary["steps_lost"] == kill - 4
