@@ -2,24 +2,27 @@
 
 The trained parameters are cut into buckets by bytes, in the order backward produces their
 gradients (allreduce/buckets.py, as the all-reduce engine's). Each bucket is one flat buffer
-padded to a multiple of N, and rank r owns the r-th 1/N of every bucket (DeepSpeed's and
+padded to a multiple of N, and each rank owns one of its N equal pieces (DeepSpeed's and
 FSDP's even split, cutting tensors where it must), so it owns 1/N of every byte count. The
 optimizer (make_optimizer's) runs over the owned pieces only, so its state is 1/N of a
-replica's; a piece shares its storage with the bucket's buffer, so a step updates the
-parameters it owns in place.
+replica's; under stages 1 and 2 a piece shares its storage with the bucket's buffer, so a
+step updates the parameters it owns in place.
 
 - zero.stage=1: the optimizer state is sharded. Each rank keeps a whole gradient buffer (the
   parameters' .grad are views into it); as soon as backward has produced a bucket's gradient
-  it is averaged and reduce-scattered to the owners (2(N-1)/N of the model's bytes a step
-  with the all-gather, as the paper's stage 1; an all-reduce would send 3(N-1)/N to use 1/N
-  of what it sums); the owners step; the updated pieces are all-gathered into every rank's
-  parameters.
+  it is averaged and reduce-scattered to the owners; the owners step; the updated pieces are
+  all-gathered into every rank's parameters: 2(N-1)/N of the model's bytes a step, as the
+  paper's stage 1 (an all-reduce of the gradient and then the all-gather would send 3(N-1)/N).
 - zero.stage=2: the gradients are sharded too: a bucket's gradient is copied into a buffer of
   its own, which is reduce-scattered and freed, and the parameters' .grad with it; a rank
   keeps only the gradient of what it owns.
+- zero.stage=3: the parameters are sharded too, each module's gathered only while it is
+  used (allreduce/zero_units.py).
 
-Collectives are the backend's (zero.algorithm=library: Gloo on CPU, NCCL on CUDA) or the two
-halves of psar's own ring (ring: allreduce/ring.py), started in bucket order on every rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP.
+Collectives are the backend's (zero.algorithm=library: Gloo on CPU, NCCL on CUDA; rank r owns
+piece r) or the two halves of psar's own ring (ring: allreduce/ring.py; rank r owns piece
+(r + 1) mod N, where its reduce-scatter leaves the sum), started in bucket order on every
+rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP.
 """
 
 from __future__ import annotations
