@@ -82,6 +82,7 @@ class ZeroEngine(Units):
                                    groups=[(p.dtype, p.device) for _, p in named])
             self.buckets = [self._make_bucket([named[i] for i in indices]) for indices in order]
         self._slot = {p: (b, j) for b, bucket in enumerate(self.buckets) for j, p in enumerate(bucket.params)}
+        self._views = {p: p.grad for p in self._slot} if self.config.stage == 1 else {}  # views of the buffers
         self.optimizer = make_optimizer([bucket.piece for bucket in self.buckets])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
         self._note()
@@ -124,8 +125,7 @@ class ZeroEngine(Units):
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.config.stage == 1:  # a script may have replaced a .grad: it goes back into the buffer
-            for p, (b, j) in self._slot.items():
-                view = self._grad_view(b, j)
+            for p, view in self._views.items():
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     if p.grad is not None:
                         view.copy_(p.grad)
@@ -140,11 +140,6 @@ class ZeroEngine(Units):
             self._finish()
             self._waited += time.perf_counter() - start
 
-    def _grad_view(self, b: int, j: int) -> torch.Tensor:
-        bucket = self.buckets[b]
-        offset = sum(p.numel() for p in bucket.params[:j])
-        return bucket.grad[offset: offset + bucket.params[j].numel()].view_as(bucket.params[j])
-
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if not self._syncing:
             return
@@ -154,14 +149,15 @@ class ZeroEngine(Units):
             self._transient(nbytes(param.grad))
         while self._next < len(self.buckets) and \
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
-            self._reduce(self.buckets[self._next])
+            self._reduce(self._next)
             self._next += 1
 
-    def _reduce(self, bucket: Bucket) -> None:
+    def _reduce(self, b: int) -> None:
         """Average the bucket's gradient and reduce-scatter it: this rank's piece lands in
         bucket.piece.grad. Stages 2 and 3 copy it into a buffer of its own and free the
         parameters' .grad at once; the buffer goes once its reduce-scatter is done, and at most
         IN_FLIGHT of them are (besides the newest)."""
+        bucket = self.buckets[b]
         if bucket.grad is not None:
             flat = bucket.grad
         else:
@@ -181,7 +177,7 @@ class ZeroEngine(Units):
         bucket.handle = self._collectives.reduce_scatter(bucket.piece.grad, flat)
         self._bytes += nbytes(flat) * (self.world - 1) // self.world
         if self.config.stage == 3:  # its backward is done: the values go until the next forward
-            self._free(self.buckets.index(bucket))
+            self._free(b)
 
     def _release(self, most: int, timed: bool = True) -> None:
         """Free the gradient buffers whose reduce-scatter is done; wait for the oldest while
@@ -240,7 +236,7 @@ class ZeroEngine(Units):
         self._note()
         start = time.perf_counter()
         with self._liveness.naming_lost_ranks():
-            if self.config.stage < 3:  # in place: each piece is its part of values  # stage 3 gathers each unit before its next forward
+            if self.config.stage < 3:  # in place, each piece its part of values (stage 3 gathers before each forward)
                 works = [self._collectives.all_gather(b.values, b.piece.detach()) for b in self.buckets]
                 for work in works:
                     work.wait()

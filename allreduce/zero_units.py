@@ -47,8 +47,10 @@ class Units:
                 self._uses[module] = used
         self._users = {b: sum(b in used for used in self._uses.values()) for b in range(len(self.buckets))}
         self._done: dict[int, int] = {}  # forwards finished this step, per unit
-        self._order: list[int] = []  # units in the order the last forward gathered them
-        self._seen: list[int] = []  # this forward's
+        # the last forward's order of units: each one's next, and previous (prefetch targets)
+        self._following: dict[int, int] = {}
+        self._preceding: dict[int, int] = {}
+        self._seen: dict[int, None] = {}  # this forward's units, in order
         self._unit_hooks = []
         for module in self._uses:
             self._unit_hooks.append(module.register_forward_pre_hook(self._before_forward))
@@ -88,10 +90,9 @@ class Units:
 
     def _before_forward(self, module: torch.nn.Module, _args) -> None:
         for b in self._uses[module]:
-            if b not in self._seen:
-                self._seen.append(b)
+            self._seen.setdefault(b)
             self._ready(b)
-        following = self._next_in(self._order, self._uses[module][-1])
+        following = self._following.get(self._uses[module][-1])
         if following is not None:
             self._gather(following)
 
@@ -112,21 +113,17 @@ class Units:
         its way."""
         for b in uses:
             self._ready(b)
-        earlier = self._next_in(self._order[::-1], uses[0])
+        earlier = self._preceding.get(uses[0])
         if earlier is not None:
             self._gather(earlier)
 
     def _start_backward(self) -> None:
         """The forward is over: its order is the next one's prefetch order."""
         if self._seen:
-            self._order, self._seen = self._seen, []
+            order, self._seen = list(self._seen), {}
+            self._following = dict(zip(order, order[1:]))
+            self._preceding = dict(zip(order[1:], order))
         self._done = {}
-
-    @staticmethod
-    def _next_in(order: list[int], b: int) -> int | None:
-        if b in order and order.index(b) + 1 < len(order):
-            return order[order.index(b) + 1]
-        return None
 
     def _gather_all(self) -> None:
         """Every unit gathered for good (after the run: model.pt, eval)."""

@@ -254,8 +254,7 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.settle()  # values of parameters this step's forward did not use
-        if self.schedule is not None and self.values_on_shards and self._forward is None:
-            self._check_values()
+        self._check_values()
         loss.backward()
 
     def settle(self, counted: bool = True) -> None:
@@ -326,7 +325,8 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
         if self.schedule is not None:  # no gradient left: changes nothing, but a scheduler on it
             self.schedule.step()       # sees the step it expects (else it warns of the wrong order)
         self._pushes_made += int(self._pushing())
-        self._mark_values()
+        if self._watches_values:
+            self._mark_values()
         self._step += 1
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
@@ -382,7 +382,8 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
                                   f"ps.reconnect_s={self.config.reconnect_s:g} s: {again}") from err
                 time.sleep(self.config.heartbeat_s)
         self._load(values)
-        self._mark_values()
+        if self._watches_values:
+            self._mark_values()
         self._want = dict(self.client.versions)
         self._prefetched = {}  # abandoned with everything else in flight
         lost = max((before.get(s, 0) - v for s, v in self.client.versions.items()), default=0)

@@ -54,14 +54,23 @@ class ScriptSteps:
         self._scale = min(1.0, max_norm / (total + 1e-6))
         return torch.tensor(total, dtype=torch.float64)
 
+    @property
+    def _watches_values(self) -> bool:
+        """A script's run whose parameters are the shards' and loaded in step(): a change the
+        script makes to them between steps would be lost (nothing to watch otherwise)."""
+        return self.schedule is not None and self.values_on_shards and self._forward is None
+
     def _mark_values(self) -> None:
-        """The parameters now hold the shards' values (after attach and each step)."""
+        """The parameters now hold the shards' values (after attach, and each step of a run
+        that watches them)."""
         self._marks = [p._version for _, p in self._named]
 
     def _check_values(self) -> None:
         """A script that changed the parameters since (loaded a model after attach, or edited
         them after a step) is refused before its gradients leave: the shards keep their own
         values, so the change would be lost at the next step."""
+        if not self._watches_values:
+            return
         changed = [name for i, ((name, p), mark) in enumerate(zip(self._named, self._marks))
                    if p._version != mark and i not in self._tables]
         if changed:
