@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .plots import loss_over_time, panels  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time
-from .results import Run, time_to_target
+from .results import Run, mean_step, time_to_target
 from .table import write_report
 
 import matplotlib.pyplot as plt
@@ -29,12 +29,6 @@ COLUMNS = [
 def _family(run: Run) -> str:
     """The engine a period is varied on (every ps-easgd run is one family, whatever tau)."""
     return run.label
-
-
-def mean_step(run: Run) -> float:
-    """Mean step_s over ranks and steps, step 0 skipped."""
-    steps = [r["step_s"] for r in run.steady_records()]
-    return sum(steps) / len(steps)
 
 
 def rows(runs: list[Run]) -> list[dict]:

@@ -278,5 +278,11 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def mean_step(run: Run) -> float:
+    """Mean step_s over ranks and steps, step 0 skipped."""
+    steps = [r["step_s"] for r in run.steady_records()]
+    return sum(steps) / len(steps)
+
+
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .plots import save_figure  # first: analysis.style selects the Agg backend
 from .linkmodel import run_link_time
-from .results import Run, family, time_to_target
+from .results import Run, family, mean_step, time_to_target
 from .style import colour
 from .table import write_report
 from .traffic import gradient_bytes, run_traffic
@@ -57,11 +57,6 @@ def formula(run: Run) -> dict[str, float]:
 def _colocated(run: Run) -> bool:
     """Its shards share the workers' hosts (ps-* with net.placement=colocated)."""
     return family(run.label) == "ps" and (run.config.get("net") or {}).get("placement", "colocated") == "colocated"
-
-
-def mean_step(run: Run) -> float:
-    steps = [r["step_s"] for r in run.steady_records()]
-    return sum(steps) / len(steps)
 
 
 def rows(runs: list[Run]) -> list[dict]:
