@@ -22,7 +22,9 @@ step updates the parameters it owns in place.
 Collectives are the backend's (zero.algorithm=library: Gloo on CPU, NCCL on CUDA; rank r owns
 piece r) or the two halves of psar's own ring (ring: allreduce/ring.py; rank r owns piece
 (r + 1) mod N, where its reduce-scatter leaves the sum), started in bucket order on every
-rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP.
+rank. BatchNorm statistics follow rank 0's, broadcast each step as under DDP. A checkpoint
+is in torch's layout, the optimizer's state put together from every rank's pieces
+(allreduce/zero_state.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .group import broadcast_tensors, init_process_group, shutdown
 from .liveness import Liveness
 from .zero_buckets import Bucket, LibraryCollectives, RingCollectives, nbytes
 from .zero_config import ZeroConfig
+from .zero_state import ZeroState
 from .zero_units import Units
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "comm_buffers")
@@ -47,7 +50,7 @@ IN_FLIGHT = 2
 bucket waits for the oldest beyond that (DeepSpeed's reduce buckets, FSDP's rate limit)."""
 
 
-class ZeroEngine(Units):
+class ZeroEngine(Units, ZeroState):
     """Engine protocol (attach / backward / step / close) of ZeRO stage config.stage."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: ZeroConfig,
@@ -84,6 +87,7 @@ class ZeroEngine(Units):
         self._slot = {p: (b, j) for b, bucket in enumerate(self.buckets) for j, p in enumerate(bucket.params)}
         self._views = {p: p.grad for p in self._slot} if self.config.stage == 1 else {}  # views of the buffers
         self.optimizer = make_optimizer([bucket.piece for bucket in self.buckets])
+        self._keep_torchs_layout(model)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
         self._note()
         return model
@@ -233,6 +237,7 @@ class ZeroEngine(Units):
 
     def step(self) -> dict[str, float]:
         self.optimizer.step()
+        self._consolidated = None  # the state consolidated before is that of the last step
         self._note()
         start = time.perf_counter()
         with self._liveness.naming_lost_ranks():

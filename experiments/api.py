@@ -38,7 +38,8 @@ AdamW or Adagrad, one parameter group). A script's own checkpoint works on every
 job.step(), model.state_dict() and job.optimizer.state_dict() are the state after that step
 (under the parameter servers read from the shards, in torch's layout); load the model before
 attach() and the optimizer with job.optimizer.load_state_dict() after it (which puts the state
-back on the shards). What the shards cannot take is refused by name.
+back on the shards). Under zero every rank first calls job.optimizer.consolidate_state_dict(to=0),
+as torch's ZeroRedundancyOptimizer asks. What the engine cannot take is refused by name.
 
 As under DDP, every gradient is final when `job.backward(loss)` returns on allreduce and
 ddp, so `job.clip_grad_norm_(max_norm)` (or torch's own clip on the model's parameters)

@@ -55,6 +55,8 @@ def main() -> torch.nn.Module:
             mean = loss.detach() * len(parts)
             dist.all_reduce(mean)  # the step's loss (of its last micro-batch), over every rank
             mean /= world
+            if step == args.save_at and hasattr(optimizer, "consolidate_state_dict"):
+                optimizer.consolidate_state_dict(to=0)  # ZeRO: every rank sends rank 0 its share of the state
             if step == args.save_at and rank == 0:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),  # psar
                             "scheduler": scheduler.state_dict(), "step": step}, args.save)

@@ -44,9 +44,6 @@ def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
 def zero(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.zero import ZeroEngine
 
-    if cfg.zero.stage == 3 and cfg.checkpoint.every:
-        raise ValueError("checkpoint.every with zero.stage=3: between steps its parameters are sharded and "
-                         "freed, and a checkpoint of them is not built yet; use zero.stage=1 or 2")
     if cfg.fault.delay_ms:
         raise ValueError("fault.delay_ms cannot be applied to zero: its collectives are the backend's; "
                          "use --net to study a slow link")

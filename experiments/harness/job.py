@@ -124,6 +124,7 @@ class Job:
         restore_s = time.time() - restore
         self._model = model
         module = self._engine.attach(model, self._checkpoints.optimizer_factory(make_optimizer))
+        self._checkpoints.restore_optimizer()
         self._phases["checkpoint_s"] += restore_s
         self._phases["rendezvous_s"] += time.time() - start - restore_s
         record_start(self.run_dir, self.rank, self._restarts, self._began, **self._phases)

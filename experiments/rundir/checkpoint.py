@@ -70,18 +70,26 @@ class WorkerCheckpoints:
             model.load_state_dict(self.state["model"])
 
     def optimizer_factory(self, build):
-        """Wrap the experiment's optimizer factory: keep the optimizer, restore its state."""
+        """Wrap the experiment's optimizer factory: keep the optimizer (restore_optimizer
+        gives it its state, once the engine has attached)."""
         def make(params):
             optimizer = build(params)
-            if self.state and self.state.get("optimizer") is not None:
-                optimizer.load_state_dict(self.state["optimizer"])
             self.optimizers.append(optimizer)
             return optimizer
         return make
 
+    def restore_optimizer(self) -> None:
+        """The checkpoint's optimizer state into the optimizer the engine built (after attach:
+        the engine zero cuts the file's state, in torch's layout, into each rank's pieces)."""
+        if self.state and self.state.get("optimizer") is not None and self.optimizers:
+            self.optimizers[0].load_state_dict(self.state["optimizer"])
+
     def after_step(self, steps_done: int, model: torch.nn.Module) -> None:
         if not self.every or steps_done % self.every:
             return
+        consolidate = getattr(self.optimizers[0], "consolidate_state_dict", None) if self.optimizers else None
+        if consolidate is not None:  # zero: every rank's file holds the whole state (and stage 3's values)
+            consolidate(to=None)
         optimizer = self.optimizers[0].state_dict() if self.optimizers else None
         model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         save_atomic({"step": steps_done, "model": model_state, "optimizer": optimizer}, self.path)

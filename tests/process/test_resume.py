@@ -18,18 +18,18 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 SETTINGS = ("dtype=float64", "threads=1", "checkpoint.every=5")
 # cnn has BatchNorm buffers, which must come back too; quickstart keeps the rest cheap.
 ENGINES = {"allreduce": ("cnn", {}), "ddp": ("quickstart", {}), "local": ("quickstart", {}),
-           "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {})}
-OWN = {"zero": ("zero.stage=2",)}  # each rank's checkpoint holds the optimizer state of its pieces
+           "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {}), "zero3": ("cnn", {})}
+OWN = {"zero": ("zero.stage=2",), "zero3": ("zero.stage=3", "zero.algorithm=ring")}
 
 
 def POOL_JOBS() -> dict[str, dict]:
     jobs = {}
-    for engine, (experiment, extra) in ENGINES.items():
-        settings = SETTINGS + OWN.get(engine, ())
-        jobs[f"{engine}-full"] = dict(experiment=experiment, engine=engine, steps=12, overrides=settings, **extra)
+    for name, (experiment, extra) in ENGINES.items():
+        settings, engine = SETTINGS + OWN.get(name, ()), "zero" if name == "zero3" else name
+        jobs[f"{name}-full"] = dict(experiment=experiment, engine=engine, steps=12, overrides=settings, **extra)
         # Stopped after step 7 (its last checkpoint is step 5), then resumed to step 12.
-        jobs[f"{engine}-cut"] = dict(experiment=experiment, engine=engine, steps=7, resume_steps=12,
-                                     overrides=settings, **extra)
+        jobs[f"{name}-cut"] = dict(experiment=experiment, engine=engine, steps=7, resume_steps=12,
+                                   overrides=settings, **extra)
     return jobs
 
 
@@ -49,6 +49,23 @@ def test_resumed_run_matches_uninterrupted(resumed, engine):
     # Steps 5 and 6 were redone after the resume: each step is recorded once.
     steps = [json.loads(line)["step"] for line in (root / f"{engine}-cut/metrics/rank0.jsonl").read_text().splitlines()]
     assert steps == list(range(12))
+
+
+@pytest.mark.parametrize("name", ("zero", "zero3"))
+def test_a_zero_checkpoint_is_an_all_reduce_checkpoint(resumed, name):
+    """Each rank's file holds the whole model and optimizer state in torch's layout, put
+    together from every rank's pieces: the file allreduce writes at the same step (10)."""
+    root, _ = resumed
+    for rank in (0, 1):
+        ours = checkpoint.load(root / f"{name}-cut" / checkpoint.CHECKPOINT_DIR / f"rank{rank}.pt")
+        theirs = checkpoint.load(root / "allreduce-cut" / checkpoint.CHECKPOINT_DIR / "rank0.pt")
+        assert ours["step"] == theirs["step"] == 10
+        assert ours["optimizer"]["param_groups"] == theirs["optimizer"]["param_groups"]
+        assert max_param_diff(ours["model"], theirs["model"]) < 1e-10
+        state, expected = ours["optimizer"]["state"], theirs["optimizer"]["state"]
+        assert {i: sorted(s) for i, s in state.items()} == {i: sorted(s) for i, s in expected.items()} != {}
+        assert max((state[i][k] - v).abs().max().item() for i, entry in expected.items() for k, v in entry.items()
+                   if k != "step") < 1e-10
 
 
 def test_checkpoints_are_written_atomically(resumed):

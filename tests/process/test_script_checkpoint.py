@@ -51,3 +51,24 @@ def test_a_ddp_scripts_own_checkpoint_resumes_to_torchruns_parameters_on_every_e
         assert max_param_diff(reference, resumed) < 1e-10, engine
         for run in (engine, f"{engine}-resumed"):  # the script's own dist.all_reduce of its loss
             assert mean_loss((tmp_path / run / "logs" / "rank0.log").read_text()) == loss, run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_under_zero_the_scripts_checkpoint_is_torchruns_with_zero_redundancy_and_resumes_on_every_stage(tmp_path):
+    """The script consolidates the optimizer on every rank (as torch's ZeroRedundancyOptimizer
+    asks) and rank 0 saves: under zero each stage's file is torchrun's with
+    ZeroRedundancyOptimizer, whose state is the plain AdamW's, and the run resumed from it ends
+    at torchrun's parameters."""
+    args = ARGS + ["--zero-redundancy"]
+    reference = torchrun_ddp(args + ["--save-at", "4", "--save", str(tmp_path / "torchrun.ckpt")], tmp_path)
+    checkpoint = torch.load(tmp_path / "torchrun.ckpt", weights_only=True)
+    for stage in (1, 2, 3):
+        mine, set_stage = tmp_path / f"zero{stage}.ckpt", (f"zero.stage={stage}",)
+        whole = launched("zero", ARGS + ["--save-at", "4", "--save", str(mine)], tmp_path / f"zero{stage}",
+                         overrides=set_stage)
+        assert max_param_diff(reference, whole) < 1e-10, stage
+        assert same_checkpoint(torch.load(mine, weights_only=True), checkpoint) < 1e-10, stage
+        resumed = launched("zero", ARGS + ["--resume", str(mine)], tmp_path / f"zero{stage}-resumed",
+                           overrides=set_stage)
+        assert max_param_diff(reference, resumed) < 1e-10, stage
