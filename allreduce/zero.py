@@ -13,9 +13,10 @@ step updates the parameters it owns in place.
   it is averaged and reduce-scattered to the owners; the owners step; the updated pieces are
   all-gathered into every rank's parameters: 2(N-1)/N of the model's bytes a step, as the
   paper's stage 1 (an all-reduce of the gradient and then the all-gather would send 3(N-1)/N).
-- zero.stage=2: the gradients are sharded too: a bucket's gradient is copied into a buffer of
-  its own, which is reduce-scattered and freed, and the parameters' .grad with it; a rank
-  keeps only the gradient of what it owns.
+- zero.stage=2: the gradients are sharded too: each parameter's gradient is copied into its
+  bucket's buffer as soon as backward has produced it, and its .grad freed; the buffer is
+  reduce-scattered once full and freed once sent (DeepSpeed's reduce bucket); a rank keeps
+  only the gradient of what it owns.
 - zero.stage=3: the parameters are sharded too, each module's gathered only while it is
   used (allreduce/zero_units.py).
 
@@ -100,20 +101,21 @@ class ZeroEngine(Units, ZeroState):
         size = -(-numel // self.world)  # each rank's piece; the buffer is padded to N of them
         values = torch.zeros(size * self.world, dtype=params[0].dtype, device=params[0].device)
         grad = torch.zeros_like(values) if self.config.stage == 1 else None
-        offset = 0
+        offsets = [0]
         with torch.no_grad():
             for p in params:
+                offset = offsets[-1]
                 values[offset: offset + p.numel()].copy_(p.reshape(-1))
                 p.data = values[offset: offset + p.numel()].view_as(p)
                 if grad is not None:
                     p.grad = grad[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
+                offsets.append(offset + p.numel())
         own = self._collectives.owner  # which of the N pieces is this rank's
         mine = slice(own * size, (own + 1) * size)
         piece = torch.nn.Parameter(values[mine].clone() if sharded else values[mine])
         # stage 1 reduce-scatters in place: this rank's part of the whole gradient is its piece's
         piece.grad = grad[mine] if grad is not None else torch.zeros_like(piece)
-        return Bucket([n for n, _ in named], params, values, piece, grad)
+        return Bucket([n for n, _ in named], params, values, piece, offsets[:-1], grad)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -148,9 +150,15 @@ class ZeroEngine(Units, ZeroState):
         if not self._syncing:
             return
         b, j = self._slot[param]
-        self.buckets[b].ready.add(j)
-        if self.config.stage > 1:  # a whole gradient until its bucket leaves
-            self._transient(nbytes(param.grad))
+        bucket = self.buckets[b]
+        bucket.ready.add(j)
+        if self.config.stage > 1:  # into the bucket's gradient buffer, and the parameter's .grad freed
+            if bucket.filling is None:
+                bucket.filling = torch.zeros_like(bucket.values)
+                self._transient(nbytes(bucket.filling))
+            offset = bucket.offsets[j]
+            bucket.filling[offset: offset + param.numel()].copy_(param.grad.reshape(-1))
+            param.grad = None
         while self._next < len(self.buckets) and \
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             self._reduce(self._next)
@@ -158,23 +166,15 @@ class ZeroEngine(Units, ZeroState):
 
     def _reduce(self, b: int) -> None:
         """Average the bucket's gradient and reduce-scatter it: this rank's piece lands in
-        bucket.piece.grad. Stages 2 and 3 copy it into a buffer of its own and free the
-        parameters' .grad at once; the buffer goes once its reduce-scatter is done, and at most
-        IN_FLIGHT of them are (besides the newest)."""
+        bucket.piece.grad. Under stages 2 and 3 the buffer the gradients were copied into as
+        they came goes once its reduce-scatter is done, and at most IN_FLIGHT of them are being
+        reduce-scattered (besides the newest)."""
         bucket = self.buckets[b]
         if bucket.grad is not None:
             flat = bucket.grad
         else:
             self._release(IN_FLIGHT)
-            flat = torch.zeros_like(bucket.values)
-            offset = 0
-            for p in bucket.params:
-                flat[offset: offset + p.numel()].copy_(p.grad.reshape(-1))
-                offset += p.numel()
-            self._transient(nbytes(flat))
-            for p in bucket.params:
-                self._transient(-nbytes(p.grad))
-                p.grad = None
+            flat, bucket.filling = bucket.filling, None
             bucket.sending = flat
             self._sending.append(bucket)
         flat.div_(self.world)  # averaged before the sum, as the all-reduce engine does
@@ -199,7 +199,7 @@ class ZeroEngine(Units, ZeroState):
             self._sending.pop(0)
 
     def _transient(self, change: int) -> None:
-        """Whole gradients held on their way to a reduce-scatter: comm_buffers at its most."""
+        """Gradient buffers filling or being reduce-scattered: comm_buffers at its most."""
         self._held += change
         self.memory["comm_buffers"] = max(self.memory["comm_buffers"], self._held)
 

@@ -33,8 +33,12 @@ class Bucket:
     piece: torch.nn.Parameter
     """This rank's 1/N of values, what its optimizer steps: the same storage under stages 1
     and 2, its own under stage 3."""
+    offsets: list[int]
+    """Where each parameter starts in values (and in a gradient buffer)."""
     grad: torch.Tensor | None = None
     """Stage 1: the whole gradient buffer (the parameters' .grad are views of it)."""
+    filling: torch.Tensor | None = None
+    """Stages 2 and 3: the gradient buffer the parameters' gradients are copied into as they come."""
     sending: torch.Tensor | None = None
     """Stages 2 and 3: the gradient being reduce-scattered, freed once it is."""
     ready: set[int] = field(default_factory=set)

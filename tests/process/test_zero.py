@@ -89,18 +89,20 @@ def test_each_stage_holds_the_papers_bytes(results, stage):
     assert memory["params"] == psi
     assert memory["grads"] == (psi if stage == 1 else psi // n)
     assert memory["optimizer"] == 2 * psi // n + 4
-    # stage 2: the bucket's whole gradients, and their copy while it is made (one bucket: the model)
-    assert memory["comm_buffers"] == (0 if stage == 1 else 2 * psi)
+    # stage 2: the bucket's gradient buffer, each gradient copied in as it comes (one bucket: the model)
+    assert memory["comm_buffers"] == (0 if stage == 1 else psi)
 
 
 def test_stage_three_holds_a_piece_of_everything_but_the_units_in_use(results):
     """quickstart's two Linear layers are two units, each padded to even: AdamW's moments and
     step (one per unit) of half the parameters; the gradient of half; and at most the pieces
-    with both units gathered (the next one's gather starts before the first's forward)."""
+    with both units gathered (the next one's gather starts before the first's forward); and
+    both units' gradient buffers (the first's is freed as the second's is sent)."""
     psi, n = 9610 * 8, 2
     memory = results["adamw-zero3"][0]["memory_bytes_per_worker"]
     assert memory["grads"] == psi // n and memory["optimizer"] == 2 * psi // n + 4 * 2
     assert memory["params"] == psi // n + psi
+    assert memory["comm_buffers"] == psi
 
 
 TIED = '''
