@@ -67,6 +67,7 @@ class ZeroEngine(Units, ZeroState):
         self._waited = 0.0
         self._next = 0
         self._sending: list[Bucket] = []  # stages 2 and 3: buffers being reduce-scattered, oldest first
+        self._versions: list[int] = []  # stage 1: the gradient buffers' as backward left them
         self._held = 0  # their bytes, and those of the whole gradients waiting for their bucket
         self.memory = dict.fromkeys(MEMORY_KEYS, 0)  # the most each held at once, in bytes
 
@@ -215,6 +216,7 @@ class ZeroEngine(Units, ZeroState):
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle, bucket.ready = None, set()
+        self._mark_gradients()
         self._next = 0
         self._note()
 
@@ -233,9 +235,24 @@ class ZeroEngine(Units, ZeroState):
         if coefficient < 1.0:
             for bucket in self.buckets:
                 bucket.piece.grad.mul_(coefficient)
+        self._mark_gradients()
         return total
 
+    def _mark_gradients(self) -> None:
+        """Stage 1: the gradient buffers' versions as backward (or job.clip_grad_norm_) left them."""
+        self._versions = [b.grad._version for b in self.buckets if b.grad is not None]
+
+    def _check_gradients(self) -> None:
+        """Stage 1 keeps whole gradient buffers, but only its pieces of them are averaged over the
+        ranks: a script that changed them after backward (torch's clip_grad_norm_ on the model)
+        acted on the rest too, and is stopped before the step."""
+        if [b.grad._version for b in self.buckets if b.grad is not None] != self._versions:
+            raise RuntimeError("a gradient changed after job.backward reduce-scattered it (torch's clip_grad_norm_ "
+                               "on the model?): under zero each rank holds the averaged gradient of its own pieces "
+                               "only; clip with job.clip_grad_norm_(max_norm)")
+
     def step(self) -> dict[str, float]:
+        self._check_gradients()
         self.optimizer.step()
         self._consolidated = None  # the state consolidated before is that of the last step
         self._note()
@@ -251,6 +268,7 @@ class ZeroEngine(Units, ZeroState):
         in_backward, self._waited = self._waited, 0.0
         for bucket in self.buckets:
             (bucket.grad if bucket.grad is not None else bucket.piece.grad).zero_()
+        self._mark_gradients()
         sent, self._bytes = self._bytes, 0
         return {"comm_s": time.perf_counter() - start + in_backward, "in_backward_s": in_backward,
                 "bytes_sent": sent, "bytes_recv": sent}

@@ -87,6 +87,21 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
     assert max_param_diff(reference, squeezed) < 1e-10
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_under_zero_job_clip_no_sync_and_schedule_end_as_under_torchrun_ddp_and_torchs_clip_is_stopped(tmp_path):
+    """Every stage clips by the norm of its sharded gradient (job.clip_grad_norm_), accumulates
+    under job.no_sync and follows the schedule as DDP does; torch's own clip on the model under
+    stage 1 would act on a gradient of which each rank has averaged only its pieces."""
+    reference = torchrun_ddp(CLIPPED, tmp_path)
+    for stage in (1, 2, 3):
+        state = launched("zero", CLIPPED + ["--job-clip"], tmp_path / f"zero{stage}", overrides=(f"zero.stage={stage}",))
+        assert list(state) == list(reference) and max_param_diff(reference, state) < 1e-10, stage
+    with pytest.raises(LaunchError) as err:
+        launched("zero", CLIPPED, tmp_path / "zero-torch-clip", overrides=("zero.stage=1",))
+    assert "changed after job.backward reduce-scattered it" in str(err.value) and "job.clip_grad_norm_" in str(err.value)
+
+
 @pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
