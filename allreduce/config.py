@@ -8,6 +8,7 @@ ALGORITHMS = ("library", "ring", "halving-doubling", "tree", "hierarchical", "au
 COMPRESSIONS = ("none", "fp16", "bf16")
 UNUSED_POLICIES = ("error", "zero")
 SPARSE_MODES = ("dense", "allgather")
+OUTER_STEPS = ("none", "nesterov")
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,21 @@ class AllReduceConfig:
     period_warmup: int = 0
     """Local SGD (period > 1): the first W steps all-reduce the gradients as period 1 does;
     the parameters are then averaged at steps W, W + H, W + 2H, ... (post-local SGD)."""
+    outer: str = "none"
+    """Local SGD's outer step (period > 1): 'none' makes the workers' mean the model;
+    'nesterov' is DiLoCo (Douillard et al. 2023): the mean change of the workers' models since
+    the last averaging is the outer gradient of a Nesterov SGD step on the model they share,
+    which every worker then starts the next period from."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
     def __post_init__(self) -> None:
+        _choice("allreduce.outer", self.outer, OUTER_STEPS)
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"allreduce.outer_lr={self.outer_lr} must be > 0 and allreduce.outer_momentum="
+                             f"{self.outer_momentum} in [0, 1)")
         if type(self.period) is not int or self.period < 1:
             raise ValueError(f"allreduce.period={self.period!r}: must be an int >= 1 (1: every step)")
         if type(self.period_warmup) is not int or self.period_warmup < 0:

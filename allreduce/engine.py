@@ -73,6 +73,7 @@ class AllReduceEngine:
         self._backward_states = BackwardStates(timeout_s)
         self._waited, self._gathered = 0.0, 0  # this step's wait for its gradients, rows gathered
         self._steps = 0  # optimizer steps taken: local SGD's clock (allreduce.period)
+        self._outer: list[torch.Tensor] | None = None  # DiLoCo: the model the workers share
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         # Before any collective, so that a refusal (an optimizer without sparse updates) is
@@ -149,12 +150,16 @@ class AllReduceEngine:
                 nbytes += broadcast_tensors(self._buffers) * (self.rank == 0)
         in_backward, self._waited = self._waited, 0.0
         comm_s = time.perf_counter() - start + in_backward
+        if self._local and self.config.outer != "none" and self._outer is None:
+            self._start_outer()  # the shared model the first period starts from
         self.optimizer.step()
         if self._local and (self._steps - self.config.period_warmup) % self.config.period == 0:
             began = time.perf_counter()
             with self._liveness.naming_lost_ranks():
                 nbytes += self._average_parameters()
             comm_s += time.perf_counter() - began
+            if self._outer is not None:
+                self._outer_step()
         self._steps += 1
         self._reducer.zero_grad()
         self._sparse.zero_grad()
@@ -179,6 +184,25 @@ class AllReduceEngine:
                 p.copy_(flat[offset: offset + p.numel()].view_as(p))
                 offset += p.numel()
         return nbytes
+
+    def _start_outer(self) -> None:
+        """DiLoCo: a copy of the model the workers share, and the outer Nesterov SGD over it."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._outer = [p.detach().clone() for p in params]
+        self._outer_optimizer = torch.optim.SGD(self._outer, lr=self.config.outer_lr,
+                                                momentum=self.config.outer_momentum, nesterov=True)
+
+    def _outer_step(self) -> None:
+        """DiLoCo's outer step, once the parameters are the workers' mean: the outer gradient
+        is the shared model less the mean, the step moves the shared model, and every worker's
+        parameters become it."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for shared, p in zip(self._outer, params):
+                shared.grad = shared - p
+            self._outer_optimizer.step()
+            for shared, p in zip(self._outer, params):
+                p.copy_(shared)
 
     def report(self) -> dict:
         chosen = getattr(self._collective, "chosen", None)

@@ -196,6 +196,11 @@ class CostModel:
             steps = 2 * (workers - 1)
             gather = ((workers - 1) * fit.alpha_s + gathered * fit.beta_s_per_byte) if gathered else 0.0
             return steps * buckets * fit.alpha_s + steps / workers * nbytes * fit.beta_s_per_byte + gather
+        if kind == "gossip":  # its models to its out-neighbours at once: one latency, their bytes
+            from .linkmodel import gossip_degree
+
+            fit = self._fit(label_info(label)[1].fit or "library", label)
+            return fit.alpha_s + gossip_degree(label, workers) * nbytes * fit.beta_s_per_byte
         fit = self._fit(label_info(label)[1].fit or "ps", label)
         # A worker pushes and pulls M in all (M/S on each shard, in parallel); a shard serves
         # the push+pull rounds of all N workers one after another: 2NM/S bytes and 2N

@@ -69,6 +69,9 @@ def phases(label: str, workers: int, servers: int, nbytes: float,
     if kind == "sharded":  # a reduce-scatter of the gradient, an all-gather of the values (zero-3: two)
         each = (n - 1) / n * m
         return [{f"w{i}": (each, each) for i in range(n)}] * (3 if label == "zero-3" else 2)
+    if kind == "gossip":  # each worker's model to each out-neighbour, at once
+        each = gossip_degree(label, n) * m
+        return [{f"w{i}": (each, each) for i in range(n)}]
     s = servers
 
     def pushes(b: float) -> dict[str, tuple[float, float]]:
@@ -79,6 +82,13 @@ def phases(label: str, workers: int, servers: int, nbytes: float,
 
     pull = {host: (inn, out) for host, (out, inn) in pushes(q).items()}
     return [pushes(m), pull]
+
+
+def gossip_degree(label: str, workers: int) -> int:
+    """The models a gossip/TOPOLOGY worker sends each step (every graph here is regular)."""
+    from allreduce.topology import peers
+
+    return len(peers(label_info(label)[1].name.split("/", 1)[1], 0, workers, 0)[0])
 
 
 def overlapped(push_s: float, pull_s: float, fractions: Sequence[float]) -> float:

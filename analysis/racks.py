@@ -6,6 +6,9 @@ core and the other rack's down from it, at net.uplink.
 - all-reduce and ddp: the plans of the algorithm that ran (allreduce/plancost.py's rounds of
   the plan for M bytes over the workers in their racks; the library's is Gloo's ring, in
   rank order, like ours), every message summed over the whole all-reduce;
+- zero: the ring's plan, reduce-scatter and all-gather (zero-3: half as much again);
+- gossip: each worker's model to each of its out-neighbours (one-peer exponential: the mean
+  over its period of log2 N steps);
 - parameter server: each worker pushes M/S to every shard and pulls as much back, shard j on
   its own host s<j> (placement=separate) or on worker j mod N's.
 
@@ -17,15 +20,19 @@ from __future__ import annotations
 from .results import Run, family
 
 
-def _plan(run: Run, racks: tuple[int, ...]):
-    """The plan of the algorithm the run's all-reduce ran (the library's and ddp's: the ring)."""
+def _plan_of(algorithm: str, racks: tuple[int, ...]):
     from allreduce.auto import plan_of
 
+    return plan_of(algorithm, racks)
+
+
+def _plan(run: Run, racks: tuple[int, ...]):
+    """The plan of the algorithm the run's all-reduce ran (the library's and ddp's: the ring)."""
     algorithm = run.config.get("allreduce", {}).get("algorithm", "library") if run.spec.name != "ddp" else "ring"
     if algorithm == "auto":
         chosen = run.summary.get("algorithms_chosen") or {"ring": 1}
         algorithm = max(chosen, key=chosen.get)
-    return plan_of("ring" if algorithm == "library" else algorithm, racks)
+    return _plan_of("ring" if algorithm == "library" else algorithm, racks)
 
 
 def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
@@ -34,16 +41,27 @@ def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
     rack_of = net["rack_of"]
     n = int(run.summary["workers"])
     out: dict[tuple[str, str], float] = {}
-    if family(run.label) == "ring":
+    kind = family(run.label)
+    if kind in ("ring", "sharded"):  # sharded: the ring's two halves (zero-3: one all-gather more)
         from allreduce.plancost import rounds
 
         racks = tuple(rack_of[f"w{r}"] for r in range(n))
-        plan = _plan(run, racks)
-        numel = int(nbytes)
+        plan = _plan(run, racks) if kind == "ring" else _plan_of("ring", racks)
+        numel, scale = int(nbytes), 1.5 if run.label == "zero-3" else 1.0
         for moves in rounds([plan(numel, r, n) for r in range(n)]):
             for i, j, mine, _ in moves:
                 key = (f"w{i}", f"w{j}")
-                out[key] = out.get(key, 0.0) + (mine.send[1] - mine.send[0])
+                out[key] = out.get(key, 0.0) + (mine.send[1] - mine.send[0]) * scale
+        return out
+    if kind == "gossip":  # each worker's model to its out-neighbours (one-peer: the mean over its period)
+        from allreduce.topology import hops, peers
+
+        topology = run.label.split("/", 1)[1]
+        period = max(1, hops(n)) if topology == "one-peer-exponential" else 1
+        for step in range(period):
+            for w in range(n):
+                for j in peers(topology, w, n, step)[0]:
+                    out[(f"w{w}", f"w{j}")] = out.get((f"w{w}", f"w{j}"), 0.0) + nbytes / period
         return out
     s = int(run.config.get("servers", 1))
     separate = net.get("placement") == "separate"

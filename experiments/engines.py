@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 MakeOptimizer = Callable[[list["torch.nn.Parameter"]], "torch.optim.Optimizer"]
 Trace = Callable[..., None]
 PLUGINS_ENV = "PSAR_ENGINES"
-FAMILIES = ("local", "ring", "ps", "sharded")
+FAMILIES = ("local", "ring", "ps", "sharded", "gossip")
 
 
 class Engine(Protocol):
@@ -72,7 +72,8 @@ class EngineSpec:
     family: str
     """How its workers communicate, which the cost and link models price: "local" (not at
     all), "ring" (an all-reduce of the gradient), "ps" (push to and pull from shards) or
-    "sharded" (a reduce-scatter of the gradient to its owners, an all-gather of the values)."""
+    "sharded" (a reduce-scatter of the gradient to its owners, an all-gather of the values) or
+    "gossip" (each worker's model to its neighbours on a graph)."""
     colour: str
     """The colour of its label in every figure."""
     processes_per_worker: bool = True
@@ -204,6 +205,10 @@ def _zero_label(config: Mapping) -> str:
     return f"zero-{(config.get('zero') or {}).get('stage', 1)}"
 
 
+def _gossip_label(config: Mapping) -> str:
+    return f"gossip/{(config.get('gossip') or {}).get('topology', 'ring')}"
+
+
 def _ps_sync_label(config: Mapping) -> str:
     return "ps-sync+backup" if (config.get("ps") or {}).get("backup_workers") else "ps-sync"
 
@@ -256,6 +261,14 @@ for _spec in [
                variants=(Label("zero-1", "#a55194", "library"),                   # purple-pink
                          Label("zero-2", "#7b4173", "library"),                   # plum
                          Label("zero-3", "#ce6dbd", "library"))),                 # orchid
+    EngineSpec("gossip", "decentralized SGD (D-PSGD): each worker averages its model with its neighbours on a graph",
+               "experiments.harness.builders:gossip", "gossip", "#e6550d", reads=("gossip.",),
+               label_of=_gossip_label, compressions=("none",),
+               variants=(Label("gossip/ring", "#e6550d"),                        # dark orange
+                         Label("gossip/torus", "#fd8d3c"),                       # orange
+                         Label("gossip/exponential", "#fdae6b"),                 # light orange
+                         Label("gossip/one-peer-exponential", "#a63603"),        # rust
+                         Label("gossip/complete", "#fdd0a2"))),                  # peach
     EngineSpec("ps-sync", "parameter server, bulk synchronous: one averaged update per step",
                "experiments.harness.builders:ps", "ps", "#2ca02c", uses_servers=True, consistency="sync",
                reads=_PS_READS, skips=("ps.staleness", "ps.async_scale") + _EASGD, own=_PS_OWN, row_sparse=_ps_rows,

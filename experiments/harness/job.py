@@ -120,7 +120,8 @@ class Job:
         start = time.time()
         check_rendezvous_peers(self.config, self.rank)
         restore = time.time()
-        self._checkpoints.restore_model(model)
+        if self._checkpoints.restore_model(model) and hasattr(self._engine, "keep_restored"):
+            self._engine.keep_restored(self._checkpoints.start_step)  # gossip: each worker from its own model
         restore_s = time.time() - restore
         self._model = model
         module = self._engine.attach(model, self._checkpoints.optimizer_factory(make_optimizer))

@@ -65,9 +65,11 @@ class WorkerCheckpoints:
     def start_step(self) -> int:
         return int(self.state["step"]) if self.state else 0
 
-    def restore_model(self, model: torch.nn.Module) -> None:
+    def restore_model(self, model: torch.nn.Module) -> bool:
+        """Load this rank's model from the checkpoint; whether there was one."""
         if self.state:
             model.load_state_dict(self.state["model"])
+        return bool(self.state)
 
     def optimizer_factory(self, build):
         """Wrap the experiment's optimizer factory: keep the optimizer (restore_optimizer

@@ -178,7 +178,7 @@ def check_devices(cfg: RunConfig, count: Callable[[], int] | None = None) -> Non
     if not gpus:
         raise LaunchError("--device cuda was asked for, but torch sees no CUDA device on this host: "
                           "use --device cpu")
-    if get_engine(cfg.engine).family == "ring" and cfg.workers > gpus:
+    if get_engine(cfg.engine).rendezvous and cfg.workers > gpus:
         raise LaunchError(f"{cfg.engine} on --device cuda puts each worker on a GPU of its own (NCCL cannot "
                           f"put two ranks on one), and this host has {gpus} for {cfg.workers} workers: use at "
                           f"most {gpus} workers, a ps-* engine (its workers share GPUs), or --device cpu")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from allreduce.config import AllReduceConfig
+from allreduce.gossip_config import GossipConfig
 from allreduce.zero_config import ZeroConfig
 from ps.config import PSConfig, forward_window, key_mb
 
@@ -119,6 +120,8 @@ class RunConfig:
     """Parameter-server section."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """Sharded data-parallel (ZeRO) section."""
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    """Decentralized (gossip) section."""
     compress: CompressConfig = field(default_factory=CompressConfig)
     """Gradient compression, one setting for every engine. compress.method=fp16 or bf16 sets
     allreduce.compression (allreduce, ddp) and ps.compression (ps-*) alike, which remain as
@@ -164,6 +167,9 @@ class RunConfig:
             if section.period_warmup and get_engine(self.engine).reads_setting("allreduce.period_warmup"):
                 raise ValueError(f"allreduce.period_warmup={section.period_warmup}: a warm-up before local SGD "
                                  "needs allreduce.period > 1")
+            if section.outer != "none" and get_engine(self.engine).reads_setting("allreduce.outer"):
+                raise ValueError(f"allreduce.outer={section.outer}: an outer step (DiLoCo) needs local SGD, "
+                                 "allreduce.period > 1")
             return
         if section.period_warmup >= self.steps and not isinstance(self.model, ScriptConfig):
             raise ValueError(f"allreduce.period_warmup={section.period_warmup} is not shorter than the run "
@@ -303,7 +309,7 @@ class ScriptConfig:
 
 
 def _section_types() -> dict[str, type]:
-    classes = [RunConfig, OptimConfig, AllReduceConfig, ZeroConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
+    classes = [RunConfig, OptimConfig, AllReduceConfig, ZeroConfig, GossipConfig, PSConfig, FaultConfig, CheckpointConfig, NetConfig,
                CompressConfig, ScriptConfig]
     classes += [getattr(models, n) for n in dir(models) if n.endswith("Config")]
     classes += [getattr(data, n) for n in dir(data) if n.endswith("Config")]

@@ -25,6 +25,8 @@ def POOL_JOBS() -> dict[str, dict]:
         "ring-local": dict(experiment="quickstart", engine="allreduce", steps=STEPS,
                            overrides=F64 + LOCAL + ("allreduce.algorithm=ring",)),
         "library-every-step": dict(experiment="quickstart", engine="allreduce", steps=STEPS, overrides=F64),
+        "diloco": dict(experiment="quickstart", engine="allreduce", steps=STEPS,
+                       overrides=F64 + LOCAL + ("allreduce.outer=nesterov", "allreduce.algorithm=ring")),
     }
 
 
@@ -51,3 +53,62 @@ def test_local_sgd_sends_gradients_then_parameters_every_period(results, pool):
     assert dense == 9610 * 8
     expected = [dense] * 3 + [dense if (s - 3) % 4 == 0 else 0 for s in range(3, STEPS)]
     assert ours == expected == torchs
+
+
+def diloco_reference(workers: int = 2, warmup: int = 3, period: int = 4, steps: int = STEPS):
+    """DiLoCo in one process, from the run's initial model on the run's shards: each worker's
+    own SGD with momentum on its own gradient (the averaged one during the warm-up); at the
+    averaging steps the shared model takes a Nesterov step (lr 0.7, momentum 0.9) on the shared
+    model less the workers' mean, and every worker starts again from it. Worker 0's parameters."""
+    import torch
+    from torch.nn.utils import parameters_to_vector
+
+    from experiments.settings.presets import build_config
+    from experiments.workloads.datasets import BatchFeeder
+    from experiments.workloads.tasks import get_task
+
+    cfg = build_config("quickstart", F64, engine="allreduce", workers=workers, steps=steps)
+    dataset = cfg.data.build(cfg.seed)
+    task = get_task(dataset.task)
+    models = []
+    for _ in range(workers):
+        torch.manual_seed(cfg.seed)
+        models.append(cfg.model.build().double())
+    inner = [cfg.optim.build(list(m.parameters())) for m in models]
+    feeders = [BatchFeeder(dataset, i, workers, cfg.batch_size, cfg.seed, torch.float64) for i in range(workers)]
+    shared = outer = None
+    for step in range(steps):
+        for model, feeder in zip(models, feeders):
+            model.zero_grad()
+            inputs, targets = feeder.batch(step)
+            task.loss(model(*inputs), targets).backward()
+        if step < warmup:  # the gradients averaged, as period 1
+            for params in zip(*(m.parameters() for m in models)):
+                mean = sum(p.grad for p in params) / workers
+                for p in params:
+                    p.grad = mean.clone()
+        elif shared is None:
+            shared = [p.detach().clone() for p in models[0].parameters()]
+            outer = torch.optim.SGD(shared, lr=0.7, momentum=0.9, nesterov=True)
+        for optimizer in inner:
+            optimizer.step()
+        if step >= warmup and (step - warmup) % period == 0:
+            with torch.no_grad():
+                for s, params in zip(shared, zip(*(m.parameters() for m in models))):
+                    s.grad = s - sum(p for p in params) / workers
+                outer.step()
+                for s, params in zip(shared, zip(*(m.parameters() for m in models))):
+                    for p in params:
+                        p.copy_(s)
+    return parameters_to_vector(models[0].parameters()).detach()
+
+
+def test_diloco_ends_as_the_one_process_reference(results):
+    """allreduce.outer=nesterov: DiLoCo's outer Nesterov step on the averaged change of local
+    SGD, float64, within 1e-10; and it is not plain local SGD."""
+    import torch
+
+    _, ours = results["diloco"]
+    flat = torch.cat([t.reshape(-1) for t in ours.values()])
+    assert (flat - diloco_reference()).abs().max().item() < 1e-10
+    assert max_param_diff(results["library-local"][1], ours) > 1e-6

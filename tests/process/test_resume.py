@@ -18,8 +18,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 SETTINGS = ("dtype=float64", "threads=1", "checkpoint.every=5")
 # cnn has BatchNorm buffers, which must come back too; quickstart keeps the rest cheap.
 ENGINES = {"allreduce": ("cnn", {}), "ddp": ("quickstart", {}), "local": ("quickstart", {}),
-           "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {}), "zero3": ("cnn", {})}
-OWN = {"zero": ("zero.stage=2",), "zero3": ("zero.stage=3", "zero.algorithm=ring")}
+           "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {}), "zero3": ("cnn", {}),
+           "gossip": ("cnn", {"workers": 4})}
+# gossip: each worker's own model and optimizer, and the one-peer graph's schedule, go on
+OWN = {"zero": ("zero.stage=2",), "zero3": ("zero.stage=3", "zero.algorithm=ring"),
+       "gossip": ("gossip.topology=one-peer-exponential",)}
 
 
 def POOL_JOBS() -> dict[str, dict]:

@@ -147,7 +147,7 @@ def test_ps_bottleneck_moves_to_shard_above_s():
 
 
 @pytest.mark.parametrize("args,match", [
-    (("gossip", 2, 1, 1.0), "unknown engine label 'gossip'"),
+    (("carrier-pigeon", 2, 1, 1.0), "unknown engine label 'carrier-pigeon'"),
     (("ps-sync", 2, 0, 1.0), "servers=0"),
     (("allreduce/ring", 0, 1, 1.0), "workers=0"),
 ])

@@ -25,12 +25,13 @@ M = 4 * 256 * 1024  # the fake model's float32 bytes
 
 
 def fake_run(path, engine, workers=2, algorithm="library", sparse="dense", bytes_sent=None, recv=None,
-             gathered=None, compute_s=0.1, step_s=0.5, samples_per_sec=100.0, experiment="toy", backups=0, stage=1):
+             gathered=None, compute_s=0.1, step_s=0.5, samples_per_sec=100.0, experiment="toy", backups=0, stage=1,
+             topology="ring"):
     """A run directory as psar writes one, on a 200mbit emulated network."""
     (path / "metrics").mkdir(parents=True)
     config = {"experiment": experiment, "engine": engine, "workers": workers, "servers": 2,
               "allreduce": {"algorithm": algorithm, "sparse": sparse}, "ps": {"backup_workers": backups},
-              "zero": {"stage": stage},
+              "zero": {"stage": stage}, "gossip": {"topology": topology},
               "net": {"rate": "200mbit"}}
     summary = {"experiment": experiment, "engine": engine, "workers": workers, "servers": 2, "steps": 4,
                "samples_per_sec": samples_per_sec, "final_loss": 1.0, "bytes_per_worker_per_step": M,
@@ -53,6 +54,8 @@ def every_variant(tmp_path):
     runs = [fake_run(tmp_path / "ps-sync-backup", "ps-sync", bytes_sent=M, backups=1),
             fake_run(tmp_path / "zero-2", "zero", bytes_sent=M, stage=2),
             fake_run(tmp_path / "zero-3", "zero", bytes_sent=M, stage=3)]
+    runs += [fake_run(tmp_path / f"gossip-{t}", "gossip", workers=4, bytes_sent=M, topology=t)
+             for t in ("torus", "exponential", "one-peer-exponential", "complete")]
     for name in engines():
         settings = itertools.product(ALGORITHMS, SPARSE_MODES) if name == "allreduce" else [("library", "dense")]
         for algorithm, sparse in settings:

@@ -91,3 +91,14 @@ def test_zero_sends_an_all_reduce_and_stage_three_half_as_much_again(n):
     assert link_time("zero-2", n, 1, 1e6, 200e6) == pytest.approx(ring)
     assert link_time("zero-3", n, 1, 1e6, 200e6) == pytest.approx(1.5 * ring)
     assert psar_link_time("zero-3", n, 1, 1e6, 200e6) == pytest.approx(1.5 * ring)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_gossip_sends_its_model_to_each_out_neighbour(n):
+    """D-PSGD on a ring: 2M each way (M at N=2, one neighbour); one-peer exponential M; the
+    complete graph (N-1)M; the exponential graph one model per distinct offset +- 2^k."""
+    one = link_time("gossip/one-peer-exponential", n, 1, 1e6, 200e6)
+    assert one == pytest.approx(1e6 * 8 / (200e6 * PAYLOAD))
+    assert link_time("gossip/ring", n, 1, 1e6, 200e6) == pytest.approx(min(2, n - 1) * one)
+    assert link_time("gossip/complete", n, 1, 1e6, 200e6) == pytest.approx((n - 1) * one)
+    assert link_time("gossip/exponential", n, 1, 1e6, 200e6) == pytest.approx({2: 1, 4: 3, 8: 5}[n] * one)
