@@ -50,8 +50,11 @@ class GossipEngine:
     """Engine protocol (attach / backward / step / close) of decentralized SGD on a graph."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: GossipConfig,
-                 timeout_s: float = 60.0, trace=None) -> None:
+                 timeout_s: float = 60.0, trace=None, delay_s: float = 0.0) -> None:
+        """delay_s: an injected one-way link latency (fault.delay_ms, net.latency_ms without
+        netem): a step's models arrive no sooner than delay_s after they were sent."""
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
+        self.delay_s = delay_s
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
@@ -100,6 +103,7 @@ class GossipEngine:
         while len(self._inbox) < len(sources):
             self._inbox.append(torch.empty_like(self._flat))
         self._sent = len(to) * _bytes(self._flat)
+        self._sent_at = time.perf_counter()
         self._works = [dist.irecv(self._inbox[i], src=j) for i, j in enumerate(sources)]
         self._works += [dist.isend(self._flat, dst=j) for j in to]
 
@@ -107,6 +111,9 @@ class GossipEngine:
         for work in self._works:
             work.wait()
         self._works = []
+        late = self._sent_at + self.delay_s - time.perf_counter()  # one hop: every message at once
+        if self.delay_s and late > 0:
+            time.sleep(late)
 
     # -- backward and step ---------------------------------------------------------------------
 

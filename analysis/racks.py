@@ -7,8 +7,8 @@ core and the other rack's down from it, at net.uplink.
   the plan for M bytes over the workers in their racks; the library's is Gloo's ring, in
   rank order, like ours), every message summed over the whole all-reduce;
 - zero: the ring's plan, reduce-scatter and all-gather (zero-3: half as much again);
-- gossip: each worker's model to each of its out-neighbours (one-peer exponential: the mean
-  over its period of log2 N steps);
+- gossip: each worker's model to each of its out-neighbours (one-peer exponential: each
+  step's busiest link, averaged over its period of log2 N steps);
 - parameter server: each worker pushes M/S to every shard and pulls as much back, shard j on
   its own host s<j> (placement=separate) or on worker j mod N's.
 
@@ -35,8 +35,9 @@ def _plan(run: Run, racks: tuple[int, ...]):
     return _plan_of("ring" if algorithm == "library" else algorithm, racks)
 
 
-def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
-    """Bytes from host to host in one step of `run` (hosts by the network's names)."""
+def flows(run: Run, nbytes: float, step: int = 0) -> dict[tuple[str, str], float]:
+    """Bytes from host to host in one step of `run` (hosts by the network's names); `step`
+    for a graph whose peers change each step (one-peer exponential gossip)."""
     net = run.summary["network"]
     rack_of = net["rack_of"]
     n = int(run.summary["workers"])
@@ -53,15 +54,12 @@ def flows(run: Run, nbytes: float) -> dict[tuple[str, str], float]:
                 key = (f"w{i}", f"w{j}")
                 out[key] = out.get(key, 0.0) + (mine.send[1] - mine.send[0]) * scale
         return out
-    if kind == "gossip":  # each worker's model to its out-neighbours (one-peer: the mean over its period)
-        from allreduce.topology import hops, peers
+    if kind == "gossip":  # each worker's model to its out-neighbours at this step
+        from allreduce.topology import peers
 
-        topology = run.label.split("/", 1)[1]
-        period = max(1, hops(n)) if topology == "one-peer-exponential" else 1
-        for step in range(period):
-            for w in range(n):
-                for j in peers(topology, w, n, step)[0]:
-                    out[(f"w{w}", f"w{j}")] = out.get((f"w{w}", f"w{j}"), 0.0) + nbytes / period
+        for w in range(n):
+            for j in peers(run.label.split("/", 1)[1], w, n, step)[0]:
+                out[(f"w{w}", f"w{j}")] = out.get((f"w{w}", f"w{j}"), 0.0) + nbytes
         return out
     s = int(run.config.get("servers", 1))
     separate = net.get("placement") == "separate"
@@ -85,12 +83,25 @@ def link_ideal(run: Run, payload: float) -> dict | None:
 
     rack_of, host_bw = net["rack_of"], float(net["rate_bits"]) * payload / 8
     uplink_bw = float(net["uplink_bits"]) * payload / 8 if net.get("uplink_bits") else None
-    load: dict[tuple, float] = {}
-    for (a, b), nbytes in flows(run, run_traffic(run).push).items():
-        for link in (("out", a), ("in", b)) + ((("up", rack_of[a]), ("down", rack_of[b]))
-                                               if rack_of[a] != rack_of[b] else ()):
-            load[link] = load.get(link, 0.0) + nbytes
-    seconds = max(v / (uplink_bw if k[0] in ("up", "down") and uplink_bw else host_bw)
-                  for k, v in load.items() if uplink_bw or k[0] in ("out", "in"))
-    uplink = max((v for k, v in load.items() if k[0] in ("up", "down")), default=0.0)
+    nbytes = run_traffic(run).push
+    steps = _schedule(run)
+    seconds = uplink = 0.0
+    for step in range(steps):  # a graph whose peers change: each step's busiest link, averaged
+        load: dict[tuple, float] = {}
+        for (a, b), sent in flows(run, nbytes, step).items():
+            for link in (("out", a), ("in", b)) + ((("up", rack_of[a]), ("down", rack_of[b]))
+                                                   if rack_of[a] != rack_of[b] else ()):
+                load[link] = load.get(link, 0.0) + sent
+        seconds += max(v / (uplink_bw if k[0] in ("up", "down") and uplink_bw else host_bw)
+                       for k, v in load.items() if uplink_bw or k[0] in ("out", "in")) / steps
+        uplink += max((v for k, v in load.items() if k[0] in ("up", "down")), default=0.0) / steps
     return {"seconds": seconds, "uplink_bytes": uplink}
+
+
+def _schedule(run: Run) -> int:
+    """Steps after which a run's flows repeat: one-peer exponential gossip's log2 N, else 1."""
+    if run.label != "gossip/one-peer-exponential":
+        return 1
+    from allreduce.topology import hops
+
+    return max(1, hops(int(run.summary["workers"])))

@@ -48,7 +48,7 @@ class Comparison:
     report: str = ""
     """A report beside the table, the analysis module that makes it: "compression"
     (analysis.compression), "period" (analysis.period), "collectives" (analysis.collectives),
-    "faults" (analysis.faults), "sharded" (analysis.sharded)."""
+    "faults" (analysis.faults), "sharded" (analysis.sharded), "decentralized" (analysis.decentralized)."""
     prelude: str = ""
     """Measurements before the grid, the module of experiments.comparisons whose measure(out,
     echo) makes them in the output directory (the report reads them): "collectives"."""
@@ -104,6 +104,26 @@ def _period_variants() -> tuple[Variant, ...]:
     return tuple(out)
 
 
+DECENTRALIZED_NETWORKS = {"flat": (), "racks": ("net.racks=2", "net.uplink=50mbit"), "latency": ("net.latency_ms=20",),
+                          "fast": ("net.rate=10gbit",)}
+"""The decentralized comparison's networks: 100mbit flat; two racks of two workers behind
+50mbit uplinks (4:1, the two hosts' 200mbit into 50); 20 ms of one-way latency on every link;
+and a fast one, 10gbit."""
+
+
+def _decentralized_variants() -> tuple[Variant, ...]:
+    """The ring all-reduce (ring and auto), ps-sync with a shard on each worker's host, gossip
+    on the ring and the one-peer exponential graph, and DiLoCo every 8 steps, on each network."""
+    engines = (Variant("allreduce", 1, ("allreduce.algorithm=ring",)),
+               Variant("allreduce", 1, ("allreduce.algorithm=auto",)),
+               Variant("ps-sync", "N", ("net.placement=colocated",)),
+               Variant("gossip", 1, ("gossip.topology=ring",)),
+               Variant("gossip", 1, ("gossip.topology=one-peer-exponential",)),
+               Variant("allreduce", 1, ("allreduce.algorithm=ring", "allreduce.period=8", "allreduce.outer=nesterov")))
+    return tuple(Variant(v.engine, v.servers, v.overrides + net)
+                 for net in DECENTRALIZED_NETWORKS.values() for v in engines)
+
+
 COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
     Comparison(
         "sharded", "mlp-mid", ("ddp", "allreduce", "zero", "ps-sync"), (2, 4), steps=10, net="200mbit",
@@ -116,6 +136,15 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "stages 1 and 2 and half as much again at 3; a parameter server's co-located shards "
               "hold the state as stage 1 does, its workers none (zero on psar's ring halves: Gloo's own "
               "reduce-scatter and all-gather are slower than its all-reduce)."),
+    Comparison(
+        "decentralized", "mlp-mid", ("allreduce", "ps-sync", "gossip"), (4,), steps=40, net="100mbit",
+        overrides=("model.hidden=[256,256]", "gossip.consensus_every=5"), variants=_decentralized_variants(),
+        report="decentralized",
+        claim="Decentralized SGD (Lian et al. 2017): each worker averages with its neighbours, so no "
+              "step waits for every worker and a one-peer graph sends one model whatever N is; where "
+              "the network is slow or its latency high it reaches the target sooner than the ring "
+              "all-reduce and the parameter server, paying in models that drift apart (consensus "
+              "distance); DiLoCo's outer step on local SGD communicates 8 times less."),
     Comparison(
         "hogwild", "logreg-sparse", ("ps-async", "ps-sync", "allreduce"), (1, 2),
         claim="Hogwild!: on sparse logistic regression, lock-free asynchronous updates rarely "

@@ -53,10 +53,7 @@ def zero(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None
 def gossip(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.gossip import GossipEngine
 
-    if cfg.fault.delay_ms:
-        raise ValueError("fault.delay_ms cannot be applied to gossip: its messages are the backend's; "
-                         "use --net to study a slow link")
-    return GossipEngine(env.rank, env.world, device, cfg.gossip, cfg.timeout_s, trace)
+    return GossipEngine(env.rank, env.world, device, cfg.gossip, cfg.timeout_s, trace, cfg.fault.delay_s)
 
 
 def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

@@ -15,6 +15,7 @@ REASON = netns.unavailable()
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"emulated hosts unavailable: {REASON}")
+@pytest.mark.long  # 10 s: make bench
 @pytest.mark.timeout(180)
 def test_a_small_sweep_times_every_algorithm_beside_the_model(tmp_path, monkeypatch):
     import experiments.comparisons.collectives as collectives

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 PLAIN = ("dtype=float64", "threads=1", "optim.momentum=0")
 STEPS, WORKERS = 20, 4
-TOPOLOGIES = ("ring", "one-peer-exponential", "torus", "exponential", "complete")
+TOPOLOGIES = ("ring", "one-peer-exponential", "exponential", "complete")  # a 2x2 torus is a 4-cycle
 
 
 def POOL_JOBS() -> dict[str, dict]:
@@ -72,7 +72,7 @@ def test_at_four_workers_the_exponential_graph_is_the_complete_one_and_mixes_clo
     denser graph keeps the models closer."""
     distance = {t: results[t][0]["consensus_distance"] for t in TOPOLOGIES}
     assert abs(distance["exponential"] - distance["complete"]) < 1e-12
-    assert distance["complete"] < distance["ring"] and distance["complete"] < distance["torus"]
+    assert distance["complete"] < distance["ring"]
 
 
 def test_a_ring_sends_two_models_a_step_and_one_peer_one(results):

@@ -86,7 +86,7 @@ def test_worker_whose_server_is_gone_names_it(tmp_path):
 @pytest.mark.timeout(300)
 # None: the default, which drops a lost worker under ps-async and ps-ssp and aborts ps-sync.
 @pytest.mark.parametrize("engine,policy", [("ps-sync", "drop"), ("ps-sync", None), ("ps-async", None),
-                                           ("ps-ssp", None)])
+                                           pytest.param("ps-ssp", None, marks=pytest.mark.long)])  # as ps-async
 def test_lost_worker_is_dropped_or_aborts(tmp_path, engine, policy):
     extra = FAST_LIVENESS + ["--set", "checkpoint.every=50"]
     extra += ["--set", f"ps.on_worker_loss={policy}"] if policy else []
