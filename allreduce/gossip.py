@@ -54,7 +54,7 @@ class GossipEngine:
         """delay_s: an injected one-way link latency (fault.delay_ms, net.latency_ms without
         netem): a step's models arrive no sooner than delay_s after they were sent."""
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
-        self.delay_s = delay_s
+        self.delay_s, self._timeout_s = delay_s, timeout_s
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)

@@ -1,11 +1,11 @@
 """The decentralized comparison: gossip (D-PSGD on a ring and on the one-peer exponential
-graph) and DiLoCo beside the ring all-reduce and the parameter server, on a slow flat network,
+graph, AD-PSGD on the ring) and DiLoCo beside the ring all-reduce and the parameter server, on a slow flat network,
 on racks behind an oversubscribed uplink and with link latency: time to the target loss, what
 each worker sends, the consensus distance of the gossip runs, and the link model's time.
 
 Link theory (analysis/linkmodel.py), bandwidth only: a ring all-reduce sends 2(N-1)/N M per
 worker a step (DiLoCo once every H steps), gossip degree x M in one hop (2M on a ring, M
-one-peer), a parameter server M each way per worker; on racks (analysis/racks.py) the busiest
+one-peer; AD-PSGD M, one average a step), a parameter server M each way per worker; on racks (analysis/racks.py) the busiest
 link's bytes, uplinks included. Latency is not in it: a message waits it once per hop, a ring
 all-reduce 2(N-1) hops per bucket, a parameter server two a step (push, pull), gossip one a
 step and behind the step's compute, since its exchange starts when the previous step ends.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .plots import loss_over_time, panels  # first: analysis.style selects the Agg backend
 from .linkmodel import run_link_time
-from .results import Run, family, mean_step, time_to_target
+from .results import Run, family, mean_step, median, time_to_target
 from .style import colour
 from .table import write_report
 from .traffic import run_traffic
@@ -46,6 +46,8 @@ def name_of(run: Run) -> str:
     settings = run.config.get("allreduce") or {}
     if family(run.label) == "ring" and settings.get("outer", "none") != "none":
         return f"diloco every {settings.get('period', 1)}"
+    if family(run.label) == "gossip" and (run.config.get("gossip") or {}).get("mode") == "async":
+        return f"ad-psgd/{run.label.split('/', 1)[1]}"
     return run.label
 
 
@@ -54,13 +56,22 @@ def rows(runs: list[Run]) -> list[dict]:
     for run in sorted(runs, key=lambda r: (network_of(r), name_of(r))):
         hit = time_to_target(run)
         link = run_link_time(run, run_traffic(run))
+        sent = run.summary.get("sent_bytes_per_worker_per_step", 0)
         if link is not None:  # local SGD (DiLoCo): the parameters' all-reduce once a period
             link /= run.period
+        if name_of(run).startswith("ad-psgd"):
+            # one model each way a step per worker (an active's average; a passive serves as
+            # many), not one per neighbour; a passive's averages after its last step are in no
+            # record, so an active's records (rank 0) give the bytes
+            from .linkmodel import gossip_degree
+
+            link = None if link is None else link / gossip_degree(run.label, int(run.summary["workers"]))
+            sent = median([r["bytes_sent"] for r in run.metrics.get(0, [])] or [0])
         accuracy = (run.summary.get("eval") or {}).get("accuracy")
         out.append({
             "network": network_of(run), "engine": name_of(run), "step_ms": 1e3 * mean_step(run),
             "theory_ms": None if link is None else 1e3 * link,
-            "sent_mb": run.summary.get("sent_bytes_per_worker_per_step", 0) / 1e6,
+            "sent_mb": sent / 1e6,
             "time_to_target_s": hit[1] if hit else None, "steps_to_target": hit[0] if hit else None,
             "final_loss": run.summary.get("final_loss"),
             "accuracy": None if accuracy is None else f"{100 * accuracy:.1f}%",
@@ -89,7 +100,7 @@ def loss_vs_time(runs: list[Run], out_dir: Path) -> Path | None:
     def draw(ax, network: str) -> None:
         for run in sorted(grouped[network], key=name_of):
             ax.plot(*loss_over_time(run), label=name_of(run), color=colour(run.label),
-                    linestyle="--" if name_of(run).startswith("diloco") else "-")
+                    linestyle={"diloco": "--", "ad-psgd": ":"}.get(name_of(run).split(" ")[0].split("/")[0], "-"))
 
     return panels(sorted(grouped), draw, out_dir, "decentralized_loss_vs_time.png", "time (s)", "training loss")
 

@@ -113,12 +113,14 @@ and a fast one, 10gbit."""
 
 def _decentralized_variants() -> tuple[Variant, ...]:
     """The ring all-reduce (ring and auto), ps-sync with a shard on each worker's host, gossip
-    on the ring and the one-peer exponential graph, and DiLoCo every 8 steps, on each network."""
+    on the ring and the one-peer exponential graph, AD-PSGD on the ring, and DiLoCo every 8
+    steps, on each network."""
     engines = (Variant("allreduce", 1, ("allreduce.algorithm=ring",)),
                Variant("allreduce", 1, ("allreduce.algorithm=auto",)),
                Variant("ps-sync", "N", ("net.placement=colocated",)),
                Variant("gossip", 1, ("gossip.topology=ring",)),
                Variant("gossip", 1, ("gossip.topology=one-peer-exponential",)),
+               Variant("gossip", 1, ("gossip.topology=ring", "gossip.mode=async")),
                Variant("allreduce", 1, ("allreduce.algorithm=ring", "allreduce.period=8", "allreduce.outer=nesterov")))
     return tuple(Variant(v.engine, v.servers, v.overrides + net)
                  for net in DECENTRALIZED_NETWORKS.values() for v in engines)

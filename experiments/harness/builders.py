@@ -51,7 +51,10 @@ def zero(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None
 
 
 def gossip(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
-    from allreduce.gossip import GossipEngine
+    if cfg.gossip.mode == "async":
+        from allreduce.gossip_async import AsyncGossipEngine as GossipEngine
+    else:
+        from allreduce.gossip import GossipEngine
 
     return GossipEngine(env.rank, env.world, device, cfg.gossip, cfg.timeout_s, trace, cfg.fault.delay_s)
 

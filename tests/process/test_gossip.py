@@ -5,6 +5,8 @@ distance (the mean of ||x_i - mean x||^2) is the reference's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -24,6 +26,8 @@ TOPOLOGIES = ("ring", "one-peer-exponential", "exponential", "complete")  # a 2x
 def POOL_JOBS() -> dict[str, dict]:
     jobs = {t: dict(experiment="quickstart", engine="gossip", workers=WORKERS, steps=STEPS,
                     overrides=PLAIN + (f"gossip.topology={t}", "gossip.consensus_every=5")) for t in TOPOLOGIES}
+    jobs["async"] = dict(experiment="quickstart", engine="gossip", workers=WORKERS, steps=STEPS,
+                         overrides=PLAIN + ("gossip.mode=async",))
     jobs["allreduce"] = dict(experiment="quickstart", engine="allreduce", workers=WORKERS, steps=STEPS, overrides=PLAIN)
     return jobs
 
@@ -33,25 +37,33 @@ def results(pool):
     return pool.results(__name__)
 
 
+def setup(workers: int = WORKERS):
+    """The run's task, initial parameters, a model to compute gradients on, and each worker's
+    batches."""
+    cfg = build_config("quickstart", PLAIN, engine="gossip", workers=workers, steps=STEPS)
+    dataset = cfg.data.build(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = cfg.model.build().double()
+    feeders = [BatchFeeder(dataset, i, workers, cfg.batch_size, cfg.seed, torch.float64) for i in range(workers)]
+    return cfg, get_task(dataset.task), model, feeders
+
+
+def gradient(task, model, feeder, x: torch.Tensor, step: int) -> torch.Tensor:
+    vector_to_parameters(x, model.parameters())
+    model.zero_grad()
+    inputs, targets = feeder.batch(step)
+    task.loss(model(*inputs), targets).backward()
+    return parameters_to_vector(p.grad for p in model.parameters())
+
+
 def reference(topology: str, steps: int = STEPS, workers: int = WORKERS) -> tuple[torch.Tensor, list[float]]:
     """X <- W X - lr G from the run's initial model on the run's shards: (X, the consensus
     distance after every step)."""
-    cfg = build_config("quickstart", PLAIN, engine="gossip", workers=workers, steps=steps)
-    dataset = cfg.data.build(cfg.seed)
-    task = get_task(dataset.task)
-    torch.manual_seed(cfg.seed)
-    model = cfg.model.build().double()
+    cfg, task, model, feeders = setup(workers)
     x = parameters_to_vector(model.parameters()).detach().repeat(workers, 1)
-    feeders = [BatchFeeder(dataset, i, workers, cfg.batch_size, cfg.seed, torch.float64) for i in range(workers)]
     distances = []
     for step in range(steps):
-        grads = []
-        for i, feeder in enumerate(feeders):
-            vector_to_parameters(x[i], model.parameters())
-            model.zero_grad()
-            inputs, targets = feeder.batch(step)
-            task.loss(model(*inputs), targets).backward()
-            grads.append(parameters_to_vector(p.grad for p in model.parameters()))
+        grads = [gradient(task, model, feeder, x[i], step) for i, feeder in enumerate(feeders)]
         x = torch.tensor(matrix(topology, workers, step), dtype=torch.float64) @ x - cfg.optim.lr * torch.stack(grads)
         distances.append(((x - x.mean(0)) ** 2).sum(1).mean().item())
     return x, distances
@@ -84,3 +96,74 @@ def test_a_ring_sends_two_models_a_step_and_one_peer_one(results):
     assert results["complete"][0]["sent_bytes_per_worker_per_step"] == (WORKERS - 1) * m
     ratio = results["ring"][0]["sent_bytes_per_worker_per_step"] / results["allreduce"][0]["sent_bytes_per_worker_per_step"]
     assert abs(ratio - 4 / 3) < 0.02 * 4 / 3
+
+
+def records(run_dir, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def replay(run_dir, final: dict, workers: int = WORKERS) -> torch.Tensor:
+    """AD-PSGD in one process, in the order the run's records say its changes to each model
+    came: an active worker (even rank) reads its model, averages it with its partner, adds
+    -lr g; a passive one adds -lr g computed at the model as it read it, and takes the
+    averages in the order it served them. The workers' models, a row each."""
+    cfg, task, model, feeders = setup(workers)
+    x = parameters_to_vector(model.parameters()).detach().repeat(workers, 1)
+    logs = {r: records(run_dir, r) for r in range(workers)}
+    ops = {}  # passive rank: its changes in order, ("update", step) or ("average", active, step)
+    for r in range(1, workers, 2):
+        changes = {rec["gossip_applied"]: ("update", rec["step"]) for rec in logs[r]}
+        changes.update({v: ("average", a, k) for rec in logs[r] for v, _, a, k in rec.get("gossip_ops", [])})
+        changes.update({v: ("average", a, k) for v, a, k in final.get(str(r), [])})  # after its last step
+        assert sorted(changes) == list(range(1, len(changes) + 1))
+        ops[r] = [changes[v] for v in sorted(changes)]
+    done = {r: 0 for r in ops}
+    read = {r: {rec["gossip_read"]: rec["step"] for rec in logs[r]} for r in ops}
+    snap: dict[tuple, torch.Tensor] = {}
+    phase = {a: [0, "read"] for a in range(0, workers, 2)}
+    while any(done[r] < len(ops[r]) for r in ops) or any(p[0] < STEPS for p in phase.values()):
+        moved = False
+        for a, (k, what) in phase.items():
+            if k < STEPS and what == "read":
+                snap[a, k] = x[a].clone()
+                phase[a] = [k, "average"]
+                moved = True
+            elif what == "update":
+                x[a] += -cfg.optim.lr * gradient(task, model, feeders[a], snap[a, k], k)
+                phase[a] = [k + 1, "read"]
+                moved = True
+        for r in ops:
+            if done[r] in read[r]:
+                snap[r, read[r][done[r]]] = x[r].clone()
+            if done[r] == len(ops[r]):
+                continue
+            change = ops[r][done[r]]
+            if change[0] == "update":
+                x[r] += -cfg.optim.lr * gradient(task, model, feeders[r], snap[r, change[1]], change[1])
+            elif phase[change[1]] == [change[2], "average"]:
+                x[r] = (x[r] + x[change[1]]) / 2
+                x[change[1]] = x[r].clone()
+                phase[change[1]] = [change[2], "update"]
+            else:
+                continue
+            done[r] += 1
+            moved = True
+        assert moved, "the records' order cannot be replayed"
+    return x
+
+
+def test_ad_psgd_is_its_records_replayed_in_one_process(results, pool):
+    """Every change to every model, in the order the run made it, gives the run's model (the
+    workers' mean) and its consensus distance within 1e-10; the actives pair with their
+    passive neighbours in turn, and the passives' gradients were computed at models that
+    changed before they were applied (staleness)."""
+    summary, state = results["async"]
+    run_dir = pool.folder(__name__) / "async"
+    x = replay(run_dir, summary["gossip_final_ops"])
+    ours = torch.cat([state[k].reshape(-1) for k in state])
+    assert (ours - x.mean(0)).abs().max().item() < 1e-10
+    assert abs(summary["consensus_distance"] - ((x - x.mean(0)) ** 2).sum(1).mean().item()) < 1e-10
+    assert [rec["partner"] for rec in records(run_dir, 0)[:4]] == [1, 3, 1, 3]  # rank 0's passive neighbours in turn
+    assert all(rec["staleness"] == 1 for rec in records(run_dir, 2))  # its own average
+    served = sum(len(rec.get("gossip_ops", [])) for rec in records(run_dir, 1))
+    assert served + len(summary["gossip_final_ops"].get("1", [])) == STEPS  # half of each active's steps

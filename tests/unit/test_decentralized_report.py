@@ -28,7 +28,10 @@ def test_rows_name_the_network_and_the_engine_and_price_a_period(tmp_path):
     ring = with_config(tmp_path / "ring", net={"racks": 2, "uplink": "50mbit"})
     diloco = with_config(tmp_path / "diloco", allreduce={"period": 8, "outer": "nesterov"}, net={"racks": 1})
     gossip = with_config(tmp_path / "gossip", net={"latency_ms": 20})
-    table = {row["engine"]: row for row in decentralized.rows([ring, diloco, gossip])}
+    fake_run(tmp_path / "ad", "gossip", workers=4, bytes_sent=M, topology="ring")
+    ad = with_config(tmp_path / "ad", gossip={"mode": "async"})
+    table = {row["engine"]: row for row in decentralized.rows([ring, diloco, gossip, ad])}
+    assert table["ad-psgd/ring"]["network"] == "200mbit"
     assert table["allreduce/library"]["network"] == "200mbit, 2 racks, 50mbit uplinks"
     assert table["gossip/ring"]["network"] == "200mbit, 20 ms"
     assert table["diloco every 8"]["network"] == "200mbit"
