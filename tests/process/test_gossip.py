@@ -167,3 +167,21 @@ def test_ad_psgd_is_its_records_replayed_in_one_process(results, pool):
     assert all(rec["staleness"] == 1 for rec in records(run_dir, 2))  # its own average
     served = sum(len(rec.get("gossip_ops", [])) for rec in records(run_dir, 1))
     assert served + len(summary["gossip_final_ops"].get("1", [])) == STEPS  # half of each active's steps
+
+
+def test_a_ddp_script_runs_under_both_modes_and_its_checkpoint_holds_worker_zeros_model(tmp_path):
+    """convnet_psar.py (the doc's diff) under psar launch: D-PSGD and AD-PSGD train, report the
+    consensus distance, and rank 0's checkpoint holds worker 0's model and optimizer, from
+    which a resumed run starts every worker again."""
+    from tests.process.test_ddp_contract import launched
+
+    args = ["--float64", "--optimizer", "adamw", "--lr", "0.01", "--steps", "6"]
+    for mode in ("sync", "async"):
+        ckpt = tmp_path / f"{mode}.ckpt"
+        launched("gossip", args + ["--save-at", "3", "--save", str(ckpt)], tmp_path / mode,
+                 overrides=(f"gossip.mode={mode}",))
+        summary = json.loads((tmp_path / mode / "summary.json").read_text())
+        assert summary["consensus_distance"] > 0 and summary["engine"] == "gossip"
+        saved = torch.load(ckpt, weights_only=True)
+        assert saved["step"] == 3 and all(float(s["step"]) == 3 for s in saved["optimizer"]["state"].values())
+        launched("gossip", args + ["--resume", str(ckpt)], tmp_path / f"{mode}-resumed", overrides=(f"gossip.mode={mode}",))
