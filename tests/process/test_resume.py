@@ -19,7 +19,7 @@ SETTINGS = ("dtype=float64", "threads=1", "checkpoint.every=5")
 # cnn has BatchNorm buffers, which must come back too; quickstart keeps the rest cheap.
 ENGINES = {"allreduce": ("cnn", {}), "ddp": ("quickstart", {}), "local": ("quickstart", {}),
            "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {}), "zero3": ("cnn", {}),
-           "gossip": ("cnn", {"workers": 4})}
+           "gossip": ("quickstart", {"workers": 4})}
 # gossip: each worker's own model and optimizer, and the one-peer graph's schedule, go on
 OWN = {"zero": ("zero.stage=2",), "zero3": ("zero.stage=3", "zero.algorithm=ring"),
        "gossip": ("gossip.topology=one-peer-exponential",)}

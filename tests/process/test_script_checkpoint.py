@@ -59,7 +59,7 @@ def test_under_zero_the_scripts_checkpoint_is_torchruns_with_zero_redundancy_and
     """The script consolidates the optimizer on every rank (as torch's ZeroRedundancyOptimizer
     asks) and rank 0 saves: under zero each stage's file is torchrun's with
     ZeroRedundancyOptimizer, whose state is the plain AdamW's, and the run resumed from it ends
-    at torchrun's parameters."""
+    at torchrun's parameters (stages 2 and 3)."""
     args = ARGS + ["--zero-redundancy"]
     reference = torchrun_ddp(args + ["--save-at", "4", "--save", str(tmp_path / "torchrun.ckpt")], tmp_path)
     checkpoint = torch.load(tmp_path / "torchrun.ckpt", weights_only=True)
@@ -69,6 +69,8 @@ def test_under_zero_the_scripts_checkpoint_is_torchruns_with_zero_redundancy_and
                          overrides=set_stage)
         assert max_param_diff(reference, whole) < 1e-10, stage
         assert same_checkpoint(torch.load(mine, weights_only=True), checkpoint) < 1e-10, stage
+        if stage == 1:  # its pieces' state is cut and put together as stage 2's
+            continue
         resumed = launched("zero", ARGS + ["--resume", str(mine)], tmp_path / f"zero{stage}-resumed",
                            overrides=set_stage)
         assert max_param_diff(reference, resumed) < 1e-10, stage
