@@ -1,0 +1,57 @@
+"""Max-min fair sharing of links among flows (analysis/fairshare.py), against hand-worked
+cases, and fast enough for a step of 1024 workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis.fairshare import Flow, fair_rates, simulate
+
+
+def test_one_flow_takes_its_bytes_over_the_link_and_its_latency():
+    assert simulate([Flow("a", ("l",), 100, latency=0.5)], {"l": 50}) == {"a": pytest.approx(2.5)}
+
+
+def test_two_flows_on_one_link_share_it_and_a_flow_on_no_link_arrives_at_once():
+    arrived = simulate([Flow("a", ("l",), 100), Flow("b", ("l",), 100), Flow("local", (), 10, start=1)], {"l": 100})
+    assert arrived == {"a": pytest.approx(2.0), "b": pytest.approx(2.0), "local": pytest.approx(1.0)}
+
+
+def test_a_flow_held_back_elsewhere_leaves_the_shared_link_to_the_other():
+    """A: 10 bytes/s shared by f1 and f2; B: 4 bytes/s, f1 only. Max-min: f1 4, f2 6; once f2
+    is done (6 bytes, 1 s) f1 stays at B's 4 and ends its 8 bytes at 2 s."""
+    assert fair_rates([Flow("f1", ("A", "B"), 8), Flow("f2", ("A",), 6)], {"A": 10, "B": 4}) == {"f1": 4, "f2": 6}
+    assert simulate([Flow("f1", ("A", "B"), 8), Flow("f2", ("A",), 6)], {"A": 10, "B": 4}) == \
+        {"f1": pytest.approx(2.0), "f2": pytest.approx(1.0)}
+
+
+def test_a_late_flow_shares_what_is_left():
+    """a alone for 1 s (10 of its 30 bytes), then both at 5: a's 20 left end at 5 s, b's 10 at
+    3 s, after which a has 10 bytes/s again: a ends at 4 s."""
+    arrived = simulate([Flow("a", ("l",), 30), Flow("b", ("l",), 10, start=1)], {"l": 10})
+    assert arrived == {"a": pytest.approx(4.0), "b": pytest.approx(3.0)}
+
+
+def test_an_uplink_shared_by_a_rack_binds_below_the_hosts_links():
+    """Two hosts of a rack send 100 bytes each across a 50 bytes/s uplink; their own links
+    carry 100 bytes/s: the uplink halves to 25 each, 4 s."""
+    capacity = {"out0": 100, "out1": 100, "up0": 50, "in2": 100, "in3": 100}
+    arrived = simulate([Flow("0-2", ("out0", "up0", "in2"), 100), Flow("1-3", ("out1", "up0", "in3"), 100)], capacity)
+    assert arrived == {"0-2": pytest.approx(4.0), "1-3": pytest.approx(4.0)}
+
+
+def test_bad_flows_are_refused_by_name():
+    with pytest.raises(ValueError, match="no capacity given: x"):
+        simulate([Flow("a", ("x",), 1)], {})
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Flow("a", ("l",), -1)
+    with pytest.raises(ValueError, match="unique"):
+        simulate([Flow("a", ("l",), 1), Flow("a", ("l",), 1)], {"l": 1})
+
+
+def test_a_ring_hop_of_1024_workers_moves_every_flow_at_the_link_rate():
+    """1024 flows, each host's out to the next host's in, all at once."""
+    n = 1024
+    capacity = {f"out{i}": 1e9 for i in range(n)} | {f"in{i}": 1e9 for i in range(n)}
+    arrived = simulate([Flow(f"{i}", (f"out{i}", f"in{(i + 1) % n}"), 1e6) for i in range(n)], capacity)
+    assert len(arrived) == n and all(t == pytest.approx(1e-3) for t in arrived.values())
