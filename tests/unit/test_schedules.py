@@ -1,0 +1,61 @@
+"""Engines' exchanges played over the fair-share links (analysis/schedules.py): on a flat
+network they take the closed forms' time (analysis/linkmodel.py, payload aside), with
+latency once per hop or phase, and on racks the uplink binds."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis.linkmodel import PAYLOAD, link_time, psar_link_time
+from analysis.schedules import Cluster, parameter_server, ring_allreduce
+
+RATE = 25e6  # bytes/s: 200mbit
+M = 4e6
+
+
+def ideal(label: str, workers: int, servers: int, placement: str = "colocated") -> float:
+    """linkmodel's closed form at RATE bytes/s of payload (a parameter server's: psar's phased
+    exchange, a push phase then a pull phase)."""
+    closed = psar_link_time if label.startswith("ps-") else link_time
+    return closed(label, workers, servers, M, RATE * 8 / PAYLOAD, placement)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_on_a_flat_network_the_ring_and_the_shards_take_the_closed_forms_time(n):
+    flat = Cluster(n, RATE)
+    assert ring_allreduce(flat, M) == pytest.approx(ideal("allreduce/library", n, 1))
+    assert parameter_server(flat, M, n) == pytest.approx(ideal("ps-async", n, n))  # co-located: the ring's bytes
+    separate = Cluster(n, RATE, servers=2)
+    assert parameter_server(separate, M, 2) == pytest.approx(ideal("ps-async", n, 2, "separate"))
+
+
+def test_latency_is_paid_once_per_hop_and_per_phase():
+    n, latency = 4, 0.005
+    assert ring_allreduce(Cluster(n, RATE, latency=latency), M) == pytest.approx(
+        ring_allreduce(Cluster(n, RATE), M) + 2 * (n - 1) * latency)
+    assert parameter_server(Cluster(n, RATE, servers=1, latency=latency), M, 1) == pytest.approx(
+        parameter_server(Cluster(n, RATE, servers=1), M, 1) + 2 * latency)
+
+
+def test_on_racks_the_uplink_binds_the_ring_where_it_crosses():
+    """Workers alternate between 2 racks (rank % 2), so every hop of the ring crosses: each
+    rack's 4 hosts send M/8 up at once through an uplink a quarter of their links' sum (4:1)."""
+    n = 8
+    racks = Cluster(n, RATE, racks=2, uplink=RATE)
+    hop = 4 * (M / n) / RATE
+    assert ring_allreduce(racks, M) == pytest.approx(2 * (n - 1) * hop)
+    assert ring_allreduce(racks, M) == pytest.approx(4 * ring_allreduce(Cluster(n, RATE), M))
+    assert ring_allreduce(Cluster(n, RATE, racks=2), M) == pytest.approx(ring_allreduce(Cluster(n, RATE), M))
+
+
+def test_a_1024_worker_ring_and_parameter_server():
+    big = Cluster(1024, 50e9 / 8)
+    assert ring_allreduce(big, 400e6) == pytest.approx(2 * 1023 / 1024 * 400e6 / (50e9 / 8))
+    assert parameter_server(Cluster(64, 50e9 / 8, servers=8), 400e6, 8) == pytest.approx(2 * 64 * 400e6 / 8 / (50e9 / 8))
+
+
+def test_a_cluster_that_does_not_fit_is_refused():
+    with pytest.raises(ValueError, match="shard hosts"):
+        parameter_server(Cluster(4, RATE, servers=2), M, 4)
+    with pytest.raises(ValueError, match="rate > 0"):
+        Cluster(4, 0)
