@@ -83,3 +83,14 @@ def parameter_server(cluster: Cluster, nbytes: float, shards: int) -> float:
     where = [f"s{j}" if cluster.servers else f"w{j % cluster.workers}" for j in range(shards)]
     pushes = [(f"w{i}", where[j], nbytes / shards) for i in range(cluster.workers) for j in range(shards)]
     return _phase(cluster, pushes) + _phase(cluster, [(b, a, size) for a, b, size in pushes])
+
+
+def gossip(cluster: Cluster, nbytes: float, topology: str, steps: int | None = None) -> float:
+    """Seconds of a D-PSGD exchange of nbytes to each out-neighbour at once, averaged over
+    the graph's schedule (one-peer exponential: its log2 N steps)."""
+    from allreduce.topology import hops, peers
+
+    n = cluster.workers
+    period = steps or (max(1, hops(n)) if topology == "one-peer-exponential" else 1)
+    return sum(_phase(cluster, [(f"w{i}", f"w{j}", nbytes) for i in range(n) for j in peers(topology, i, n, step)[0]])
+               for step in range(period)) / period

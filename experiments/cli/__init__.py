@@ -23,6 +23,7 @@ COMMANDS = {
     "list": ("running", "list_cmd", "List the named experiments, comparisons and engines."),
     "model": ("reporting", "model_cmd", "Alpha-beta cost model of a step: ring against parameter server."),
     "plot": ("reporting", "plot", "Draw the table and figures of finished runs."),
+    "predict": ("predicting", "predict_cmd", "Predict each engine's step at other worker counts and links."),
     "run": ("running", "run", "Train an experiment with one engine on this machine."),
     "server": ("running", "server", "Serve one parameter-server shard of a multi-node run."),
     "table": ("reporting", "table_cmd", "Print the comparison table of finished runs."),

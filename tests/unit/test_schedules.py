@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from analysis.linkmodel import PAYLOAD, link_time, psar_link_time
-from analysis.schedules import Cluster, parameter_server, ring_allreduce
+from analysis.schedules import Cluster, gossip, parameter_server, ring_allreduce
 
 RATE = 25e6  # bytes/s: 200mbit
 M = 4e6
@@ -59,3 +59,13 @@ def test_a_cluster_that_does_not_fit_is_refused():
         parameter_server(Cluster(4, RATE, servers=2), M, 4)
     with pytest.raises(ValueError, match="rate > 0"):
         Cluster(4, 0)
+
+
+def test_gossip_sends_each_out_neighbour_the_model_at_once():
+    one = M / RATE
+    assert gossip(Cluster(8, RATE), M, "ring") == pytest.approx(2 * one)
+    assert gossip(Cluster(8, RATE), M, "one-peer-exponential") == pytest.approx(one)
+    # two racks (rank % 2) behind one host's rate: offset 1 crosses with all 4 of a rack's
+    # hosts, offsets 2 and 4 stay inside: (4 + 1 + 1) / 3 on average
+    racks = Cluster(8, RATE, racks=2, uplink=RATE)
+    assert gossip(racks, M, "one-peer-exponential") == pytest.approx((4 + 1 + 1) / 3 * one)

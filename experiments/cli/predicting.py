@@ -1,0 +1,75 @@
+"""`psar predict`: measured runs carried to other worker counts and links (analysis/predict.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from experiments.cli.options import friendly
+
+NET_KEYS = ("net.placement", "net.racks", "net.uplink", "net.latency_ms")
+
+
+def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
+    from analysis.predict import Target
+    from experiments.settings.net import parse_rate
+
+    given = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or key not in NET_KEYS:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(NET_KEYS)}",
+                                     param_hint="--set")
+        given[key] = value
+    try:
+        counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{workers!r}: expected worker counts such as 4,16,64", param_hint="--workers")
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"{workers!r}: expected worker counts >= 1", param_hint="--workers")
+    placement = given.get("net.placement", "colocated")
+    if placement not in ("colocated", "separate"):
+        raise click.BadParameter(f"net.placement={placement!r}: expected colocated or separate", param_hint="--set")
+    uplink = parse_rate(given["net.uplink"]) / 8 if given.get("net.uplink") else None
+    return [Target(n, parse_rate(net) / 8, servers, placement, int(given.get("net.racks", 1)), uplink,
+                   float(given.get("net.latency_ms", 0)) / 1e3) for n in counts]
+
+
+@click.command("predict")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--workers", required=True, help="Comma-separated worker counts to predict, e.g. 4,16,1024.")
+@click.option("--net", required=True, help="Each host's link rate, tc's syntax (100mbit, 25gbit).")
+@click.option("--servers", type=int, default=1, show_default=True, help="Parameter-server shards.")
+@click.option("--engines", default="", help="Comma-separated engines or labels (default: the runs').")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@friendly
+def predict_cmd(run_dirs, workers, net, servers, engines, settings, as_json) -> None:
+    """Predict each engine's step at other worker counts and links from RUN_DIRS (runs on
+    emulated links): its compute and its exchange played over the target's links, scaled by
+    the runs' own measured-to-played ratio. Example:
+
+    \b
+        psar predict runs/ar-2 runs/ps-2 --workers 4,64 --net 100mbit --servers 4 --set net.placement=separate
+    """
+    from analysis.predict import predict
+    from analysis.results import load_runs
+    from experiments.engines import label_info
+
+    runs = load_runs(run_dirs)
+    targets = _targets(workers, net, servers, settings)
+    labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
+        list(dict.fromkeys(r.label for r in runs))
+    rows = predict(runs, labels, targets)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    click.echo(f"{'engine':<28}{'workers':>8}{'servers':>8}{'step ms':>10}{'compute ms':>11}{'comm ms':>10}"
+               f"{'samples/s':>11}  calibrated")
+    for r in rows:
+        click.echo(f"{r['engine']:<28}{r['workers']:>8}{r['servers'] or '':>8}{1e3 * r['step_s']:>10.1f}"
+                   f"{1e3 * r['compute_s']:>11.1f}{1e3 * r['comm_s']:>10.1f}"
+                   f"{r['samples_per_s'] or 0:>11.0f}  {'yes' if r['calibrated'] else 'no: ideal'}")

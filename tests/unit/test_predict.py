@@ -1,0 +1,54 @@
+"""`psar predict` (analysis/predict.py, experiments/cli/predicting.py) on run directories as
+psar writes them: a run predicted on its own cluster is its measured step (the calibration
+carries psar's implementation along), other clusters scale its exchange as the schedules
+play it, an engine without a run gets the ideal, and the JSON rows are the contract's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from analysis.predict import Target, exchange, predict
+from analysis.results import load_run
+from experiments.cli.predicting import predict_cmd
+from test_labels import M, RATE_BITS, fake_run
+
+
+def test_a_run_predicted_on_its_own_cluster_is_its_measured_step_and_others_scale(tmp_path):
+    run = fake_run(tmp_path / "ar", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
+    own = Target(2, RATE_BITS / 8)
+    bigger = Target(8, RATE_BITS / 8 / 2)
+    rows = predict([run], ["allreduce/library", "ps-sync"], [own, bigger])
+    at = {(r["engine"], r["workers"]): r for r in rows}
+    assert at["allreduce/library", 2]["step_s"] == pytest.approx(0.5)
+    ratio = 0.4 / exchange("allreduce/library", own, M)
+    assert at["allreduce/library", 8]["comm_s"] == pytest.approx(exchange("allreduce/library", bigger, M) * ratio)
+    assert at["ps-sync", 8]["calibrated"] is False  # no ps-sync run: the ideal, with the ring's compute
+    assert at["ps-sync", 8]["comm_s"] == pytest.approx(exchange("ps-sync", bigger, M))
+
+
+def test_the_json_rows_are_one_per_engine_and_worker_count(tmp_path):
+    fake_run(tmp_path / "ar", "allreduce", workers=2)
+    fake_run(tmp_path / "ps", "ps-sync", workers=2)
+    out = CliRunner().invoke(predict_cmd, [str(tmp_path / "ar"), str(tmp_path / "ps"), "--workers", "4,1024",
+                                           "--net", "100mbit", "--servers", "4", "--set", "net.placement=separate",
+                                           "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [(r["engine"], r["workers"], r["servers"]) for r in rows] == [
+        ("allreduce/library", 4, None), ("allreduce/library", 1024, None), ("ps-sync", 4, 4), ("ps-sync", 1024, 4)]
+    assert all(r["step_s"] > 0 for r in rows)
+
+
+def test_runs_on_loopback_and_bad_settings_are_refused_by_name(tmp_path):
+    run_dir = tmp_path / "lo"
+    fake_run(run_dir, "allreduce")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["network"] = {}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="loopback"):
+        predict([load_run(run_dir)], ["allreduce/library"], [Target(4, 1e7)])
+    out = CliRunner().invoke(predict_cmd, [str(run_dir), "--workers", "4", "--net", "1gbit", "--set", "net.rack=2"])
+    assert out.exit_code != 0 and "net.placement" in out.output
