@@ -170,11 +170,15 @@ class AllReduceEngine:
             stats["gathered_bytes"] = gathered
         return stats
 
+    def _stepped(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps, in its order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _average_parameters(self) -> int:
         """Every worker's parameters become their mean, as torch's average_parameters makes
         them: one flat buffer of the optimizer's parameters, divided by N, then all-reduced
         (bucketed in the collective's own way). The bytes this rank sent."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._stepped()
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in params]).div_(self.world)
             handle, nbytes = self._collective.start(flat, None, "average parameters")
@@ -187,8 +191,7 @@ class AllReduceEngine:
 
     def _start_outer(self) -> None:
         """DiLoCo: a copy of the model the workers share, and the outer Nesterov SGD over it."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self._outer = [p.detach().clone() for p in params]
+        self._outer = [p.detach().clone() for p in self._stepped()]
         self._outer_optimizer = torch.optim.SGD(self._outer, lr=self.config.outer_lr,
                                                 momentum=self.config.outer_momentum, nesterov=True)
 
@@ -196,7 +199,7 @@ class AllReduceEngine:
         """DiLoCo's outer step, once the parameters are the workers' mean: the outer gradient
         is the shared model less the mean, the step moves the shared model, and every worker's
         parameters become it."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._stepped()
         with torch.no_grad():
             for shared, p in zip(self._outer, params):
                 shared.grad = shared - p

@@ -40,10 +40,7 @@ from .gossip_config import GossipConfig
 from .group import broadcast_tensors, init_process_group, shutdown
 from .liveness import Liveness
 from .topology import mixing_row, peers
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+from .zero_buckets import nbytes
 
 
 class GossipEngine:
@@ -88,6 +85,7 @@ class GossipEngine:
             for p in params:
                 p.data = self._flat[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
+        self._mix = torch.empty_like(self._flat)  # sum_j W_ij x_j - x_i, each step
         self.optimizer = make_optimizer(params)
         self._start_exchange()
         return model
@@ -102,7 +100,7 @@ class GossipEngine:
         self._sources = sources
         while len(self._inbox) < len(sources):
             self._inbox.append(torch.empty_like(self._flat))
-        self._sent = len(to) * _bytes(self._flat)
+        self._sent = len(to) * nbytes(self._flat)
         self._sent_at = time.perf_counter()
         self._works = [dist.irecv(self._inbox[i], src=j) for i, j in enumerate(sources)]
         self._works += [dist.isend(self._flat, dst=j) for j in to]
@@ -132,18 +130,17 @@ class GossipEngine:
         with self._liveness.naming_lost_ranks():
             self._finish_exchange()
         comm_s = time.perf_counter() - start
-        with torch.no_grad():  # sum_j W_ij x_j - x_i, before x_i takes its own update
-            mix = self._flat * self._row[self.rank]
+        with torch.no_grad():  # (W_ii - 1) x_i + sum_j W_ij x_j, before x_i takes its own update
+            torch.mul(self._flat, self._row[self.rank] - 1.0, out=self._mix)
             for buffer, j in zip(self._inbox, self._sources):
-                mix.add_(buffer, alpha=self._row[j])
-            mix.sub_(self._flat)
+                self._mix.add_(buffer, alpha=self._row[j])
         self.optimizer.step()
         with torch.no_grad():
-            self._flat.add_(mix)
+            self._flat.add_(self._mix)
         for p in self._params:
             p.grad = None
         self._steps += 1
-        stats = {"comm_s": comm_s, "bytes_sent": self._sent, "bytes_recv": len(self._sources) * _bytes(self._flat)}
+        stats = {"comm_s": comm_s, "bytes_sent": self._sent, "bytes_recv": len(self._sources) * nbytes(self._flat)}
         if self._steps % self.config.consensus_every == 0:
             began = time.perf_counter()
             with self._liveness.naming_lost_ranks():
@@ -165,7 +162,7 @@ class GossipEngine:
 
     def comm_bytes(self) -> int:
         """The buffers the neighbours' models arrive in (memory's comm_buffers)."""
-        return sum(_bytes(b) for b in self._inbox)
+        return sum(nbytes(b) for b in self._inbox)
 
     # -- end -----------------------------------------------------------------------------------
 

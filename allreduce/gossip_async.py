@@ -33,8 +33,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .gossip import GossipEngine, _bytes
+from .gossip import GossipEngine
 from .topology import neighbours
+from .zero_buckets import nbytes
 
 AVERAGE, DONE = 0, 1
 
@@ -48,9 +49,9 @@ class AsyncGossipEngine(GossipEngine):
             raise ValueError("gossip.mode=async receives each average from whichever active worker sends it "
                              "(Gloo's receive from any source), which NCCL lacks: run it with --device cpu")
         self.active = self.rank % 2 == 0
+        # the graphs are undirected: a passive's actives are its neighbours of the other parity too
         self._partners = [j for j in neighbours(self.config.topology, self.rank, self.world) if j % 2 != self.rank % 2]
-        self._actives = [j for j in neighbours(self.config.topology, self.rank, self.world)
-                         if j % 2 == 0 and self.rank in self._partners_of(j)] if not self.active else []
+        self._actives = [] if self.active else self._partners
         if self.world < 2 or (self.active and not self._partners):
             raise ValueError(f"gossip.mode=async pairs even (active) with odd (passive) ranks on the graph: "
                              f"rank {self.rank} of {self.world} on gossip.topology={self.config.topology} has none")
@@ -64,14 +65,12 @@ class AsyncGossipEngine(GossipEngine):
         self._server: threading.Thread | None = None
         self._failed: BaseException | None = None
 
-    def _partners_of(self, rank: int) -> list[int]:
-        return [j for j in neighbours(self.config.topology, rank, self.world) if j % 2 != rank % 2]
-
     # -- set-up --------------------------------------------------------------------------------
 
     def attach(self, model: torch.nn.Module, make_optimizer) -> torch.nn.Module:
         out = super().attach(model, make_optimizer)
         self._x = self._flat.detach().clone()  # the model others average with; the parameters are x^
+        self._before = torch.empty_like(self._x)  # x^, kept while the optimizer steps the parameters
         self._snapshot()
         if not self.active:
             self._server = threading.Thread(target=self._serve, name="psar-ad-psgd", daemon=True)
@@ -109,7 +108,7 @@ class AsyncGossipEngine(GossipEngine):
                     self._version += 1
                     self._ops.append([self._version, "average", source, step])
                 dist.send(reply, dst=source, group=self._group)
-                self._served_bytes += _bytes(reply)
+                self._served_bytes += nbytes(reply)
         except BaseException as err:  # raised in the main thread at the next step
             self._failed = err
 
@@ -129,13 +128,13 @@ class AsyncGossipEngine(GossipEngine):
             late = began + 2 * self.delay_s - time.perf_counter()  # there and back
             if self.delay_s and late > 0:
                 time.sleep(late)
-            comm_s, sent = time.perf_counter() - began, _bytes(self._x)
+            comm_s, sent = time.perf_counter() - began, nbytes(self._x)
             self._version += 1
             stats["partner"] = partner
-        before = self._flat.detach().clone()
+        self._before.copy_(self._flat.detach())
         self.optimizer.step()
         with self._lock, torch.no_grad():
-            self._x.add_(self._flat.detach() - before)
+            self._x.add_(self._flat.sub_(self._before))  # the parameters hold the update until the snapshot
             stats["staleness"] = self._version - self._read
             self._version += 1
             applied = self._version  # this update's number among the changes to x

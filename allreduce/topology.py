@@ -55,6 +55,12 @@ def hops(world: int) -> int:
     return max(1, math.ceil(math.log2(world))) if world > 1 else 0
 
 
+def period(topology: str, world: int) -> int:
+    """Steps after which the graph's schedule repeats: one-peer-exponential's ceil(log2 N),
+    1 for the static graphs."""
+    return max(1, hops(world)) if topology == "one-peer-exponential" else 1
+
+
 def peers(topology: str, rank: int, world: int, step: int) -> tuple[list[int], list[int]]:
     """(the workers rank sends its model to at step, those it receives one from)."""
     if topology == "one-peer-exponential":

@@ -69,10 +69,8 @@ class ZeroState:
                     continue
                 flat = torch.empty(piece.numel() * self.world, dtype=value.dtype, device=value.device)
                 self._collectives.all_gather(flat, value.detach().contiguous()).wait()  # each piece where it goes
-                offset = 0
-                for p in bucket.params:
+                for p, offset in zip(bucket.params, bucket.offsets):
                     whole.setdefault(index[id(p)], {})[slot] = flat[offset: offset + p.numel()].view(p.shape).clone()
-                    offset += p.numel()
         return whole
 
     def _whole_state(self, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
@@ -116,10 +114,8 @@ class ZeroState:
             if all(isinstance(v, torch.Tensor) and v.shape == p.shape for v, p in zip(values, bucket.params)) \
                     and not (slot == "step" and all(p.dim() == 0 for p in bucket.params)):
                 flat = torch.zeros(size * self.world, dtype=bucket.piece.dtype, device=bucket.piece.device)
-                offset = 0
-                for v, p in zip(values, bucket.params):
+                for v, p, offset in zip(values, bucket.params, bucket.offsets):
                     flat[offset: offset + p.numel()].copy_(v.reshape(-1))
-                    offset += p.numel()
                 piece[slot] = flat[own * size: (own + 1) * size].clone()
                 continue
             numbers = {float(v) for v in values if not isinstance(v, torch.Tensor) or v.numel() == 1}

@@ -20,19 +20,18 @@ from __future__ import annotations
 from .results import Run, family
 
 
-def _plan_of(algorithm: str, racks: tuple[int, ...]):
+def _plan(run: Run, racks: tuple[int, ...]):
+    """The plan of the algorithm the run's all-reduce ran (the library's and ddp's: the ring;
+    zero's: the ring's two halves)."""
     from allreduce.auto import plan_of
 
-    return plan_of(algorithm, racks)
-
-
-def _plan(run: Run, racks: tuple[int, ...]):
-    """The plan of the algorithm the run's all-reduce ran (the library's and ddp's: the ring)."""
+    if family(run.label) == "sharded":
+        return plan_of("ring", racks)
     algorithm = run.config.get("allreduce", {}).get("algorithm", "library") if run.spec.name != "ddp" else "ring"
     if algorithm == "auto":
         chosen = run.summary.get("algorithms_chosen") or {"ring": 1}
         algorithm = max(chosen, key=chosen.get)
-    return _plan_of("ring" if algorithm == "library" else algorithm, racks)
+    return plan_of("ring" if algorithm == "library" else algorithm, racks)
 
 
 def flows(run: Run, nbytes: float, step: int = 0) -> dict[tuple[str, str], float]:
@@ -47,7 +46,7 @@ def flows(run: Run, nbytes: float, step: int = 0) -> dict[tuple[str, str], float
         from allreduce.plancost import rounds
 
         racks = tuple(rack_of[f"w{r}"] for r in range(n))
-        plan = _plan(run, racks) if kind == "ring" else _plan_of("ring", racks)
+        plan = _plan(run, racks)
         numel, scale = int(nbytes), 1.5 if run.label == "zero-3" else 1.0
         for moves in rounds([plan(numel, r, n) for r in range(n)]):
             for i, j, mine, _ in moves:
@@ -83,8 +82,10 @@ def link_ideal(run: Run, payload: float) -> dict | None:
 
     rack_of, host_bw = net["rack_of"], float(net["rate_bits"]) * payload / 8
     uplink_bw = float(net["uplink_bits"]) * payload / 8 if net.get("uplink_bits") else None
+    from allreduce.topology import period
+
     nbytes = run_traffic(run).push
-    steps = _schedule(run)
+    steps = period(run.label.split("/", 1)[1], int(run.summary["workers"])) if family(run.label) == "gossip" else 1
     seconds = uplink = 0.0
     for step in range(steps):  # a graph whose peers change: each step's busiest link, averaged
         load: dict[tuple, float] = {}
@@ -97,11 +98,3 @@ def link_ideal(run: Run, payload: float) -> dict | None:
         uplink += max((v for k, v in load.items() if k[0] in ("up", "down")), default=0.0) / steps
     return {"seconds": seconds, "uplink_bytes": uplink}
 
-
-def _schedule(run: Run) -> int:
-    """Steps after which a run's flows repeat: one-peer exponential gossip's log2 N, else 1."""
-    if run.label != "gossip/one-peer-exponential":
-        return 1
-    from allreduce.topology import hops
-
-    return max(1, hops(int(run.summary["workers"])))

@@ -85,12 +85,11 @@ def parameter_server(cluster: Cluster, nbytes: float, shards: int) -> float:
     return _phase(cluster, pushes) + _phase(cluster, [(b, a, size) for a, b, size in pushes])
 
 
-def gossip(cluster: Cluster, nbytes: float, topology: str, steps: int | None = None) -> float:
+def gossip(cluster: Cluster, nbytes: float, topology: str) -> float:
     """Seconds of a D-PSGD exchange of nbytes to each out-neighbour at once, averaged over
     the graph's schedule (one-peer exponential: its log2 N steps)."""
-    from allreduce.topology import hops, peers
+    from allreduce.topology import peers, period
 
-    n = cluster.workers
-    period = steps or (max(1, hops(n)) if topology == "one-peer-exponential" else 1)
+    n, steps = cluster.workers, period(topology, cluster.workers)
     return sum(_phase(cluster, [(f"w{i}", f"w{j}", nbytes) for i in range(n) for j in peers(topology, i, n, step)[0]])
-               for step in range(period)) / period
+               for step in range(steps)) / steps
