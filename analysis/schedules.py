@@ -11,13 +11,19 @@ down. Every message arrives `latency` seconds after its last byte left.
 - ring all-reduce: 2(N-1) hops; in each, every host sends M/N to the next host in rank order,
   and a hop starts when the one before it has arrived everywhere (the ring's chunks go on only
   once received).
-- parameter server: every worker pushes M/S to each shard at once, and once every push has
-  arrived pulls M/S back from each (the phased exchange); a shard on a worker's own host
-  (co-located) moves nothing over a link for that worker.
+- parameter server, phased (ps.exchange=phased): every worker pushes M/S to each shard at
+  once, and once every push has arrived pulls M/S back from each; a shard on a worker's own
+  host (co-located) moves nothing over a link for that worker.
+- parameter server, pipelined (ps-sync's default): each shard's M/S is cut into keys; every
+  worker streams its keys to each shard one after the other, and a shard answers a key to
+  every worker once every worker's push of it has arrived, while later keys still come in.
+  Hosts alike (same rack, same number of shards, a worker or none) are played as one class
+  of flows (analysis/fairshare.py's fan), so 1024 workers cost what a few do.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .fairshare import Flow, simulate
@@ -93,3 +99,101 @@ def gossip(cluster: Cluster, nbytes: float, topology: str) -> float:
     n, steps = cluster.workers, period(topology, cluster.workers)
     return sum(_phase(cluster, [(f"w{i}", f"w{j}", nbytes) for i in range(n) for j in peers(topology, i, n, step)[0]])
                for step in range(steps)) / steps
+
+
+@dataclass(frozen=True)
+class _Hosts:
+    """A class of hosts alike: `n` of them in rack `rack`, each with a worker or not and
+    `shards` shards."""
+    name: str
+    n: int
+    rack: int
+    worker: bool
+    shards: int
+
+
+def _host_classes(cluster: Cluster, shards: int) -> list[_Hosts]:
+    """The cluster's hosts grouped by (rack, worker, shards): shard j on its own host when
+    the cluster has shard hosts, else on worker j mod N's."""
+    racks = cluster.racks if cluster.uplink is not None else 1
+    on_worker = [0] * cluster.workers
+    if not cluster.servers:
+        for j in range(shards):
+            on_worker[j % cluster.workers] += 1
+    count: dict[tuple[int, bool, int], int] = {}
+    for i, k in enumerate(on_worker):
+        count[i % racks, True, k] = count.get((i % racks, True, k), 0) + 1
+    for j in range(cluster.servers):
+        count[j % racks, False, 1] = count.get((j % racks, False, 1), 0) + 1
+    return [_Hosts(f"{'w' if worker else 's'}{k}@r{rack}", n, rack, worker, k)
+            for (rack, worker, k), n in sorted(count.items())]
+
+
+def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key_bytes: float,
+                               window: int = 0) -> float:
+    """Seconds of ps-sync's pipelined exchange of nbytes per worker over `shards` shards, in
+    keys of about key_bytes: every worker streams each shard its keys in turn, and a shard
+    sends a key's new values to every worker once every worker's push of it is in. window: at
+    most this many of a worker's keys unanswered at a shard (ps.window_mb over the key), a
+    key waiting for the answer to the one `window` before it; 0: none."""
+    if cluster.servers not in (0, shards):
+        raise ValueError(f"the cluster has {cluster.servers} shard hosts for {shards} shards")
+    if key_bytes <= 0:
+        raise ValueError(f"key_bytes={key_bytes}: must be > 0")
+    classes = _host_classes(cluster, shards)
+    keys = max(1, math.ceil(nbytes / shards / key_bytes))
+    key = nbytes / shards / keys
+    pairs = {}  # (worker class, shard class): (remote shards per worker, remote workers per shard)
+    for a in (c for c in classes if c.worker):
+        for b in (c for c in classes if c.shards):
+            same = a is b
+            remote = (b.n * b.shards - (b.shards if same else 0), a.n - (1 if same else 0))
+            if remote[0] and remote[1]:
+                pairs[a.name, b.name] = remote
+    if not pairs:
+        return 0.0
+    by_name = {c.name: c for c in classes}
+    capacity = {f"{way}:{c.name}": cluster.rate for c in classes for way in ("out", "in")}
+    if len({c.rack for c in classes}) > 1:
+        capacity |= {f"{way}:r{c.rack}": cluster.uplink for c in classes for way in ("up", "down")}
+
+    def flow(name: str, src: _Hosts, dst: _Hosts, per_src: float, per_dst: float, start: float) -> Flow:
+        """A class of flows: each src host sends per_src of them, each dst host takes per_dst."""
+        up = (f"up:r{src.rack}", f"down:r{dst.rack}") if src.rack != dst.rack else ()
+        return Flow(name, (f"out:{src.name}",) + up + (f"in:{dst.name}",), key, start, cluster.latency,
+                    (per_src,) + (src.n * per_src,) * len(up) + (per_dst,))
+
+    def push(a: str, b: str, k: int, start: float) -> Flow:
+        rs, rw = pairs[a, b]
+        return flow(f"push {a} {b} {k}", by_name[a], by_name[b], rs, by_name[b].shards * rw, start)
+
+    waiting = {(b, k): sum(1 for _, bb in pairs if bb == b) for b in {b for _, b in pairs} for k in range(keys)}
+    sent, answered = {pair: 0 for pair in pairs}, {pair: 0 for pair in pairs}  # keys pushed, answered
+    blocked: set[tuple[str, str]] = set()  # connections whose next key waits for an answer
+
+    def then(name: str, at: float) -> list[Flow]:
+        kind, a, b, k = name.split(" ")
+        k, started = int(k), []
+        if kind == "reply":
+            answered[a, b] += 1
+            if (a, b) in blocked:
+                blocked.discard((a, b))
+                sent[a, b] += 1
+                started.append(push(a, b, k + window, at))
+            return started
+        if k + 1 < keys:
+            if window and k + 1 - answered[a, b] >= window:
+                blocked.add((a, b))
+            else:
+                sent[a, b] += 1
+                started.append(push(a, b, k + 1, at - cluster.latency))
+        waiting[b, k] -= 1
+        if not waiting[b, k]:  # every worker's push of key k is in: the shard answers it
+            for (aa, bb), (rs, rw) in pairs.items():
+                if bb == b:
+                    started.append(flow(f"reply {aa} {b} {k}", by_name[b], by_name[aa],
+                                        by_name[b].shards * rw, rs, at))
+        return started
+
+    arrived = simulate([push(a, b, 0, 0.0) for a, b in pairs], capacity, then)
+    return max(t for name, t in arrived.items() if name.startswith("reply"))

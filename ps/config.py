@@ -49,13 +49,21 @@ the 3 MiB window 0.72 in another run), at 1gbit 0.74 (arrival 0.76; forward with
 window 0.87 in another run). gpt-char on 2 workers at 200mbit: 87 to 89 ms a step, arrival
 114 to 116 ms."""
 
+WINDOW_KEYS = 4
+"""... and at least this many keys: a shard answers a key only once every worker has pushed
+it, so a window of one or two keys makes a worker wait out each key's round trip before it
+sends the next (stop and wait). At 100mbit 20 ms is 1.9 keys of 1/8 MiB: mlp-mid on 4
+workers with 4 shards of their own took 4.07 s a step (arrival's 3 MiB window 2.53 s, the
+ring 3.09 s); at 200mbit and 1gbit 20 ms is about 4 keys."""
 
-def forward_window(window_mb: float, bucket_kb: float, rate_bits: float | None) -> tuple[float, float]:
+
+def forward_window(window_mb: float, bucket_kb: float, rate_bits: float | None,
+                   key: float = 0.0) -> tuple[float, float]:
     """(window_mb, bucket_kb) of a ps.order=forward sync worker on links of rate_bits bit/s
-    (None: unknown, then as given; a window of 0 stays none)."""
+    (None: unknown, then as given; a window of 0 stays none) with keys of `key` MiB."""
     if not rate_bits or not window_mb:
         return window_mb, bucket_kb
-    window = min(window_mb, rate_bits / 8 * WINDOW_MS / 1000 / (1 << 20))
+    window = min(window_mb, max(rate_bits / 8 * WINDOW_MS / 1000 / (1 << 20), WINDOW_KEYS * key))
     return window, min(bucket_kb, window * 1024 / 4)
 
 
@@ -138,10 +146,10 @@ class PSConfig:
     "forward": the push+pulls a shard's window holds back leave first-layer keys first, and
     the next forward loads each layer's values as it reaches that layer, so it starts once
     the first layer's are in (a user's script gets them all in step()); on links of known
-    rate (net.rate) the window and buckets shrink to what the link carries in 20 ms, so that
-    the messages wait where they can be reordered. "arrival": they leave as backward made
-    them (last layer first) and step() waits for every value. The parameters are the same
-    bit for bit."""
+    rate (net.rate) the window and buckets shrink to what the link carries in 20 ms (the
+    window at least four keys), so that the messages wait where they can be reordered.
+    "arrival": they leave as backward made them (last layer first) and step() waits for
+    every value. The parameters are the same bit for bit."""
 
     sparse: str = "auto"
     """Embedding tables: "rows" pushes the rows a batch touched (ids and summed rows) and

@@ -267,10 +267,10 @@ class RunConfig:
 
     def worker_ps(self) -> PSConfig:
         """ps as a worker runs it: under ps-sync with ps.order=forward on links of known rate
-        (net.rate), with the window and buckets of ps.config.forward_window."""
+        (net.rate), with the window and buckets of ps.config.forward_window for its keys."""
         if not (self.net.rate and self.ps.order == "forward" and get_engine(self.engine).consistency == "sync"):
             return self.ps
-        window, bucket = forward_window(self.ps.window_mb, self.ps.bucket_kb, parse_rate(self.net.rate))
+        window, bucket = forward_window(self.ps.window_mb, self.ps.bucket_kb, parse_rate(self.net.rate), self.key_mb())
         return replace(self.ps, window_mb=window, bucket_kb=bucket)
 
     def key_mb(self) -> float:

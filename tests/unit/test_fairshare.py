@@ -55,3 +55,27 @@ def test_a_ring_hop_of_1024_workers_moves_every_flow_at_the_link_rate():
     capacity = {f"out{i}": 1e9 for i in range(n)} | {f"in{i}": 1e9 for i in range(n)}
     arrived = simulate([Flow(f"{i}", (f"out{i}", f"in{(i + 1) % n}"), 1e6) for i in range(n)], capacity)
     assert len(arrived) == n and all(t == pytest.approx(1e-3) for t in arrived.values())
+
+
+def test_a_class_of_flows_moves_as_its_flows_do_one_by_one():
+    """Four workers push 100 bytes to one shard at once: the shard's way in (100 bytes/s)
+    gives each 25. As one class: a fan of 1 on a worker's way out, 4 on the shard's way in."""
+    capacity = {f"out{i}": 100 for i in range(4)} | {"in:s": 100}
+    one_by_one = simulate([Flow(f"{i}", (f"out{i}", "in:s"), 100) for i in range(4)], capacity)
+    as_class = simulate([Flow("w", ("out:w", "in:s"), 100, fan=(1, 4))], {"out:w": 100, "in:s": 100})
+    assert as_class == {"w": pytest.approx(4.0)} and list(one_by_one.values()) == [pytest.approx(4.0)] * 4
+    with pytest.raises(ValueError, match="one count > 0 per link"):
+        Flow("w", ("out:w", "in:s"), 100, fan=(1,))
+
+
+def test_an_arrival_starts_the_flows_that_wait_for_it():
+    """A push of 100 bytes at 100 bytes/s with 0.5 s of latency arrives at 1.5 s; the reply
+    it starts (50 bytes at 50) at 2.5 s; the next push on the same connection leaves with the
+    first's last byte, at 1 s, and arrives at 2 s."""
+    def then(name, at):
+        return {"push": [Flow("reply", ("back",), 50, start=at), Flow("push2", ("out",), 100, start=at - 0.5)]}.get(name, [])
+
+    arrived = simulate([Flow("push", ("out",), 100, latency=0.5)], {"out": 100, "back": 50}, then)
+    assert arrived == {"push": pytest.approx(1.5), "reply": pytest.approx(2.5), "push2": pytest.approx(2.0)}
+    with pytest.raises(ValueError, match="last byte"):
+        simulate([Flow("a", ("out",), 100)], {"out": 100}, lambda name, at: [Flow("b", ("out",), 1, start=0.0)])

@@ -156,3 +156,10 @@ def test_the_window_shrinks_to_what_the_link_carries_in_20_ms():
     window, bucket = forward_window(3.0, 512.0, 200e6)
     assert window == pytest.approx(200e6 / 8 * 0.02 / (1 << 20)) and bucket == pytest.approx(window * 256)
     assert forward_window(3.0, 512.0, 10e9) == (3.0, 512.0)  # at most ps.window_mb
+
+
+def test_the_window_holds_at_least_four_keys():
+    """At 100mbit 20 ms is 0.24 MiB, under two keys of 1/8 MiB (stop and wait): four keys."""
+    assert forward_window(3.0, 512.0, 100e6, key=0.125) == (0.5, 128.0)
+    window, _ = forward_window(3.0, 512.0, 1e9, key=0.5)  # 20 ms of 1gbit: 2.38 MiB, over 4 keys
+    assert window == pytest.approx(1e9 / 8 * 0.02 / (1 << 20))

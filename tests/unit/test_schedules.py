@@ -4,10 +4,12 @@ latency once per hop or phase, and on racks the uplink binds."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from analysis.linkmodel import PAYLOAD, link_time, psar_link_time
-from analysis.schedules import Cluster, gossip, parameter_server, ring_allreduce
+from analysis.schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
 
 RATE = 25e6  # bytes/s: 200mbit
 M = 4e6
@@ -69,3 +71,28 @@ def test_gossip_sends_each_out_neighbour_the_model_at_once():
     # hosts, offsets 2 and 4 stay inside: (4 + 1 + 1) / 3 on average
     racks = Cluster(8, RATE, racks=2, uplink=RATE)
     assert gossip(racks, M, "one-peer-exponential") == pytest.approx((4 + 1 + 1) / 3 * one)
+
+
+@pytest.mark.parametrize("workers,servers,shards,racks,uplink", [
+    (4, 4, 4, 1, None), (4, 0, 4, 1, None), (6, 2, 2, 1, None), (6, 0, 6, 1, None), (4, 0, 2, 1, None),
+    (8, 4, 4, 2, 1e6), (8, 0, 8, 2, 5e5), (1, 1, 1, 1, None)])
+def test_the_pipelined_exchange_in_one_key_per_shard_is_the_phased_one(workers, servers, shards, racks, uplink):
+    """With one key a shard's answer waits for its whole push: the two phases, however the
+    hosts are grouped into classes of flows (checked against every host's own flows)."""
+    cluster = Cluster(workers, 1e6, servers, racks, uplink, latency=0.003)
+    phased = parameter_server(cluster, 4e6, shards)
+    assert parameter_server_pipelined(cluster, 4e6, shards, key_bytes=1e9) == pytest.approx(phased, rel=1e-9)
+
+
+def test_keys_let_a_shards_answers_overlap_the_pushes_still_coming():
+    """4 workers, 4 shards of their own, M = 4 MB at 1 MB/s, k keys per shard: pushes take M/B
+    and the last key's answer M/(kB) more."""
+    cluster = Cluster(4, 1e6, 4)
+    for keys in (1, 2, 8):
+        assert parameter_server_pipelined(cluster, 4e6, 4, key_bytes=1e6 / keys) == pytest.approx(4.0 * (1 + 1 / keys))
+
+
+def test_the_pipelined_exchange_of_1024_workers_is_played_in_well_under_a_second():
+    start = time.perf_counter()
+    seconds = parameter_server_pipelined(Cluster(1024, 1.25e9, 0, 4, 1e9), 1e8, 1024, key_bytes=4 << 20)
+    assert seconds > 0 and time.perf_counter() - start < 1.0
