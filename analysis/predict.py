@@ -7,7 +7,8 @@ median of step_s - comm_s of the engine's runs (costmodel.compute_time); the mod
 are model.pt's; and the exchange is scaled by the runs' own ratio of measured communication
 to the same schedule played on the cluster they ran on (their rate, workers and shards), so
 that what psar's implementation adds to the ideal (messages, copies, a shard's work) is
-carried along rather than fitted anew. An engine with no run of its own takes the compute of
+carried along rather than fitted anew. A parameter server's exchange is played as its runs'
+settings run it: pipelined by keys with the workers' window (ps-sync's default), or phased. An engine with no run of its own takes the compute of
 the runs' first engine and a ratio of 1 (the ideal).
 """
 
@@ -18,7 +19,7 @@ from statistics import median
 
 from .costmodel import compute_time
 from .results import Run, family
-from .schedules import Cluster, gossip, parameter_server, ring_allreduce
+from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
 from .traffic import gradient_bytes
 
 
@@ -38,14 +39,33 @@ class Target:
         return Cluster(self.workers, self.rate, self.servers if separate else 0, self.racks, self.uplink, self.latency)
 
 
-def exchange(label: str, target: Target, nbytes: float) -> float:
-    """Seconds of engine label's exchange of a step on the target cluster."""
+def ps_keys(settings: dict, sync: bool, rate: float) -> tuple[float, int]:
+    """(key bytes, window in keys; 0: none) of a parameter server's pipelined exchange with
+    the ps settings given, on links of `rate` bytes/s, as its workers cut and hold them
+    (ps.config.key_mb and forward_window)."""
+    from ps.config import PSConfig, forward_window, key_mb
+
+    ps = {**PSConfig().__dict__, **settings}
+    key = key_mb(float(ps["chunk_mb"]), rate * 8)
+    window = float(ps["window_mb"]) if sync else 0.0
+    if sync and ps["order"] == "forward":
+        window = forward_window(window, float(ps["bucket_kb"]), rate * 8, key)[0]
+    return key * (1 << 20), max(1, int(window // key)) if window else 0
+
+
+def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) -> float:
+    """Seconds of engine label's exchange of a step on the target cluster; ps: the engine's
+    ps settings (None: the defaults)."""
     kind = family(label)
     cluster = target.cluster(kind)
     if kind == "local":
         return 0.0
     if kind == "ps":
-        return parameter_server(cluster, nbytes, target.servers)
+        sync = label == "ps-sync"
+        if sync and (ps or {}).get("exchange") == "phased":
+            return parameter_server(cluster, nbytes, target.servers)
+        key, window = ps_keys(ps or {}, sync, target.rate)
+        return parameter_server_pipelined(cluster, nbytes, target.servers, key, window)
     if kind == "gossip":
         return gossip(cluster, nbytes, label.split("/", 1)[1])
     return ring_allreduce(cluster, nbytes) * (1.5 if label == "zero-3" else 1.0)
@@ -68,7 +88,7 @@ def calibration(run: Run) -> tuple[float, float]:
     """(compute seconds, measured over played communication) of one run."""
     compute = compute_time(run)
     measured = median(r["step_s"] for r in run.steady_records()) - compute
-    played = exchange(run.label, _own_target(run), float(gradient_bytes(run)))
+    played = exchange(run.label, _own_target(run), float(gradient_bytes(run)), run.config.get("ps"))
     return compute, (measured / played if played > 0 else 1.0)
 
 
@@ -78,8 +98,10 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target]) -> list[d
         raise ValueError("predict needs at least one run")
     nbytes = float(gradient_bytes(runs[0]))
     by_label: dict[str, list[tuple[float, float]]] = {}
+    settings: dict[str, dict] = {}
     for run in runs:
         by_label.setdefault(run.label, []).append(calibration(run))
+        settings.setdefault(run.label, run.config.get("ps") or {})
     fallback = by_label[runs[0].label][0][0]
     batch = int(runs[0].config.get("batch_size") or 0)
     rows = []
@@ -88,10 +110,36 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target]) -> list[d
         compute = median(c for c, _ in measured) if measured else fallback
         ratio = median(r for _, r in measured) if measured else 1.0
         for target in targets:
-            comm = exchange(label, target, nbytes) * ratio
+            comm = exchange(label, target, nbytes, settings.get(label)) * ratio
             step = compute + comm
             rows.append({"engine": label, "workers": target.workers,
                          "servers": target.servers if family(label) == "ps" else None,
                          "step_s": step, "compute_s": compute, "comm_s": comm, "calibrated": bool(measured),
                          "samples_per_s": batch * target.workers / step if step > 0 and batch else None})
+    return rows
+
+
+def validate(runs: list[Run], link_bound: float = 0.5) -> list[dict]:
+    """Each run with more workers than the fewest among the runs, predicted from those with
+    the fewest alone (nothing is fitted on the rows checked): engine, its cluster, measured
+    and predicted median step, the error, and whether it is link-bound (communication at
+    least `link_bound` of its measured step)."""
+    if not runs:
+        raise ValueError("validate needs runs")
+    fewest = min(int(r.summary["workers"]) for r in runs)
+    calibration_runs = [r for r in runs if int(r.summary["workers"]) == fewest]
+    held_out = [r for r in runs if int(r.summary["workers"]) > fewest]
+    if not held_out:
+        raise ValueError(f"every run has {fewest} workers: validate predicts runs with more workers from those")
+    rows = []
+    for run in held_out:
+        target = _own_target(run)
+        [row] = predict(calibration_runs, [run.label], [target])
+        steps = [r["step_s"] for r in run.steady_records()]
+        measured = median(steps)
+        comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
+        rows.append({**row, "run": str(run.path), "rate_bits": target.rate * 8, "racks": target.racks,
+                     "latency_s": target.latency, "placement": target.placement if family(run.label) == "ps" else None,
+                     "measured_s": measured, "error": row["step_s"] / measured - 1,
+                     "link_bound": comm >= link_bound * measured})
     return rows

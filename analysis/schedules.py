@@ -168,25 +168,27 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
         return flow(f"push {a} {b} {k}", by_name[a], by_name[b], rs, by_name[b].shards * rw, start)
 
     waiting = {(b, k): sum(1 for _, bb in pairs if bb == b) for b in {b for _, b in pairs} for k in range(keys)}
-    sent, answered = {pair: 0 for pair in pairs}, {pair: 0 for pair in pairs}  # keys pushed, answered
+    sent, answered = {pair: 1 for pair in pairs}, {pair: 0 for pair in pairs}  # keys pushed, answered
     blocked: set[tuple[str, str]] = set()  # connections whose next key waits for an answer
+
+    def send(a: str, b: str, start: float) -> list[Flow]:
+        """The connection's next key, unless it has none or its window is full."""
+        if sent[a, b] == keys:
+            return []
+        if window and sent[a, b] - answered[a, b] >= window:
+            blocked.add((a, b))
+            return []
+        blocked.discard((a, b))
+        sent[a, b] += 1
+        return [push(a, b, sent[a, b] - 1, start)]
 
     def then(name: str, at: float) -> list[Flow]:
         kind, a, b, k = name.split(" ")
-        k, started = int(k), []
+        k = int(k)
         if kind == "reply":
             answered[a, b] += 1
-            if (a, b) in blocked:
-                blocked.discard((a, b))
-                sent[a, b] += 1
-                started.append(push(a, b, k + window, at))
-            return started
-        if k + 1 < keys:
-            if window and k + 1 - answered[a, b] >= window:
-                blocked.add((a, b))
-            else:
-                sent[a, b] += 1
-                started.append(push(a, b, k + 1, at - cluster.latency))
+            return send(a, b, at) if (a, b) in blocked else []
+        started = send(a, b, at - cluster.latency)
         waiting[b, k] -= 1
         if not waiting[b, k]:  # every worker's push of key k is in: the shard answers it
             for (aa, bb), (rs, rw) in pairs.items():

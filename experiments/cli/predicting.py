@@ -39,27 +39,36 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
 
 @click.command("predict")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--workers", required=True, help="Comma-separated worker counts to predict, e.g. 4,16,1024.")
-@click.option("--net", required=True, help="Each host's link rate, tc's syntax (100mbit, 25gbit).")
+@click.option("--workers", default="", help="Comma-separated worker counts to predict, e.g. 4,16,1024.")
+@click.option("--net", default="", help="Each host's link rate, tc's syntax (100mbit, 25gbit).")
 @click.option("--servers", type=int, default=1, show_default=True, help="Parameter-server shards.")
 @click.option("--engines", default="", help="Comma-separated engines or labels (default: the runs').")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms.")
+@click.option("--validate", is_flag=True,
+              help="Predict each run with more workers than the fewest from those alone, on its own "
+                   "cluster, and print the error beside its measured step.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @friendly
-def predict_cmd(run_dirs, workers, net, servers, engines, settings, as_json) -> None:
+def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, as_json) -> None:
     """Predict each engine's step at other worker counts and links from RUN_DIRS (runs on
     emulated links): its compute and its exchange played over the target's links, scaled by
     the runs' own measured-to-played ratio. Example:
 
     \b
         psar predict runs/ar-2 runs/ps-2 --workers 4,64 --net 100mbit --servers 4 --set net.placement=separate
+        psar predict --validate runs/grid/*
     """
     from analysis.predict import predict
     from analysis.results import load_runs
     from experiments.engines import label_info
 
     runs = load_runs(run_dirs)
+    if validate:
+        _print_validation(runs, as_json)
+        return
+    if not workers or not net:
+        raise click.UsageError("--workers and --net name the cluster to predict (or give --validate)")
     targets = _targets(workers, net, servers, settings)
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
@@ -73,3 +82,22 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, as_json) -> 
         click.echo(f"{r['engine']:<28}{r['workers']:>8}{r['servers'] or '':>8}{1e3 * r['step_s']:>10.1f}"
                    f"{1e3 * r['compute_s']:>11.1f}{1e3 * r['comm_s']:>10.1f}"
                    f"{r['samples_per_s'] or 0:>11.0f}  {'yes' if r['calibrated'] else 'no: ideal'}")
+
+
+def _print_validation(runs, as_json: bool) -> None:
+    from analysis.predict import validate
+
+    rows = validate(runs)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    click.echo(f"{'engine':<28}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
+               f"{'predicted ms':>13}{'error':>8}  link-bound")
+    for r in rows:
+        click.echo(f"{r['engine']:<28}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
+                   f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
+                   f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%  {'yes' if r['link_bound'] else 'no'}")
+    bound = [abs(r["error"]) for r in rows if r["link_bound"]]
+    if bound:
+        click.echo(f"link-bound rows: {sum(e <= 0.15 for e in bound)} of {len(bound)} within 15%, "
+                   f"largest error {100 * max(bound):.1f}%")

@@ -10,7 +10,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from analysis.predict import Target, exchange, predict
+from analysis.predict import Target, exchange, predict, validate
 from analysis.results import load_run
 from experiments.cli.predicting import predict_cmd
 from test_labels import M, RATE_BITS, fake_run
@@ -52,3 +52,20 @@ def test_runs_on_loopback_and_bad_settings_are_refused_by_name(tmp_path):
         predict([load_run(run_dir)], ["allreduce/library"], [Target(4, 1e7)])
     out = CliRunner().invoke(predict_cmd, [str(run_dir), "--workers", "4", "--net", "1gbit", "--set", "net.rack=2"])
     assert out.exit_code != 0 and "net.placement" in out.output
+
+
+def test_validate_predicts_the_larger_runs_from_the_smallest_alone(tmp_path):
+    """A 4-worker run whose exchange is exactly the 2-worker run's ratio times the schedule's
+    is predicted with no error; one 25% slower, at -20%; the 2-worker runs are not rows."""
+    small = fake_run(tmp_path / "ar2", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
+    ratio = 0.4 / exchange("allreduce/library", Target(2, RATE_BITS / 8), M)
+    exact = 0.1 + ratio * exchange("allreduce/library", Target(4, RATE_BITS / 8), M)
+    runs = [small, fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.1, step_s=exact),
+            fake_run(tmp_path / "ar4-slow", "allreduce", workers=4, compute_s=0.1, step_s=1.25 * exact)]
+    rows = validate(runs)
+    assert [r["workers"] for r in rows] == [4, 4] and all(r["link_bound"] for r in rows)
+    assert rows[0]["error"] == pytest.approx(0, abs=1e-9) and rows[1]["error"] == pytest.approx(-0.2)
+    out = CliRunner().invoke(predict_cmd, ["--validate", *(str(r.path) for r in runs)])
+    assert out.exit_code == 0 and "link-bound rows: 1 of 2 within 15%, largest error 20.0%" in out.output, out.output
+    with pytest.raises(ValueError, match="every run has 2 workers"):
+        validate([small])

@@ -96,3 +96,15 @@ def test_the_pipelined_exchange_of_1024_workers_is_played_in_well_under_a_second
     start = time.perf_counter()
     seconds = parameter_server_pipelined(Cluster(1024, 1.25e9, 0, 4, 1e9), 1e8, 1024, key_bytes=4 << 20)
     assert seconds > 0 and time.perf_counter() - start < 1.0
+
+
+def test_a_window_of_one_key_waits_out_each_round_trip():
+    """One worker, one shard of its own, 4 keys of 1 MB at 1 MB/s, 0.1 s of latency: with a
+    window of one key each key goes and comes back alone (4 x (1 + 0.1) x 2 s); with none the
+    pushes stream and only the last key's answer follows them (4 + 0.1 + 1 + 0.1 s), as with a
+    window of three keys; with two, the third key waits 0.2 s for the first's answer."""
+    cluster = Cluster(1, 1e6, 1, latency=0.1)
+    assert parameter_server_pipelined(cluster, 4e6, 1, 1e6, window=1) == pytest.approx(8.8)
+    assert parameter_server_pipelined(cluster, 4e6, 1, 1e6) == pytest.approx(5.2)
+    assert parameter_server_pipelined(cluster, 4e6, 1, 1e6, window=3) == pytest.approx(5.2)
+    assert parameter_server_pipelined(cluster, 4e6, 1, 1e6, window=2) == pytest.approx(5.4)
