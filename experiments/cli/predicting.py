@@ -38,7 +38,7 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
 
 
 @click.command("predict")
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("run_dirs", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--workers", default="", help="Comma-separated worker counts to predict, e.g. 4,16,1024.")
 @click.option("--net", default="", help="Each host's link rate, tc's syntax (100mbit, 25gbit).")
 @click.option("--servers", type=int, default=1, show_default=True, help="Parameter-server shards.")
@@ -48,9 +48,12 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "
                    "cluster, and print the error beside its measured step.")
+@click.option("--published", is_flag=True,
+              help="Print each encoded published scaling result beside psar's prediction of its setting "
+                   "(no RUN_DIRS), and those that cannot be encoded, with why.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @friendly
-def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, as_json) -> None:
+def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, published, as_json) -> None:
     """Predict each engine's step at other worker counts and links from RUN_DIRS (runs on
     emulated links): its compute and its exchange played over the target's links, scaled by
     the runs' own measured-to-played ratio. Example:
@@ -58,11 +61,17 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, as
     \b
         psar predict runs/ar-2 runs/ps-2 --workers 4,64 --net 100mbit --servers 4 --set net.placement=separate
         psar predict --validate runs/grid/*
+        psar predict --published
     """
     from analysis.predict import predict
     from analysis.results import load_runs
     from experiments.engines import label_info
 
+    if published:
+        _print_published(as_json)
+        return
+    if not run_dirs:
+        raise click.UsageError("give the RUN_DIRS to predict from (or --published)")
     runs = load_runs(run_dirs)
     if validate:
         _print_validation(runs, as_json)
@@ -101,3 +110,31 @@ def _print_validation(runs, as_json: bool) -> None:
     if bound:
         click.echo(f"link-bound rows: {sum(e <= 0.15 for e in bound)} of {len(bound)} within 15%, "
                    f"largest error {100 * max(bound):.1f}%")
+
+
+def _print_published(as_json: bool) -> None:
+    from analysis.published import NOT_ENCODED, RESULTS, predicted_efficiency
+
+    rows = []
+    for r in RESULTS:
+        efficiency, overlapped, comm = predicted_efficiency(r)
+        rows.append({"name": r.name, "source": r.source, "inputs": r.inputs, "engine": r.engine,
+                     "servers": r.servers, "gpus": r.servers * r.gpus_per_server, "compute_s": r.compute_s,
+                     "comm_s": comm, "published": r.figure, "predicted": efficiency, "error": efficiency - r.figure,
+                     "predicted_overlapped": overlapped, "error_overlapped": overlapped - r.figure})
+    if as_json:
+        click.echo(json.dumps({"encoded": rows, "not_encoded": [n.__dict__ for n in NOT_ENCODED]}, indent=1))
+        return
+    click.echo("scaling efficiency: published, and psar's with the exchange after backward and overlapping it")
+    click.echo(f"{'setting':<66}{'published':>10}{'after':>7}{'error':>8}{'overlapped':>11}{'error':>8}"
+               f"{'compute ms':>11}{'exchange ms':>12}")
+    for r in rows:
+        click.echo(f"{r['name']:<66}{100 * r['published']:>9.0f}%{100 * r['predicted']:>6.0f}%"
+                   f"{100 * r['error']:>+6.0f}pt{100 * r['predicted_overlapped']:>10.0f}%"
+                   f"{100 * r['error_overlapped']:>+6.0f}pt{1e3 * r['compute_s']:>11.0f}{1e3 * r['comm_s']:>12.0f}")
+    click.echo("sources:")
+    for source in dict.fromkeys(x for r in RESULTS for x in (r.source, r.inputs)):
+        click.echo(f"  {source}")
+    click.echo("not encoded:")
+    for n in NOT_ENCODED:
+        click.echo(f"  {n.name} ({n.source}): {n.why}")
