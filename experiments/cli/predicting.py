@@ -51,9 +51,12 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
 @click.option("--published", is_flag=True,
               help="Print each encoded published scaling result beside psar's prediction of its setting "
                    "(no RUN_DIRS), and those that cannot be encoded, with why.")
+@click.option("--map", "map_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a figure (.png): the fastest engine over 2-1024 workers (or --workers) and 100mbit-"
+                   "400gbit, the runs given marked, and each engine's scaling at --net (or the runs' rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @friendly
-def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, published, as_json) -> None:
+def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, published, map_path, as_json) -> None:
     """Predict each engine's step at other worker counts and links from RUN_DIRS (runs on
     emulated links): its compute and its exchange played over the target's links, scaled by
     the runs' own measured-to-played ratio. Example:
@@ -76,11 +79,14 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, pu
     if validate:
         _print_validation(runs, as_json)
         return
-    if not workers or not net:
-        raise click.UsageError("--workers and --net name the cluster to predict (or give --validate)")
-    targets = _targets(workers, net, servers, settings)
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
+    if map_path is not None:
+        _draw_map(runs, labels, map_path, workers, net, servers, settings)
+        return
+    if not workers or not net:
+        raise click.UsageError("--workers and --net name the cluster to predict (or give --validate or --map)")
+    targets = _targets(workers, net, servers, settings)
     rows = predict(runs, labels, targets)
     if as_json:
         click.echo(json.dumps(rows, indent=1))
@@ -138,3 +144,15 @@ def _print_published(as_json: bool) -> None:
     click.echo("not encoded:")
     for n in NOT_ENCODED:
         click.echo(f"  {n.name} ({n.source}): {n.why}")
+
+
+def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, settings) -> None:
+    from analysis import predict_map
+
+    rate = net or runs[0].summary.get("network", {}).get("rate") or ""
+    if not rate:
+        raise click.UsageError("--map needs --net, or runs on an emulated network")
+    [like] = _targets("2", rate, servers, settings)
+    counts = tuple(int(w) for w in workers.split(",")) if workers else predict_map.WORKERS
+    written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts)
+    click.echo(f"wrote {written}")
