@@ -101,21 +101,10 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, pu
 
 def _print_validation(runs, as_json: bool) -> None:
     from analysis.predict import validate
+    from analysis.validation import table
 
     rows = validate(runs)
-    if as_json:
-        click.echo(json.dumps(rows, indent=1))
-        return
-    click.echo(f"{'engine':<28}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
-               f"{'predicted ms':>13}{'error':>8}  link-bound")
-    for r in rows:
-        click.echo(f"{r['engine']:<28}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
-                   f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
-                   f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%  {'yes' if r['link_bound'] else 'no'}")
-    bound = [abs(r["error"]) for r in rows if r["link_bound"]]
-    if bound:
-        click.echo(f"link-bound rows: {sum(e <= 0.15 for e in bound)} of {len(bound)} within 15%, "
-                   f"largest error {100 * max(bound):.1f}%")
+    click.echo(json.dumps(rows, indent=1) if as_json else table(rows))
 
 
 def _print_published(as_json: bool) -> None:

@@ -15,6 +15,8 @@ class Variant:
     """Shards (ps-* engines): a count, or "N" for one per worker."""
     overrides: tuple[str, ...] = ()
     """`--set` overrides of this variant alone (after the comparison's)."""
+    workers: tuple[int, ...] = ()
+    """Its worker counts (): the comparison's."""
 
     def shards(self, workers: int) -> int:
         return workers if self.servers == "N" else int(self.servers)
@@ -48,7 +50,8 @@ class Comparison:
     report: str = ""
     """A report beside the table, the analysis module that makes it: "compression"
     (analysis.compression), "period" (analysis.period), "collectives" (analysis.collectives),
-    "faults" (analysis.faults), "sharded" (analysis.sharded), "decentralized" (analysis.decentralized)."""
+    "faults" (analysis.faults), "sharded" (analysis.sharded), "decentralized" (analysis.decentralized),
+    "validation" (analysis.validation)."""
     prelude: str = ""
     """Measurements before the grid, the module of experiments.comparisons whose measure(out,
     echo) makes them in the output directory (the report reads them): "collectives"."""
@@ -59,7 +62,7 @@ class Comparison:
         """The variants, at every rate of `rates` unless a --net rate was given."""
         if not self.rates or net:
             return self.variants
-        return tuple(Variant(v.engine, v.servers, v.overrides + (f"net.rate={rate}",))
+        return tuple(Variant(v.engine, v.servers, v.overrides + (f"net.rate={rate}",), v.workers)
                      for rate in self.rates for v in self.variants)
 
 
@@ -126,6 +129,28 @@ def _decentralized_variants() -> tuple[Variant, ...]:
                  for net in DECENTRALIZED_NETWORKS.values() for v in engines)
 
 
+PREDICT_ENGINES = (Variant("allreduce"), Variant("ps-sync", "N", ("net.placement=separate",)),
+                   Variant("ps-async", "N", ("net.placement=separate",)), Variant("zero", 1, ("zero.stage=1",)),
+                   Variant("gossip", 1, ("gossip.topology=one-peer-exponential",)))
+"""The engines `psar compare predict` checks psar predict on: the ring, the parameter server
+with a shard host per worker (sync and async), ZeRO stage 1, gossip on the one-peer graph."""
+
+PREDICT_HELD_OUT = {4: ("net.rate=100mbit", "net.rate=1gbit", "net.rate=2gbit",
+                        "net.racks=2 net.uplink=100mbit", "net.latency_ms=10"),
+                    8: ("net.rate=200mbit",)}
+"""Held-out clusters by worker count: other rates, two racks behind 2:1 uplinks (two 200mbit
+hosts into 100mbit), 10 ms of latency; and 8 workers at the calibration's rate."""
+
+
+def _predict_variants() -> tuple[Variant, ...]:
+    """Each engine at 2 workers on 200mbit (what psar predict calibrates on), then at 4 and 8
+    workers on the held-out clusters."""
+    calibration = tuple(Variant(v.engine, v.servers, v.overrides, (2,)) for v in PREDICT_ENGINES)
+    held_out = tuple(Variant(v.engine, v.servers, v.overrides + tuple(net.split()), (n,))
+                     for n, nets in PREDICT_HELD_OUT.items() for net in nets for v in PREDICT_ENGINES)
+    return calibration + held_out
+
+
 COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
     Comparison(
         "sharded", "mlp-mid", ("ddp", "allreduce", "zero", "ps-sync"), (2, 4), steps=10, net="200mbit",
@@ -147,6 +172,12 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "the network is slow or its latency high it reaches the target sooner than the ring "
               "all-reduce and the parameter server, paying in models that drift apart (consensus "
               "distance); DiLoCo's outer step on local SGD communicates 8 times less."),
+    Comparison(
+        "predict", "mlp-mid", tuple(v.engine for v in PREDICT_ENGINES), (2, 4, 8), steps=15, net="200mbit",
+        overrides=("model.hidden=[256,256]",), variants=_predict_variants(), report="validation",
+        claim="psar predict, checked on runs it was not calibrated on: from each engine's 2-worker run "
+              "at 200mbit, its 4-worker runs at 100mbit, 1gbit and 2gbit, on two racks and with 10 ms "
+              "of latency, and its 8-worker run, each link-bound one within 15%."),
     Comparison(
         "hogwild", "logreg-sparse", ("ps-async", "ps-sync", "allreduce"), (1, 2),
         claim="Hogwild!: on sparse logistic regression, lock-free asynchronous updates rarely "

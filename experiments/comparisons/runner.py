@@ -34,7 +34,7 @@ def run_grid(experiment: str, variants: list[Variant], workers: list[int],
     cells = []
     for variant in variants:
         with_servers = get_engine(variant.engine).uses_servers
-        for n in workers:
+        for n in variant.workers or workers:
             s = variant.shards(n)
             fields = dict(engine=variant.engine, workers=n, servers=s, seed=seed, device=device, trace=trace)
             if script:

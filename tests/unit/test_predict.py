@@ -69,3 +69,22 @@ def test_validate_predicts_the_larger_runs_from_the_smallest_alone(tmp_path):
     assert out.exit_code == 0 and "link-bound rows: 1 of 2 within 15%, largest error 20.0%" in out.output, out.output
     with pytest.raises(ValueError, match="every run has 2 workers"):
         validate([small])
+
+
+def test_the_predict_grid_calibrates_at_2_workers_and_holds_out_the_rest():
+    """Every engine runs at 2 workers on 200mbit and at 4 and 8 on the held-out clusters, each
+    cell's settings accepted as they stand."""
+    from experiments.comparisons.grids import PREDICT_ENGINES, get_comparison
+    from experiments.settings.presets import build_config
+
+    grid = get_comparison("predict")
+    cells = [(v, n) for v in grid.variants_at(None) for n in v.workers]
+    assert len(cells) == len(PREDICT_ENGINES) * 7
+    seen = set()
+    for v, n in cells:
+        cfg = build_config(grid.experiment, ("net.rate=200mbit",) + grid.overrides + v.overrides, engine=v.engine,
+                           workers=n, servers=v.shards(n), steps=grid.steps)
+        seen.add((n, cfg.net.rate, cfg.net.racks, cfg.net.latency_ms))
+        assert (n == 2) == (v.overrides == next(e.overrides for e in PREDICT_ENGINES if e.engine == v.engine))
+    assert seen == {(2, "200mbit", 1, 0.0), (4, "100mbit", 1, 0.0), (4, "1gbit", 1, 0.0), (4, "2gbit", 1, 0.0),
+                    (4, "200mbit", 2, 0.0), (4, "200mbit", 1, 10.0), (8, "200mbit", 1, 0.0)}

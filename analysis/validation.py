@@ -1,0 +1,40 @@
+"""psar predict checked on held-out runs (analysis/predict.validate): the table `psar predict
+--validate` prints, and `psar compare predict`'s report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .predict import validate
+from .results import Run
+
+WITHIN = 0.15
+"""The error a link-bound row is held to."""
+
+
+def table(rows: list[dict]) -> str:
+    """Each held-out run: its cluster, measured and predicted median step, the error; then how
+    many link-bound rows are within WITHIN."""
+    lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
+             f"{'predicted ms':>13}{'error':>8}  link-bound"]
+    for r in rows:
+        lines.append(f"{r['engine']:<36}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
+                     f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
+                     f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%  {'yes' if r['link_bound'] else 'no'}")
+    bound = [abs(r["error"]) for r in rows if r["link_bound"]]
+    if bound:
+        lines.append(f"link-bound rows: {sum(e <= WITHIN for e in bound)} of {len(bound)} within "
+                     f"{100 * WITHIN:.0f}%, largest error {100 * max(bound):.1f}%")
+    return "\n".join(lines)
+
+
+def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
+    """`psar compare predict`'s report: the table, and its rows in out/validation.json."""
+    rows = validate(runs)
+    path = Path(out) / "validation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(rows, indent=1))
+    partial.replace(path)
+    return "psar predict on the held-out runs (calibrated on the 2-worker runs alone):\n" + table(rows), [path]
