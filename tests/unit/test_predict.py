@@ -88,3 +88,24 @@ def test_the_predict_grid_calibrates_at_2_workers_and_holds_out_the_rest():
         assert (n == 2) == (v.overrides == next(e.overrides for e in PREDICT_ENGINES if e.engine == v.engine))
     assert seen == {(2, "200mbit", 1, 0.0), (4, "100mbit", 1, 0.0), (4, "1gbit", 1, 0.0), (4, "2gbit", 1, 0.0),
                     (4, "200mbit", 2, 0.0), (4, "200mbit", 1, 10.0), (8, "200mbit", 1, 0.0)}
+
+
+def test_a_periodic_schedule_is_measured_by_its_mean_over_whole_periods_without_consensus():
+    """Gossip on the one-peer graph of 4 workers alternates its two peers (period 2): steps of
+    0.1 and 0.3 s measure 0.2, the consensus measurement left out; the ring's is its median."""
+    from pathlib import Path
+
+    from analysis.predict import _measured_step
+    from analysis.results import Run
+
+    steps = [0.1, 0.3] * 5 + [0.1]
+    records = [{"step": i, "step_s": t + (0.05 if i == 6 else 0.0), "consensus_s": 0.05 if i == 6 else 0.0,
+                "comm_s": t, "loss": 1.0, "time": float(i)} for i, t in enumerate(steps)]
+    summary = {"workers": 4, "engine": "gossip"}
+    gossip = Run(Path("/runs/g"), {"engine": "gossip", "gossip": {"topology": "one-peer-exponential"}}, summary,
+                 {r: records for r in range(4)})
+    assert gossip.label == "gossip/one-peer-exponential"
+    assert _measured_step(gossip) == pytest.approx(0.2)
+    flat = [{**r, "step_s": 0.5 if i == 4 else 0.1} for i, r in enumerate(records)]
+    ring = Run(Path("/runs/r"), {"engine": "allreduce"}, {**summary, "engine": "allreduce"}, {0: flat})
+    assert _measured_step(ring) == pytest.approx(0.1)
