@@ -28,6 +28,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/psar bench
 	$(PY) -m pytest -m long -s -p no:cacheprovider
+	@if [ "$$(id -u)" = 0 ]; then $(VENV)/bin/psar compare predict --out runs/bench-predict --overwrite; \
+	else echo "psar compare predict (psar predict on held-out runs) needs root for its emulated links: skipped"; fi
 
 # Timing bugs: the multi-process tests ROUNDS times (LOAD=1 keeps every core busy meanwhile).
 ROUNDS ?= 10
