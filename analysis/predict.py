@@ -6,8 +6,9 @@ their uplinks, latency per hop). Both are read off the runs given: the compute i
 median of step_s - comm_s of the engine's runs (costmodel.compute_time); the model's bytes M
 are model.pt's; and the exchange is scaled by the runs' own ratio of measured communication
 to the same schedule played on the cluster they ran on (their rate, workers and shards), so
-that what psar's implementation adds to the ideal (messages, copies, a shard's work) is
-carried along rather than fitted anew. A parameter server's exchange is played as its runs'
+that what psar's implementation adds to the ideal (copies, a shard's work) is carried along
+rather than fitted anew; a collective's messages' fixed cost (fixed_cost) is added apart,
+since it grows with the hops, not the bytes. A parameter server's exchange is played as its runs'
 settings run it: pipelined by keys with the workers' window (ps-sync's default), or phased. An engine with no run of its own takes the compute of
 the runs' first engine and a ratio of 1 (the ideal).
 """
@@ -33,6 +34,9 @@ class Target:
     racks: int = 1
     uplink: float | None = None
     latency: float = 0.0
+    message: float | None = None
+    """A message's fixed cost to a rank that sends or receives it, seconds (None:
+    allreduce/auto.py's LINK_MESSAGE_S, measured on this project's emulated links)."""
 
     def cluster(self, engine_family: str) -> Cluster:
         separate = engine_family == "ps" and self.placement == "separate"
@@ -84,11 +88,32 @@ def _own_target(run: Run) -> Target:
                   float(config.get("latency_ms") or 0) / 1e3)
 
 
+def fixed_cost(label: str, target: Target) -> float:
+    """Seconds of the messages' fixed cost on a step's critical path: a collective's hops (one
+    all-reduce's 2(N-1); ZeRO stage 3's 3(N-1); gossip's one exchange with its out-neighbours),
+    each costing a rank a message sent and one received, target.message each (by default
+    LINK_MESSAGE_S, the fixed cost measured on emulated links, allreduce/auto.py). A parameter
+    server's messages are left to the calibration's ratio."""
+    from allreduce.auto import LINK_MESSAGE_S
+    from allreduce.topology import peers
+
+    n, kind = target.workers, family(label)
+    if n == 1 or kind in ("local", "ps"):
+        return 0.0
+    if kind == "gossip":
+        rounds = len(peers(label.split("/", 1)[1], 0, n, 0)[0])
+    else:
+        rounds = 3 * (n - 1) if label == "zero-3" else 2 * (n - 1)
+    return rounds * 2 * (LINK_MESSAGE_S if target.message is None else target.message)
+
+
 def calibration(run: Run) -> tuple[float, float]:
-    """(compute seconds, measured over played communication) of one run."""
+    """(compute seconds, measured over played communication) of one run, its messages' fixed
+    cost set apart."""
     compute = compute_time(run)
-    measured = median(r["step_s"] for r in run.steady_records()) - compute
-    played = exchange(run.label, _own_target(run), float(gradient_bytes(run)), run.config.get("ps"))
+    target = _own_target(run)
+    measured = median(r["step_s"] for r in run.steady_records()) - compute - fixed_cost(run.label, target)
+    played = exchange(run.label, target, float(gradient_bytes(run)), run.config.get("ps"))
     return compute, (measured / played if played > 0 else 1.0)
 
 
@@ -110,7 +135,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target]) -> list[d
         compute = median(c for c, _ in measured) if measured else fallback
         ratio = median(r for _, r in measured) if measured else 1.0
         for target in targets:
-            comm = exchange(label, target, nbytes, settings.get(label)) * ratio
+            comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
             step = compute + comm
             rows.append({"engine": label, "workers": target.workers,
                          "servers": target.servers if family(label) == "ps" else None,

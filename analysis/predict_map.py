@@ -29,7 +29,7 @@ def winners(runs: list[Run], labels: list[str], workers: tuple[int, ...], rates_
             like: Target) -> tuple[np.ndarray, dict]:
     """(index into labels of the fastest engine for each (rate, workers) cell, every row by
     (label, workers, rate_bits)); `like` gives the cluster's other settings."""
-    targets = [Target(n, rate / 8, like.servers, like.placement, like.racks, like.uplink, like.latency)
+    targets = [Target(n, rate / 8, like.servers, like.placement, like.racks, like.uplink, like.latency, like.message)
                for rate in rates_bits for n in workers]
     rows = predict(runs, labels, targets)
     by = {(r["engine"], t.workers, round(t.rate * 8)): r  # predict's rows: label by label, target by target
@@ -77,7 +77,7 @@ def draw(runs: list[Run], labels: list[str], out: Path, like: Target, curve_rate
         left.scatter([], [], marker="o", color="white", edgecolors="black", label="measured run")
         left.set(xscale="log", yscale="log", xlabel="workers", ylabel="link rate (bit/s)",
                  title=f"fastest engine, predicted ({like.servers} shard{'s' * (like.servers > 1)}, {like.placement})")
-        left.legend(fontsize="x-small", loc="upper left")
+        left.legend(fontsize="x-small", loc="center right", framealpha=0.9)
         for label, c in zip(labels, colours):
             rows = [by[label, n, round(curve_rate_bits)] for n in workers]
             points = [(r["workers"], r["samples_per_s"] or r["workers"] / r["step_s"]) for r in rows]

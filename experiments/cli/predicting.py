@@ -12,7 +12,7 @@ from experiments.cli.options import friendly
 NET_KEYS = ("net.placement", "net.racks", "net.uplink", "net.latency_ms")
 
 
-def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
+def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...], message_us: float | None = None):
     from analysis.predict import Target
     from experiments.settings.net import parse_rate
 
@@ -33,8 +33,9 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
     if placement not in ("colocated", "separate"):
         raise click.BadParameter(f"net.placement={placement!r}: expected colocated or separate", param_hint="--set")
     uplink = parse_rate(given["net.uplink"]) / 8 if given.get("net.uplink") else None
+    message = None if message_us is None else message_us / 1e6
     return [Target(n, parse_rate(net) / 8, servers, placement, int(given.get("net.racks", 1)), uplink,
-                   float(given.get("net.latency_ms", 0)) / 1e3) for n in counts]
+                   float(given.get("net.latency_ms", 0)) / 1e3, message) for n in counts]
 
 
 @click.command("predict")
@@ -45,6 +46,9 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
 @click.option("--engines", default="", help="Comma-separated engines or labels (default: the runs').")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms.")
+@click.option("--message-us", type=click.FloatRange(min=0), default=None,
+              help="A message's fixed cost to a rank that sends or receives it, in us, on the target "
+                   "(default: 250, measured on this project's emulated links on 2 cores).")
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "
                    "cluster, and print the error beside its measured step.")
@@ -56,7 +60,8 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...]):
                    "400gbit, the runs given marked, and each engine's scaling at --net (or the runs' rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @friendly
-def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, published, map_path, as_json) -> None:
+def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, validate, published, map_path,
+                as_json) -> None:
     """Predict each engine's step at other worker counts and links from RUN_DIRS (runs on
     emulated links): its compute and its exchange played over the target's links, scaled by
     the runs' own measured-to-played ratio. Example:
@@ -82,11 +87,11 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, validate, pu
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
     if map_path is not None:
-        _draw_map(runs, labels, map_path, workers, net, servers, settings)
+        _draw_map(runs, labels, map_path, workers, net, servers, settings, message_us)
         return
     if not workers or not net:
         raise click.UsageError("--workers and --net name the cluster to predict (or give --validate or --map)")
-    targets = _targets(workers, net, servers, settings)
+    targets = _targets(workers, net, servers, settings, message_us)
     rows = predict(runs, labels, targets)
     if as_json:
         click.echo(json.dumps(rows, indent=1))
@@ -135,13 +140,13 @@ def _print_published(as_json: bool) -> None:
         click.echo(f"  {n.name} ({n.source}): {n.why}")
 
 
-def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, settings) -> None:
+def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, settings, message_us) -> None:
     from analysis import predict_map
 
     rate = net or runs[0].summary.get("network", {}).get("rate") or ""
     if not rate:
         raise click.UsageError("--map needs --net, or runs on an emulated network")
-    [like] = _targets("2", rate, servers, settings)
+    [like] = _targets("2", rate, servers, settings, message_us)
     counts = tuple(int(w) for w in workers.split(",")) if workers else predict_map.WORKERS
     written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts)
     click.echo(f"wrote {written}")

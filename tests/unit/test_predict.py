@@ -10,21 +10,30 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from analysis.predict import Target, exchange, predict, validate
+from analysis.predict import Target, exchange, fixed_cost, predict, validate
 from analysis.results import load_run
 from experiments.cli.predicting import predict_cmd
 from test_labels import M, RATE_BITS, fake_run
 
 
 def test_a_run_predicted_on_its_own_cluster_is_its_measured_step_and_others_scale(tmp_path):
+    """The exchange scales by the run's measured-to-played ratio, the messages' fixed cost
+    apart; ps-sync, with no run, gets the ideal."""
     run = fake_run(tmp_path / "ar", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
     own = Target(2, RATE_BITS / 8)
     bigger = Target(8, RATE_BITS / 8 / 2)
     rows = predict([run], ["allreduce/library", "ps-sync"], [own, bigger])
     at = {(r["engine"], r["workers"]): r for r in rows}
     assert at["allreduce/library", 2]["step_s"] == pytest.approx(0.5)
-    ratio = 0.4 / exchange("allreduce/library", own, M)
-    assert at["allreduce/library", 8]["comm_s"] == pytest.approx(exchange("allreduce/library", bigger, M) * ratio)
+    ratio = (0.4 - fixed_cost("allreduce/library", own)) / exchange("allreduce/library", own, M)
+    assert at["allreduce/library", 8]["comm_s"] == pytest.approx(exchange("allreduce/library", bigger, M) * ratio
+                                                                 + fixed_cost("allreduce/library", bigger))
+    assert fixed_cost("allreduce/library", bigger) == pytest.approx(14 * 2 * 2.5e-4)  # 2(N-1) hops
+    assert fixed_cost("allreduce/library", Target(8, RATE_BITS / 8, message=1e-5)) == pytest.approx(14 * 2e-5)
+    out = CliRunner().invoke(predict_cmd, [str(tmp_path / "ar"), "--workers", "8", "--net", "100mbit",
+                                           "--message-us", "0", "--json"])
+    [row] = json.loads(out.output)
+    assert row["comm_s"] == pytest.approx(exchange("allreduce/library", Target(8, 100e6 / 8), M) * ratio)
     assert at["ps-sync", 8]["calibrated"] is False  # no ps-sync run: the ideal, with the ring's compute
     assert at["ps-sync", 8]["comm_s"] == pytest.approx(exchange("ps-sync", bigger, M))
 
@@ -58,8 +67,9 @@ def test_validate_predicts_the_larger_runs_from_the_smallest_alone(tmp_path):
     """A 4-worker run whose exchange is exactly the 2-worker run's ratio times the schedule's
     is predicted with no error; one 25% slower, at -20%; the 2-worker runs are not rows."""
     small = fake_run(tmp_path / "ar2", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
-    ratio = 0.4 / exchange("allreduce/library", Target(2, RATE_BITS / 8), M)
-    exact = 0.1 + ratio * exchange("allreduce/library", Target(4, RATE_BITS / 8), M)
+    own, four = Target(2, RATE_BITS / 8), Target(4, RATE_BITS / 8)
+    ratio = (0.4 - fixed_cost("allreduce/library", own)) / exchange("allreduce/library", own, M)
+    exact = 0.1 + ratio * exchange("allreduce/library", four, M) + fixed_cost("allreduce/library", four)
     runs = [small, fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.1, step_s=exact),
             fake_run(tmp_path / "ar4-slow", "allreduce", workers=4, compute_s=0.1, step_s=1.25 * exact)]
     rows = validate(runs)
