@@ -2,15 +2,16 @@
 
 For each engine, a step is its compute plus its exchange played over the target cluster's
 links (analysis/schedules.py: every message a flow, links shared max-min fairly, racks behind
-their uplinks, latency per hop). Both are read off the runs given: the compute is the
-median of step_s - comm_s of the engine's runs (costmodel.compute_time); the model's bytes M
-are model.pt's; and the exchange is scaled by the runs' own ratio of measured communication
-to the same schedule played on the cluster they ran on (their rate, workers and shards), so
-that what psar's implementation adds to the ideal (copies, a shard's work) is carried along
-rather than fitted anew; a collective's messages' fixed cost (fixed_cost) is added apart,
-since it grows with the hops, not the bytes. A parameter server's exchange is played as its runs'
-settings run it: pipelined by keys with the workers' window (ps-sync's default), or phased. An engine with no run of its own takes the compute of
-the runs' first engine and a ratio of 1 (the ideal).
+their uplinks, latency per hop). Both are read off the runs given: the compute is the median
+of step_s - comm_s of the engine's runs (costmodel.compute_time); the model's bytes M are
+model.pt's; and the exchange is scaled by the runs' own ratio of measured communication to
+the same schedule played on the cluster they ran on (their rate, workers and shards), so that
+what psar's implementation adds to the ideal (copies, a shard's work) is carried along rather
+than fitted anew. A collective's messages' fixed cost (fixed_cost) is added apart, since it
+grows with the hops, not the bytes. A parameter server's exchange is played as its runs'
+settings run it: pipelined by keys with the workers' window (ps-sync's default), or phased.
+An engine with no run of its own takes the compute of the runs' first engine and a ratio of
+1 (the ideal).
 """
 
 from __future__ import annotations

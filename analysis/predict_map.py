@@ -39,6 +39,13 @@ def winners(runs: list[Run], labels: list[str], workers: tuple[int, ...], rates_
     return grid, by
 
 
+def _edges(centres: tuple) -> np.ndarray:
+    """Cell edges on a log axis: the geometric means of neighbouring centres, and half the
+    first and twice the last."""
+    c = np.array(centres, dtype=float)
+    return np.sqrt(np.concatenate(([c[0] / 2], c)) * np.concatenate((c, [c[-1] * 2])))
+
+
 def _measured(run: Run) -> tuple[int, float, float]:
     """(workers, rate bits/s, samples/s) of a run, from its median step (without a batch
     size: worker steps/s)."""
@@ -56,9 +63,7 @@ def draw(runs: list[Run], labels: list[str], out: Path, like: Target, curve_rate
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     try:
         colours = [style.colour(label) for label in labels]
-        x_edges = np.sqrt(np.array((workers[0] / 2,) + workers) * np.array(workers + (workers[-1] * 2,)))
-        rates_arr = np.array(rates)
-        y_edges = np.sqrt(np.concatenate(([rates_arr[0] / 2], rates_arr)) * np.concatenate((rates_arr, [rates_arr[-1] * 2])))
+        x_edges, y_edges = _edges(workers), _edges(rates)
         left.pcolormesh(x_edges, y_edges, grid, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(labels) - 0.5,
                         alpha=0.55, edgecolors="none")
         for i in range(len(rates)):  # region boundaries: between cells whose winners differ

@@ -73,7 +73,9 @@ def test_an_arrival_starts_the_flows_that_wait_for_it():
     it starts (50 bytes at 50) at 2.5 s; the next push on the same connection leaves with the
     first's last byte, at 1 s, and arrives at 2 s."""
     def then(name, at):
-        return {"push": [Flow("reply", ("back",), 50, start=at), Flow("push2", ("out",), 100, start=at - 0.5)]}.get(name, [])
+        if name != "push":
+            return []
+        return [Flow("reply", ("back",), 50, start=at), Flow("push2", ("out",), 100, start=at - 0.5)]
 
     arrived = simulate([Flow("push", ("out",), 100, latency=0.5)], {"out": 100, "back": 50}, then)
     assert arrived == {"push": pytest.approx(1.5), "reply": pytest.approx(2.5), "push2": pytest.approx(2.0)}
