@@ -118,11 +118,19 @@ def calibration(run: Run) -> tuple[float, float]:
     return compute, (measured / played if played > 0 else 1.0)
 
 
-def predict(runs: list[Run], labels: list[str], targets: list[Target]) -> list[dict]:
-    """One row per engine label and target: engine, workers, servers, step_s and its parts."""
+def predict(runs: list[Run], labels: list[str], targets: list[Target],
+            params_bytes: float | None = None) -> list[dict]:
+    """One row per engine label and target: engine, workers, servers, step_s and its parts.
+    params_bytes: a model of this many bytes of parameters in place of the runs' (model.
+    params_mb): the exchange moves it, and the compute grows in proportion (a dense layer's
+    forward and backward cost is proportional to its weights at a fixed batch)."""
     if not runs:
         raise ValueError("predict needs at least one run")
-    nbytes = float(gradient_bytes(runs[0]))
+    if params_bytes is not None and params_bytes <= 0:
+        raise ValueError(f"model.params_mb={params_bytes / 1e6:g}: must be > 0")
+    measured_bytes = float(gradient_bytes(runs[0]))
+    nbytes = params_bytes or measured_bytes
+    grow = nbytes / measured_bytes
     by_label: dict[str, list[tuple[float, float]]] = {}
     settings: dict[str, dict] = {}
     for run in runs:
@@ -133,7 +141,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target]) -> list[d
     rows = []
     for label in labels:
         measured = by_label.get(label)
-        compute = median(c for c, _ in measured) if measured else fallback
+        compute = (median(c for c, _ in measured) if measured else fallback) * grow
         ratio = median(r for _, r in measured) if measured else 1.0
         for target in targets:
             comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)

@@ -26,12 +26,12 @@ RATES_BITS = (1e8, 2e8, 5e8, 1e9, 2.5e9, 1e10, 2.5e10, 1e11, 4e11)
 
 
 def winners(runs: list[Run], labels: list[str], workers: tuple[int, ...], rates_bits: tuple[float, ...],
-            like: Target) -> tuple[np.ndarray, dict]:
+            like: Target, params_bytes: float | None = None) -> tuple[np.ndarray, dict]:
     """(index into labels of the fastest engine for each (rate, workers) cell, every row by
     (label, workers, rate_bits)); `like` gives the cluster's other settings."""
     targets = [Target(n, rate / 8, like.servers, like.placement, like.racks, like.uplink, like.latency, like.message)
                for rate in rates_bits for n in workers]
-    rows = predict(runs, labels, targets)
+    rows = predict(runs, labels, targets, params_bytes)
     by = {(r["engine"], t.workers, round(t.rate * 8)): r  # predict's rows: label by label, target by target
           for r, t in zip(rows, [t for _ in labels for t in targets])}
     grid = np.array([[min(range(len(labels)), key=lambda i: by[labels[i], n, round(rate)]["step_s"])
@@ -56,10 +56,11 @@ def _measured(run: Run) -> tuple[int, float, float]:
 
 
 def draw(runs: list[Run], labels: list[str], out: Path, like: Target, curve_rate_bits: float,
-         workers: tuple[int, ...] = WORKERS, rates_bits: tuple[float, ...] = RATES_BITS) -> Path:
-    """The map and the scaling curves, written to `out` (a .png)."""
+         workers: tuple[int, ...] = WORKERS, rates_bits: tuple[float, ...] = RATES_BITS,
+         params_bytes: float | None = None) -> Path:
+    """The map and the scaling curves, written to `out` (a .png); params_bytes: predict's."""
     rates = tuple(sorted(set(rates_bits) | {curve_rate_bits}))
-    grid, by = winners(runs, labels, workers, rates, like)
+    grid, by = winners(runs, labels, workers, rates, like, params_bytes)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     try:
         colours = [style.colour(label) for label in labels]

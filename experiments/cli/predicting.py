@@ -10,6 +10,21 @@ import click
 from experiments.cli.options import friendly
 
 NET_KEYS = ("net.placement", "net.racks", "net.uplink", "net.latency_ms")
+MODEL_KEYS = ("model.params_mb",)
+
+
+def _params_bytes(settings: tuple[str, ...]) -> float | None:
+    """model.params_mb from --set, in bytes (None: the runs' model)."""
+    given = [item.partition("=")[2] for item in settings if item.partition("=")[0] == "model.params_mb"]
+    if not given:
+        return None
+    try:
+        mb = float(given[-1])
+    except ValueError:
+        mb = -1.0
+    if mb <= 0:
+        raise click.BadParameter(f"model.params_mb={given[-1]!r}: expected MB of parameters > 0", param_hint="--set")
+    return mb * 1e6
 
 
 def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...], message_us: float | None = None):
@@ -19,8 +34,8 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...], me
     given = {}
     for item in settings:
         key, sep, value = item.partition("=")
-        if not sep or key not in NET_KEYS:
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(NET_KEYS)}",
+        if not sep or key not in NET_KEYS + MODEL_KEYS:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(NET_KEYS + MODEL_KEYS)}",
                                      param_hint="--set")
         given[key] = value
     try:
@@ -45,7 +60,8 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...], me
 @click.option("--servers", type=int, default=1, show_default=True, help="Parameter-server shards.")
 @click.option("--engines", default="", help="Comma-separated engines or labels (default: the runs').")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms.")
+              help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms; "
+                   "model.params_mb=MB: a model of that many MB of parameters (compute grows in proportion).")
 @click.option("--message-us", type=click.FloatRange(min=0), default=None,
               help="A message's fixed cost to a rank that sends or receives it, in us, on the target "
                    "(default: 250, measured on this project's emulated links on 2 cores).")
@@ -92,7 +108,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
     if not workers or not net:
         raise click.UsageError("--workers and --net name the cluster to predict (or give --validate or --map)")
     targets = _targets(workers, net, servers, settings, message_us)
-    rows = predict(runs, labels, targets)
+    rows = predict(runs, labels, targets, _params_bytes(settings))
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
@@ -148,5 +164,5 @@ def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, se
         raise click.UsageError("--map needs --net, or runs on an emulated network")
     [like] = _targets("2", rate, servers, settings, message_us)
     counts = tuple(int(w) for w in workers.split(",")) if workers else predict_map.WORKERS
-    written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts)
+    written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts, params_bytes=_params_bytes(settings))
     click.echo(f"wrote {written}")

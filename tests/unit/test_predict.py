@@ -119,3 +119,21 @@ def test_a_periodic_schedule_is_measured_by_its_mean_over_whole_periods_without_
     flat = [{**r, "step_s": 0.5 if i == 4 else 0.1} for i, r in enumerate(records)]
     ring = Run(Path("/runs/r"), {"engine": "allreduce"}, {**summary, "engine": "allreduce"}, {0: flat})
     assert _measured_step(ring) == pytest.approx(0.1)
+
+
+def test_a_model_of_another_size_moves_its_bytes_and_computes_in_proportion(tmp_path):
+    """model.params_mb: twice the runs' bytes moved, and twice their compute."""
+    run = fake_run(tmp_path / "ar", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
+    target = Target(8, RATE_BITS / 8)
+    [plain] = predict([run], ["allreduce/library"], [target])
+    [big] = predict([run], ["allreduce/library"], [target], params_bytes=2 * M)
+    fixed = fixed_cost("allreduce/library", target)
+    assert big["compute_s"] == pytest.approx(2 * plain["compute_s"])
+    ratio = (plain["comm_s"] - fixed) / exchange("allreduce/library", target, M)
+    assert big["comm_s"] == pytest.approx(exchange("allreduce/library", target, 2 * M) * ratio + fixed)
+    out = CliRunner().invoke(predict_cmd, [str(tmp_path / "ar"), "--workers", "8", "--net", "200mbit", "--json",
+                                           "--set", f"model.params_mb={2 * M / 1e6}"])
+    assert json.loads(out.output)[0]["step_s"] == pytest.approx(big["step_s"])
+    bad = CliRunner().invoke(predict_cmd, [str(tmp_path / "ar"), "--workers", "8", "--net", "200mbit",
+                                           "--set", "model.params_mb=0"])
+    assert bad.exit_code != 0 and "model.params_mb" in bad.output
