@@ -143,14 +143,40 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
         measured = by_label.get(label)
         compute = (median(c for c, _ in measured) if measured else fallback) * grow
         ratio = median(r for _, r in measured) if measured else 1.0
-        for target in targets:
+        for i, target in enumerate(targets):
             comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
             step = compute + comm
             rows.append({"engine": label, "workers": target.workers,
                          "servers": target.servers if family(label) == "ps" else None,
                          "step_s": step, "compute_s": compute, "comm_s": comm, "calibrated": bool(measured),
-                         "samples_per_s": batch * target.workers / step if step > 0 and batch else None})
+                         "samples_per_s": batch * target.workers / step if step > 0 and batch else None,
+                         "efficiency": compute / step if step > 0 else 1.0,
+                         **link_bytes(label, target, nbytes), "target": i})
+    for i in range(len(targets)):  # the fastest engine of each target
+        here = [r for r in rows if r["target"] == i]
+        best = min(r["step_s"] for r in here)
+        for r in here:
+            r["fastest"] = r["step_s"] == best
+    for r in rows:
+        del r["target"]
     return rows
+
+
+def link_bytes(label: str, target: Target, nbytes: float) -> dict[str, float | None]:
+    """Bytes a step moves over the busiest worker's link and the busiest separate shard's (its
+    busier direction; None: no shard host), by the algorithm (analysis/linkmodel.phases)."""
+    from .linkmodel import phases
+
+    kind = family(label)
+    separate = kind == "ps" and target.placement == "separate"
+    steps = phases(label, target.workers, target.servers if kind == "ps" else 1, nbytes,
+                   target.placement if kind == "ps" else "colocated")
+
+    def busiest(prefix: str) -> float | None:
+        hosts = {h for phase in steps for h in phase if h.startswith(prefix)}
+        return max((max(sum(p[h][k] for p in steps if h in p) for k in (0, 1)) for h in hosts), default=None)
+
+    return {"worker_link_bytes": busiest("w") or 0.0, "shard_link_bytes": busiest("s") if separate else None}
 
 
 def _measured_step(run: Run) -> float:

@@ -113,11 +113,14 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         click.echo(json.dumps(rows, indent=1))
         return
     click.echo(f"{'engine':<28}{'workers':>8}{'servers':>8}{'step ms':>10}{'compute ms':>11}{'comm ms':>10}"
-               f"{'samples/s':>11}  calibrated")
+               f"{'samples/s':>11}{'efficiency':>11}{'worker MB':>10}{'shard MB':>9}  calibrated")
     for r in rows:
+        shard = f"{r['shard_link_bytes'] / 1e6:.3g}" if r["shard_link_bytes"] is not None else ""
         click.echo(f"{r['engine']:<28}{r['workers']:>8}{r['servers'] or '':>8}{1e3 * r['step_s']:>10.1f}"
                    f"{1e3 * r['compute_s']:>11.1f}{1e3 * r['comm_s']:>10.1f}"
-                   f"{r['samples_per_s'] or 0:>11.0f}  {'yes' if r['calibrated'] else 'no: ideal'}")
+                   f"{r['samples_per_s'] or 0:>11.0f}{100 * r['efficiency']:>10.0f}%"
+                   f"{r['worker_link_bytes'] / 1e6:>10.3g}{shard:>9}  {'yes' if r['calibrated'] else 'no: ideal'}"
+                   f"{'  fastest' if r['fastest'] else ''}")
 
 
 def _print_validation(runs, as_json: bool) -> None:

@@ -49,6 +49,16 @@ def test_the_json_rows_are_one_per_engine_and_worker_count(tmp_path):
     assert [(r["engine"], r["workers"], r["servers"]) for r in rows] == [
         ("allreduce/library", 4, None), ("allreduce/library", 1024, None), ("ps-sync", 4, 4), ("ps-sync", 1024, 4)]
     assert all(r["step_s"] > 0 for r in rows)
+    for r in rows:  # against one worker, whose step is its compute; the busiest links by the algorithm
+        assert r["efficiency"] == pytest.approx(r["compute_s"] / r["step_s"])
+    at = {(r["engine"], r["workers"]): r for r in rows}
+    assert at["allreduce/library", 4]["worker_link_bytes"] == pytest.approx(2 * 3 / 4 * M)
+    assert at["allreduce/library", 4]["shard_link_bytes"] is None
+    assert at["ps-sync", 1024]["worker_link_bytes"] == pytest.approx(M)
+    assert at["ps-sync", 1024]["shard_link_bytes"] == pytest.approx(1024 * M / 4)
+    for n in (4, 1024):  # one fastest engine per worker count, the one with the shortest step
+        fastest = [r for r in rows if r["workers"] == n and r["fastest"]]
+        assert fastest == [min((r for r in rows if r["workers"] == n), key=lambda r: r["step_s"])]
 
 
 def test_runs_on_loopback_and_bad_settings_are_refused_by_name(tmp_path):
