@@ -113,7 +113,7 @@ def calibration(run: Run) -> tuple[float, float]:
     cost set apart."""
     compute = compute_time(run)
     target = _own_target(run)
-    measured = median(r["step_s"] for r in run.steady_records()) - compute - fixed_cost(run.label, target)
+    measured = _measured_step(run) - compute - fixed_cost(run.label, target)
     played = exchange(run.label, target, float(gradient_bytes(run)), run.config.get("ps"))
     return compute, (measured / played if played > 0 else 1.0)
 
@@ -179,19 +179,28 @@ def link_bytes(label: str, target: Target, nbytes: float) -> dict[str, float | N
     return {"worker_link_bytes": busiest("w") or 0.0, "shard_link_bytes": busiest("s") if separate else None}
 
 
+def _asynchronous(run: Run) -> bool:
+    """ps-async, ps-ssp and AD-PSGD: no step waits for every worker."""
+    return run.label in ("ps-async", "ps-ssp") or \
+        (family(run.label) == "gossip" and (run.config.get("gossip") or {}).get("mode") == "async")
+
+
 def _measured_step(run: Run) -> float:
-    """A run's median step; where its schedule repeats every k > 1 steps (gossip on the
-    one-peer exponential graph), the mean step over whole periods, which is what a schedule
-    played over its period gives (the median of steps that alternate between a short and a
-    long one is either), less the steps' consensus measurement (consensus_s, an all-reduce
-    every gossip.consensus_every steps that the algorithm does not need)."""
+    """A run's median step. Where no step waits for every worker (_asynchronous), the mean
+    step: its steps are not alike, some waiting and some not, and what a schedule played in
+    lockstep gives is their mean (the run's pace). Where the schedule repeats every k > 1
+    steps (gossip on the one-peer exponential graph), the mean step over whole periods (the
+    median of steps that alternate between a short and a long one is either), less the
+    steps' consensus measurement (consensus_s, an all-reduce every gossip.consensus_every
+    steps that the algorithm does not need)."""
     from allreduce.topology import period
 
     label, workers = run.label, int(run.summary["workers"])
     k = period(label.split("/", 1)[1], workers) if family(label) == "gossip" else 1
     records = run.steady_records()
     if k == 1:
-        return median(r["step_s"] for r in records)
+        steps = [r["step_s"] - r.get("consensus_s", 0.0) for r in records]
+        return sum(steps) / len(steps) if _asynchronous(run) else median(steps)
     by_step: dict[int, list[float]] = {}
     for r in records:
         by_step.setdefault(int(r["step"]), []).append(r["step_s"] - r.get("consensus_s", 0.0))

@@ -112,7 +112,8 @@ def test_the_predict_grid_calibrates_at_2_workers_and_holds_out_the_rest():
 
 def test_a_periodic_schedule_is_measured_by_its_mean_over_whole_periods_without_consensus():
     """Gossip on the one-peer graph of 4 workers alternates its two peers (period 2): steps of
-    0.1 and 0.3 s measure 0.2, the consensus measurement left out; the ring's is its median."""
+    0.1 and 0.3 s measure 0.2, the consensus measurement left out; the ring's is its median,
+    and ps-async's its mean."""
     from pathlib import Path
 
     from analysis.predict import _measured_step
@@ -129,6 +130,9 @@ def test_a_periodic_schedule_is_measured_by_its_mean_over_whole_periods_without_
     flat = [{**r, "step_s": 0.5 if i == 4 else 0.1} for i, r in enumerate(records)]
     ring = Run(Path("/runs/r"), {"engine": "allreduce"}, {**summary, "engine": "allreduce"}, {0: flat})
     assert _measured_step(ring) == pytest.approx(0.1)
+    # no step of ps-async waits for every worker: its pace is its mean step
+    unsynced = Run(Path("/runs/a"), {"engine": "ps-async"}, {**summary, "engine": "ps-async"}, {0: flat})
+    assert _measured_step(unsynced) == pytest.approx((8 * 0.1 + 0.5 + (0.1 - 0.05)) / 10)  # steps 1-10
 
 
 def test_a_model_of_another_size_moves_its_bytes_and_computes_in_proportion(tmp_path):
