@@ -102,13 +102,13 @@ class AsyncGossipEngine(GossipEngine):
                     waiting.discard(source)
                     continue
                 dist.recv(theirs, src=source, group=self._group)
-                with self._lock, torch.no_grad():
+                with self._lock, torch.no_grad():  # step() reads and resets the count under it too
                     self._x.add_(theirs).div_(2)
                     reply = self._x.clone()
                     self._version += 1
                     self._ops.append([self._version, "average", source, step])
+                    self._served_bytes += nbytes(reply)
                 dist.send(reply, dst=source, group=self._group)
-                self._served_bytes += nbytes(reply)
         except BaseException as err:  # raised in the main thread at the next step
             self._failed = err
 

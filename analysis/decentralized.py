@@ -46,7 +46,7 @@ def name_of(run: Run) -> str:
     settings = run.config.get("allreduce") or {}
     if family(run.label) == "ring" and settings.get("outer", "none") != "none":
         return f"diloco every {settings.get('period', 1)}"
-    if family(run.label) == "gossip" and (run.config.get("gossip") or {}).get("mode") == "async":
+    if family(run.label) == "gossip" and run.asynchronous:
         return f"ad-psgd/{run.label.split('/', 1)[1]}"
     return run.label
 

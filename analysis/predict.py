@@ -96,13 +96,14 @@ def fixed_cost(label: str, target: Target) -> float:
     LINK_MESSAGE_S, the fixed cost measured on emulated links, allreduce/auto.py). A parameter
     server's messages are left to the calibration's ratio."""
     from allreduce.auto import LINK_MESSAGE_S
-    from allreduce.topology import peers
+
+    from .linkmodel import gossip_degree
 
     n, kind = target.workers, family(label)
     if n == 1 or kind in ("local", "ps"):
         return 0.0
     if kind == "gossip":
-        rounds = len(peers(label.split("/", 1)[1], 0, n, 0)[0])
+        rounds = gossip_degree(label, n)
     else:
         rounds = 3 * (n - 1) if label == "zero-3" else 2 * (n - 1)
     return rounds * 2 * (LINK_MESSAGE_S if target.message is None else target.message)
@@ -179,14 +180,8 @@ def link_bytes(label: str, target: Target, nbytes: float) -> dict[str, float | N
     return {"worker_link_bytes": busiest("w") or 0.0, "shard_link_bytes": busiest("s") if separate else None}
 
 
-def _asynchronous(run: Run) -> bool:
-    """ps-async, ps-ssp and AD-PSGD: no step waits for every worker."""
-    return run.label in ("ps-async", "ps-ssp") or \
-        (family(run.label) == "gossip" and (run.config.get("gossip") or {}).get("mode") == "async")
-
-
 def _measured_step(run: Run) -> float:
-    """A run's median step. Where no step waits for every worker (_asynchronous), the mean
+    """A run's median step. Where no step waits for every worker (Run.asynchronous), the mean
     step: its steps are not alike, some waiting and some not, and what a schedule played in
     lockstep gives is their mean (the run's pace). Where the schedule repeats every k > 1
     steps (gossip on the one-peer exponential graph), the mean step over whole periods (the
@@ -200,7 +195,7 @@ def _measured_step(run: Run) -> float:
     records = run.steady_records()
     if k == 1:
         steps = [r["step_s"] - r.get("consensus_s", 0.0) for r in records]
-        return sum(steps) / len(steps) if _asynchronous(run) else median(steps)
+        return sum(steps) / len(steps) if run.asynchronous else median(steps)
     by_step: dict[int, list[float]] = {}
     for r in records:
         by_step.setdefault(int(r["step"]), []).append(r["step_s"] - r.get("consensus_s", 0.0))

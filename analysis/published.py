@@ -79,6 +79,19 @@ BACKWARD_SHARE = 2 / 3
 it an exchange overlapped with backward can hide behind."""
 
 
+def rows() -> list[dict]:
+    """Each encoded result beside psar's prediction of its setting: the published efficiency,
+    psar's after backward and overlapped, the errors (predicted less published)."""
+    out = []
+    for r in RESULTS:
+        efficiency, overlapped, comm = predicted_efficiency(r)
+        out.append({"name": r.name, "source": r.source, "inputs": r.inputs, "engine": r.engine,
+                    "servers": r.servers, "gpus": r.servers * r.gpus_per_server, "compute_s": r.compute_s,
+                    "comm_s": comm, "published": r.figure, "predicted": efficiency, "error": efficiency - r.figure,
+                    "predicted_overlapped": overlapped, "error_overlapped": overlapped - r.figure})
+    return out
+
+
 def predicted_efficiency(result: Published) -> tuple[float, float, float]:
     """(psar's scaling efficiency with the exchange after backward, and with it overlapping
     backward wholly, and the exchange in seconds) for a published setting."""

@@ -93,6 +93,16 @@ class Run:
         return True
 
     @property
+    def asynchronous(self) -> bool:
+        """No step waits for every worker: the registry's async and ssp engines (ps-async,
+        ps-ssp, ps-easgd) and AD-PSGD (gossip.mode=async)."""
+        if not self.engine_known:
+            return False
+        if self.spec.family == "gossip":
+            return (self.config.get("gossip") or {}).get("mode") == "async"
+        return self.spec.consistency in ("async", "ssp")
+
+    @property
     def placement(self) -> str | None:
         """Where a ps-* run's shards were on an emulated network ("colocated", "separate", on
         racks "separate in racks 0,1"), with ", phased" under ps.exchange=phased; None for

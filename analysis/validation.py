@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from experiments.rundir.files import write_json
 
 from .predict import validate
 from .results import Run
@@ -32,9 +33,5 @@ def table(rows: list[dict]) -> str:
 def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
     """`psar compare predict`'s report: the table, and its rows in out/validation.json."""
     rows = validate(runs)
-    path = Path(out) / "validation.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(rows, indent=1))
-    partial.replace(path)
+    path = write_json(Path(out) / "validation.json", rows, indent=1)
     return "psar predict on the held-out runs (calibrated on the 2-worker runs alone):\n" + table(rows), [path]

@@ -13,24 +13,8 @@ NET_KEYS = ("net.placement", "net.racks", "net.uplink", "net.latency_ms")
 MODEL_KEYS = ("model.params_mb",)
 
 
-def _params_bytes(settings: tuple[str, ...]) -> float | None:
-    """model.params_mb from --set, in bytes (None: the runs' model)."""
-    given = [item.partition("=")[2] for item in settings if item.partition("=")[0] == "model.params_mb"]
-    if not given:
-        return None
-    try:
-        mb = float(given[-1])
-    except ValueError:
-        mb = -1.0
-    if mb <= 0:
-        raise click.BadParameter(f"model.params_mb={given[-1]!r}: expected MB of parameters > 0", param_hint="--set")
-    return mb * 1e6
-
-
-def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...], message_us: float | None = None):
-    from analysis.predict import Target
-    from experiments.settings.net import parse_rate
-
+def _given(settings: tuple[str, ...]) -> dict[str, str]:
+    """--set's KEY=VALUE items, each KEY one of NET_KEYS and MODEL_KEYS (the last wins)."""
     given = {}
     for item in settings:
         key, sep, value = item.partition("=")
@@ -38,6 +22,27 @@ def _targets(workers: str, net: str, servers: int, settings: tuple[str, ...], me
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(NET_KEYS + MODEL_KEYS)}",
                                      param_hint="--set")
         given[key] = value
+    return given
+
+
+def _params_bytes(given: dict[str, str]) -> float | None:
+    """model.params_mb in bytes (None: the runs' model)."""
+    if "model.params_mb" not in given:
+        return None
+    try:
+        mb = float(given["model.params_mb"])
+    except ValueError:
+        mb = -1.0
+    if mb <= 0:
+        raise click.BadParameter(f"model.params_mb={given['model.params_mb']!r}: expected MB of parameters > 0",
+                                 param_hint="--set")
+    return mb * 1e6
+
+
+def _targets(workers: str, net: str, servers: int, given: dict[str, str], message_us: float | None = None):
+    from analysis.predict import Target
+    from experiments.settings.net import parse_rate
+
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]
     except ValueError:
@@ -102,13 +107,13 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         return
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
+    given = _given(settings)
     if map_path is not None:
-        _draw_map(runs, labels, map_path, workers, net, servers, settings, message_us)
+        _draw_map(runs, labels, map_path, workers, net, servers, given, message_us)
         return
     if not workers or not net:
         raise click.UsageError("--workers and --net name the cluster to predict (or give --validate or --map)")
-    targets = _targets(workers, net, servers, settings, message_us)
-    rows = predict(runs, labels, targets, _params_bytes(settings))
+    rows = predict(runs, labels, _targets(workers, net, servers, given, message_us), _params_bytes(given))
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
@@ -132,15 +137,9 @@ def _print_validation(runs, as_json: bool) -> None:
 
 
 def _print_published(as_json: bool) -> None:
-    from analysis.published import NOT_ENCODED, RESULTS, predicted_efficiency
+    from analysis.published import NOT_ENCODED, RESULTS, rows as published_rows
 
-    rows = []
-    for r in RESULTS:
-        efficiency, overlapped, comm = predicted_efficiency(r)
-        rows.append({"name": r.name, "source": r.source, "inputs": r.inputs, "engine": r.engine,
-                     "servers": r.servers, "gpus": r.servers * r.gpus_per_server, "compute_s": r.compute_s,
-                     "comm_s": comm, "published": r.figure, "predicted": efficiency, "error": efficiency - r.figure,
-                     "predicted_overlapped": overlapped, "error_overlapped": overlapped - r.figure})
+    rows = published_rows()
     if as_json:
         click.echo(json.dumps({"encoded": rows, "not_encoded": [n.__dict__ for n in NOT_ENCODED]}, indent=1))
         return
@@ -159,13 +158,13 @@ def _print_published(as_json: bool) -> None:
         click.echo(f"  {n.name} ({n.source}): {n.why}")
 
 
-def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, settings, message_us) -> None:
+def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, given, message_us) -> None:
     from analysis import predict_map
 
     rate = net or runs[0].summary.get("network", {}).get("rate") or ""
     if not rate:
         raise click.UsageError("--map needs --net, or runs on an emulated network")
-    [like] = _targets("2", rate, servers, settings, message_us)
-    counts = tuple(int(w) for w in workers.split(",")) if workers else predict_map.WORKERS
-    written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts, params_bytes=_params_bytes(settings))
+    [like] = _targets("2", rate, servers, given, message_us)
+    counts = tuple(t.workers for t in _targets(workers, rate, servers, given)) if workers else predict_map.WORKERS
+    written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts, params_bytes=_params_bytes(given))
     click.echo(f"wrote {written}")
