@@ -24,7 +24,8 @@ from ps.codec import Codec, Packed
 from ps.flight import Handle, PSError, Result
 from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
-from ps.protocol import Limits, Message, encode
+from ps.protocol import Limits, Message, encode, encode_whole
+from ps.protocol_short import WholeKeys
 from ps.security import load_client_keys
 from ps.transport import ClientTransport, PeerTimeout, PollSet
 
@@ -80,6 +81,7 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         self._counted: dict[int, tuple[int, int]] = {}  # req -> (shard, bytes), push+pulls in the window
         self._reqs = itertools.count(1)
         self.layout: Layout | None = None
+        self._whole: list[WholeKeys] = []  # per shard, its whole keys (ps.protocol_short), once joined
         self._compressor = compressor
         self.codec: Codec | None = None  # once joined
         self.codec_s = 0.0  # seconds spent decompressing pulled gradients
@@ -144,6 +146,8 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         if layout.num_shards != len(self.addresses):
             raise PSError(f"layout has {layout.num_shards} shards but {len(self.addresses)} addresses were given")
         self.layout = layout
+        self._whole = [WholeKeys(layout, [k.id for k in layout.shard_keys(s)], self._limits)
+                       for s in range(layout.num_shards)]
         if self._compressor is not None:
             self.codec = Codec(self._compressor, layout)
         values = {}
@@ -186,34 +190,40 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         lowest priority leaves first (ties, and None, in the order of the calls): give every
         push+pull one, or none."""
         layout = self._need_layout()
-        if pull and any(isinstance(g, tuple) for g in grads.values()):
-            raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
         if (next_version or clock is not None) and not pull:
             raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
         by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = {}
-        packed = [isinstance(g, Packed) for g in grads.values()]
-        if any(packed) and not (all(packed) and self.codec is not None):
-            raise ValueError("push: compressed (Packed) keys need a client with a compressor, and "
-                             "every key of the push compressed")
         n_keys, wire = len(layout.keys), TORCH_DTYPES[self._wire] if self._wire else None
+        key_shard, key_dtype, keys_of = layout.key_shard, layout.key_dtype, layout.keys
+        n_packed = n_rows = 0
         for k, g in grads.items():
             if not (type(k) is int and 0 <= k < n_keys):
                 raise ValueError(f"push: key {k!r} is not in the layout (keys 0..{n_keys - 1})")
-            shard = layout.key_shard[k]
-            keys, tensors, row_ids = by_shard.get(shard) or by_shard.setdefault(shard, ([], [], []))
+            shard = key_shard[k]
+            entry = by_shard.get(shard)
+            if entry is None:
+                entry = by_shard[shard] = ([], [], [])
+            keys, tensors, row_ids = entry
             keys.append(k)
-            if isinstance(g, Packed):
-                tensors.append(g)
-                continue
-            ids, g = (self._row_ids(k, g[0]), g[1]) if isinstance(g, tuple) else (None, g)
+            ids = None
+            if type(g) is not torch.Tensor:
+                if isinstance(g, Packed):
+                    n_packed += 1
+                    tensors.append(g)
+                    continue
+                if isinstance(g, tuple):
+                    if pull:
+                        raise ValueError("push(pull=True) takes whole keys only; pull rows with pull(rows=...)")
+                    n_rows += 1
+                    ids, g = self._row_ids(k, g[0]), g[1]
             if g.requires_grad:
                 g = g.detach()
             if not g.is_cpu:
                 g = g.cpu()
             dim = layout.row_dim(k) if ids is not None else 0
-            numel = layout.keys[k].numel if ids is None else ids.numel() * dim
-            if g.numel() != numel or g.dtype != TORCH_DTYPES[layout.key_dtype[k]]:
-                raise ValueError(f"push: key {k} needs {numel} {layout.key_dtype[k]} values, got {g.numel()} {g.dtype}")
+            numel = keys_of[k].numel if ids is None else ids.numel() * dim
+            if g.numel() != numel or g.dtype != TORCH_DTYPES[key_dtype[k]]:
+                raise ValueError(f"push: key {k} needs {numel} {key_dtype[k]} values, got {g.numel()} {g.dtype}")
             row_ids.append(ids)
             # Compressed: the cast is the copy that leaves; otherwise the tensor leaves as it is.
             if wire is not None:
@@ -225,11 +235,13 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
             elif g.dim() != 1:
                 g = g.reshape(-1)
             tensors.append(g)
+        if n_packed and not (n_packed == len(grads) and self.codec is not None):
+            raise ValueError("push: compressed (Packed) keys need a client with a compressor, and "
+                             "every key of the push compressed")
         per_shard = {}
         for s, (keys, tensors, row_ids) in by_shard.items():
             v = version if version is not None else self.versions.get(s, 0)
             at = step if step is not None else self.versions.get(s, 0)  # sync: the shard's own step
-            sparse = any(i is not None for i in row_ids)
             header = {"op": "push", "step": at, "version": v, "keys": keys}
             if lr is not None:
                 header["lr"] = float(lr)
@@ -237,10 +249,18 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
                 header["hold"] = 1
             if pull:
                 header["pull"] = 1
-                header.update({n: c for n, c in (("min_version", self.versions.get(s, 0) + 1 if next_version else None),
-                                                 ("clock", clock)) if c is not None})
-            per_shard[s] = (header, tensors, row_ids if sparse else None) if not any(packed) else \
-                (header, None, None, [(p.frames, p.meta) for p in tensors])
+                if next_version:
+                    header["min_version"] = self.versions.get(s, 0) + 1
+                if clock is not None:
+                    header["clock"] = clock
+            if n_packed:
+                per_shard[s] = (header, None, None, [(p.frames, p.meta) for p in tensors])
+            elif n_rows or wire is not None:
+                per_shard[s] = (header, tensors, row_ids if n_rows else None)
+            else:  # whole keys as the layout has them: its dtypes and shapes
+                header["dtypes"] = [key_dtype[k] for k in keys]
+                header["shapes"] = [layout.key_wire_shape[k] for k in keys]
+                per_shard[s] = (header, tensors)
         return self._start("push+pull" if pull else "push", per_shard, conditional=next_version or clock is not None,
                            priority=priority)
 
@@ -395,8 +415,9 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         for s, (header, tensors, *ids) in per_shard.items():
             req = next(self._reqs)
             header["worker"], header["req"] = self.worker, req  # each header is built for this call
-            frames = encode(header, tensors, ids[0] if ids else None, ids[1] if len(ids) > 1 else None)
-            nbytes = sum(len(f) for f in frames)  # bytes, or byte views (ps.protocol.encode)
+            frames = encode(header, tensors, ids[0] if ids else None, ids[1] if len(ids) > 1 else None) \
+                if ids or header["op"] != "push" else encode_whole(header, tensors)  # push's (header, tensors): whole keys
+            nbytes = sum(map(len, frames))  # bytes, or byte views (ps.protocol.encode)
             if kind == "push+pull":
                 self._push_pull(s, req, frames, nbytes, priority)
             else:

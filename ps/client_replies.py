@@ -12,6 +12,7 @@ import time
 
 from ps.flight import Handle, PSError
 from ps.protocol import ProtocolError, decode
+from ps.protocol_short import decode_reply
 from ps.transport import PeerTimeout
 
 log = logging.getLogger("psar.ps.client")
@@ -79,9 +80,10 @@ class Replies:
         return came
 
     def _file(self, s: int, frames: list) -> None:
-        self.bytes_recv += sum(len(f) for f in frames)  # bytes, or byte views (ps.transport)
+        self.bytes_recv += sum(map(len, frames))  # bytes, or byte views (ps.transport)
+        msg = decode_reply(frames, self._whole[s]) if self._whole else None
         try:
-            msg = decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire, codec=self.codec)
+            msg = msg or decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire, codec=self.codec)
         except ProtocolError as e:
             raise PSError(f"malformed reply from {self.addresses[s]} (shard {s}): {e}") from e
         h = self._inflight.pop(msg.req, None)

@@ -64,13 +64,31 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, timeout_s: float
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
 
 
+_BASE = zmq.Socket.__mro__[1]
+"""pyzmq's compiled socket under its Python one: send, recv and poll called on it directly skip
+the Python wrappers (per part: an isinstance, an enum's `|`, a method; a Poller per
+Socket.poll), about 4 us a message each way on a 2-core machine, several times that on a
+core that has just slept in a poll."""
+_SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
+_send, _recv = _BASE.send, _BASE.recv
+
+
+def _send_parts(sock: zmq.Socket, frames: Sequence[Any]) -> None:
+    """Send frames as one message, without a copy above pyzmq's copy threshold."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _send(sock, f, _SNDMORE if i < last else 0, False)
+
+
 def _receive(sock: zmq.Socket, heads: int, flags: int = 0) -> list:
     """The parts of the next message: its first `heads` parts (identity, header: small) as
     bytes, which costs less than a zmq.Frame and its view; the rest (tensors) as views on
     frames, without a copy. zmq.Again where flags has NOBLOCK and nothing is there."""
-    parts = [sock.recv(flags)]
-    while sock.getsockopt(zmq.RCVMORE):
-        parts.append(sock.recv() if len(parts) < heads else sock.recv(copy=False).buffer)
+    frame = _recv(sock, flags, False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _recv(sock, 0, False)
+        parts.append(frame.bytes if len(parts) < heads else frame.buffer)
     return parts
 
 
@@ -220,10 +238,7 @@ class ServerTransport:
         self._throttle = Throttle(log)  # refused handshakes (a client retrying), failed replies
         self._monitor = _monitor(self._sock, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                                  | zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        if self._monitor is not None:
-            self._poller.register(self._monitor, zmq.POLLIN)
+        self._polled = [(self._sock, _POLLIN)] + ([(self._monitor, _POLLIN)] if self._monitor is not None else [])
         if curve is not None:
             log.info("%s: CURVE on; clients allowed by the public keys in %s", self.address, curve.allowed_dir)
 
@@ -231,10 +246,10 @@ class ServerTransport:
         """(peer identity, frames) of the next message, or None if none came within timeout_s."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            ready = dict(self._poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
-            if self._monitor in ready:
+            ready = zmq.zmq_poll(self._polled, max(0, int((deadline - time.monotonic()) * 1000)))
+            if len(ready) > 1 or ready and ready[0][0] is self._monitor:
                 self._note_events()
-            if self._sock in ready:
+            if ready and ready[0][0] is self._sock:
                 identity, *frames = _receive(self._sock, heads=2)
                 return identity, frames
             if time.monotonic() >= deadline:
@@ -255,7 +270,7 @@ class ServerTransport:
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         """Send to peer; False (and a log line) if the peer is gone or its queue stays full."""
         try:
-            self._sock.send_multipart([peer, *frames], copy=False)
+            _send_parts(self._sock, [peer, *frames])
             return True
         except (zmq.Again, zmq.ZMQError) as e:  # a peer gone: one line per kind and interval
             self._throttle.log(logging.WARNING, ("send", type(e), getattr(e, "errno", None)),
@@ -311,7 +326,7 @@ class ClientTransport:
             self._drained = now
             self.handshake_error()
         try:
-            self._sock.send_multipart(list(frames), copy=False)
+            _send_parts(self._sock, frames)
         except zmq.Again as e:
             why = self.handshake_error()  # a refused handshake leaves no connection to queue on
             if why:
@@ -323,12 +338,12 @@ class ClientTransport:
     def recv_ready(self) -> list[memoryview] | None:
         """Frames of a message already here, None if none is (never waits)."""
         try:
-            return _receive(self._sock, 1, zmq.NOBLOCK)
+            return _receive(self._sock, 1, _NOBLOCK)
         except zmq.Again:
             return None
 
     def readable(self, timeout_s: float = 0.0) -> bool:
-        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+        return bool(zmq.zmq_poll([(self._sock, _POLLIN)], max(0, int(timeout_s * 1000))))
 
     def recv(self, timeout_s: float, what: str = "a reply") -> list[memoryview]:
         """Frames of the next message; PeerTimeout naming the address if none within timeout_s."""
@@ -362,12 +377,9 @@ class PollSet:
     """One poller over a fixed list of client transports (a worker's shards), made once."""
 
     def __init__(self, transports: Sequence[ClientTransport]) -> None:
-        self._poller = zmq.Poller()
-        self._index = {}
-        for i, t in enumerate(transports):
-            self._poller.register(t.socket, zmq.POLLIN)
-            self._index[t.socket] = i
+        self._polled = [(t.socket, _POLLIN) for t in transports]
+        self._index = {t.socket: i for i, t in enumerate(transports)}
 
     def poll(self, timeout_s: float) -> list[int]:
         """Indexes of the transports with a message waiting, after at most timeout_s."""
-        return [self._index[s] for s, _ in self._poller.poll(max(0, int(timeout_s * 1000)))]
+        return [self._index[s] for s, _ in zmq.zmq_poll(self._polled, max(0, int(timeout_s * 1000)))]

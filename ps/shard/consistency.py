@@ -85,6 +85,11 @@ class Rule:
         if msg.get("hold"):
             raise Reject(HOLD_ONLY_SYNC)
 
+    def takes(self, w: int, step: int, lr: float | None) -> bool:
+        """Whether check_step and check_push pass, without raising, for a push of whole keys
+        that holds nothing (ps.shard.fastpath's question; False where it is unsure)."""
+        return True
+
     def push(self, w: int, step: int, keys: list[int], grads: list[torch.Tensor],
              ids: list[torch.Tensor | None], lr: float | None, hold: bool) -> None:
         """Take a validated push: update now, or once the rule says so."""
@@ -223,6 +228,11 @@ class SyncRule(Rule):
         if step != self.host.version:
             raise Reject(f"sync push for step {step}, but the shard is at step {self.host.version}; "
                          f"pull with min_version={step} first")
+
+    def takes(self, w: int, step: int, lr: float | None) -> bool:
+        """A push of the step under way, not among held ones, at the step's learning rate (a
+        late push, dropped, goes the general way)."""
+        return step == self.host.version and not self._step_hold and (lr is None or self._step_lr in (None, lr))
 
     def check_push(self, w: int, step: int, msg: Message) -> None:
         hold, lr = bool(msg.get("hold")), msg.get("lr")

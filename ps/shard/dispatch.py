@@ -72,17 +72,20 @@ class Dispatcher:
                 raise Reject(f"worker {w} has not joined; send join first", code="not_joined")
             self.workers.seen[w] = self.clock()
             replies = self.handlers[msg.op](peer, msg)
-        except Reject as e:
-            self.counters["rejected"] += 1
-            self._throttle.log(logging.INFO, ("rejected", msg.op, e.code), "shard %d: rejected %s from worker %d: %s",
-                               self.shard, msg.op, msg.worker, e)
-            return [self.error(peer, msg.worker, msg.req, f"shard {self.shard}: {e}", e.code)]
-        except Exception as e:  # a bug or an optimizer failure must not take the shard down silently
-            self.counters["rejected"] += 1
-            log.exception("shard %d: internal error on %s from worker %d", self.shard, msg.op, msg.worker)
-            return [self.error(peer, msg.worker, msg.req,
-                               f"shard {self.shard}: internal error: {type(e).__name__}: {e}")]
+        except Exception as e:
+            return [self.failed(peer, msg.worker, msg.req, msg.op, e)]
         return replies + self.then()
+
+    def failed(self, peer: bytes, worker: int, req: int, op: str, e: Exception) -> Reply:
+        """The error reply to a valid request that its handler refused (Reject) or failed on
+        (a bug or an optimizer failure must not take the shard down silently)."""
+        self.counters["rejected"] += 1
+        if isinstance(e, Reject):
+            self._throttle.log(logging.INFO, ("rejected", op, e.code), "shard %d: rejected %s from worker %d: %s",
+                               self.shard, op, worker, e)
+            return self.error(peer, worker, req, f"shard {self.shard}: {e}", e.code)
+        log.exception("shard %d: internal error on %s from worker %d", self.shard, op, worker)
+        return self.error(peer, worker, req, f"shard {self.shard}: internal error: {type(e).__name__}: {e}")
 
     def send(self, peer: bytes, frames: list) -> Reply:
         self.counters["bytes_out"] += nbytes(frames)

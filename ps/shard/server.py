@@ -30,6 +30,7 @@ from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import REQUESTS, Limits, Message, encode
 from ps.shard.consistency import rule_for
 from ps.shard.dispatch import Dispatcher, Reply, serve
+from ps.shard.fastpath import PushPullPath
 from ps.shard.optim import ShardOptimizer
 from ps.shard.reject import Reject
 from ps.shard.settings import SettingsCheck
@@ -123,6 +124,7 @@ class ShardServer(ShardState):
         self.stopped = False
         self.staleness: dict[int, int] = {}
         self.max_clock_gap = 0
+        self._short = PushPullPath(self)
 
     @property
     def finished(self) -> bool:
@@ -132,8 +134,10 @@ class ShardServer(ShardState):
     # -- the handler -------------------------------------------------------------------------
 
     def handle(self, peer: bytes, frames: Sequence[Any]) -> list[Reply]:
-        """Handle one request; return the replies to send (possibly to other, waiting peers)."""
-        return self._dispatch.handle(peer, frames, self.aborted)
+        """Handle one request; return the replies to send (possibly to other, waiting peers).
+        A push+pull of whole keys takes the short path where it can (ps.shard.fastpath)."""
+        replies = self._short(peer, frames)
+        return replies if replies is not None else self._dispatch.handle(peer, frames, self.aborted)
 
     def tick(self) -> list[Reply]:
         """Periodic work: declare silent workers lost, answer pulls now ready or out of time."""

@@ -1,0 +1,167 @@
+"""The shard's short path for a push+pull (ps.shard.fastpath) against its general path: the
+same messages, good and bad, given to two shards, one of which may take the short path,
+leave the same replies byte for byte, the same parameters in float64 and the same counters;
+and the short path does take the messages it is for."""
+
+import random
+
+import pytest
+import torch
+
+from ps.config import PSConfig
+from ps.layout import ParamSpec, build_layout, split_values
+from ps.protocol import decode, encode
+from ps.shard import ShardServer
+
+SPECS = [ParamSpec("w", (4, 3), "float64"), ParamSpec("b", (3,), "float64"), ParamSpec("e", (6,), "float64")]
+LAYOUT = build_layout(SPECS, 2, 5)  # keys on two shards; shard 0 is tested
+MINE = [k.id for k in LAYOUT.shard_keys(0)]
+OTHER = [k.id for k in LAYOUT.shard_keys(1)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 10.0
+
+    def __call__(self):
+        return self.now
+
+
+def shard(mode, workers, optimizer, short):
+    torch.manual_seed(0)
+    init = [torch.randn(s.shape, dtype=torch.float64) for s in SPECS]
+    server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), optimizer, mode, workers,
+                         PSConfig(staleness=1), clock=Clock())
+    taken = []
+    if short:
+        path = server._short
+
+        def counted(peer, frames):
+            replies = path(peer, frames)
+            taken.append(replies is not None)
+            return replies
+        server._short = counted
+    else:
+        server._short = lambda peer, frames: None
+    return server, taken
+
+
+def frames_of(header, tensors):
+    """A message as the transport hands it over: the header as bytes, tensors as writable views."""
+    frames = encode(header, tensors)
+    return [bytes(frames[0])] + [memoryview(bytearray(f)) for f in frames[1:]]
+
+
+def bad(rng, header, tensors):
+    """One way or another, a push+pull the protocol or the shard refuses (or reads the long way)."""
+    h, t = dict(header), list(tensors)
+    kind = rng.randrange(14)
+    if kind == 0:
+        h["version"] = h["version"] + 5  # a version the shard has not reached
+    elif kind == 1:
+        h["pull"] = True
+    elif kind == 2:
+        h["step"] = float(h["step"])
+    elif kind == 3:
+        h["worker"] = 7  # not a worker of this run
+    elif kind == 4:
+        h["extra"] = 1
+    elif kind == 5:
+        del h["version"]
+    elif kind == 6:
+        h["keys"] = [OTHER[0]] + h["keys"][1:]  # another shard's key
+    elif kind == 7:
+        h["keys"] = [h["keys"][0]] * len(h["keys"])  # a key twice (or once, when alone)
+    elif kind == 8:
+        t[0] = t[0][:-1]  # a frame one value short
+    elif kind == 9:
+        t[0] = t[0].float()  # another dtype
+    elif kind == 10:
+        h["lr"] = -1.0
+    elif kind == 11:
+        h["lr"] = 0.25  # a learning rate of its own (sync: unlike the step's)
+    elif kind == 12:
+        h["v"] = 2
+    else:
+        h["clock"] = -1
+    frames = encode({k: v for k, v in h.items() if k not in ("dtypes", "shapes")}, t) if kind not in (8, 9) else \
+        encode(h, t)
+    out = [bytes(frames[0])] + [memoryview(bytearray(f)) for f in frames[1:]]
+    if kind == 9:
+        out = [bytes(frames[0])] + [bytes(f) for f in frames[1:]]  # read-only: read the long way, still good
+    return out
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optimizer):
+    rng = random.Random(f"{mode}-{optimizer}")
+    workers = 3
+    a, taken = shard(mode, workers, OPTIMIZERS[optimizer], short=True)
+    b, _ = shard(mode, workers, OPTIMIZERS[optimizer], short=False)
+    req = 0
+
+    def both(peer, frames):
+        copy = [f if isinstance(f, bytes) else memoryview(bytearray(f)) for f in frames]
+        ra, rb = a.handle(peer, frames), b.handle(peer, copy)
+        assert [(p, [bytes(f) for f in fs]) for p, fs in ra] == [(p, [bytes(f) for f in fs]) for p, fs in rb]
+        return ra
+
+    for w in range(workers):
+        both(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
+    clocks = [0] * workers
+    for step in range(6):
+        order = list(range(workers))
+        rng.shuffle(order)
+        for w in order:
+            keys = MINE[:]
+            rng.shuffle(keys)
+            for part in (keys[:1], keys[1:]):  # a step's keys in two messages, in some order
+                req += 1
+                grads = [torch.randn(LAYOUT.keys[k].numel, dtype=torch.float64) for k in part]
+                header = {"op": "push", "worker": w, "req": req, "step": step if mode == "sync" else clocks[w],
+                          "version": a.version if mode != "sync" else step, "keys": part, "pull": 1}
+                if mode == "sync":
+                    header["min_version"] = step + 1
+                else:
+                    header["clock"] = clocks[w] + 1
+                if rng.random() < 0.2:
+                    header["lr"] = 0.05
+                if rng.random() < 0.3:
+                    both(f"w{w}".encode(), bad(rng, header, grads))
+                    req += 1
+                    header["req"] = req
+                both(f"w{w}".encode(), frames_of(header, grads))
+                if rng.random() < 0.1:  # the same push again: refused
+                    req += 1
+                    both(f"w{w}".encode(), frames_of({**header, "req": req}, grads))
+            clocks[w] += 1
+        a.clock.now += 0.01
+        b.clock.now += 0.01
+        both(b"w0", frames_of({"op": "heartbeat", "worker": 0, "req": req + 1}, None))
+    for k in MINE:
+        assert torch.equal(a.chunks[k], b.chunks[k]), k
+    assert a.stats() == b.stats()
+    assert a.version == b.version > 0
+    assert any(taken) and not all(taken)  # the short path took some, the general one the rest
+
+
+def test_short_path_takes_a_push_pull_and_its_reply_decodes():
+    server, taken = shard("async", 1, OPTIMIZERS["sgd"], short=True)
+    server.handle(b"w0", encode({"op": "join", "worker": 0, "req": 0}))
+    grads = [torch.ones(LAYOUT.keys[k].numel, dtype=torch.float64) for k in MINE]
+    before = {k: server.chunks[k].clone() for k in MINE}
+    (peer, frames), = server.handle(b"w0", frames_of({"op": "push", "worker": 0, "req": 1, "step": 0, "version": 0,
+                                                      "keys": MINE, "pull": 1, "clock": 1}, grads))
+    assert taken == [False, True] and peer == b"w0"  # the join, then the push+pull
+    reply = decode(frames, LAYOUT, shard=0)
+    assert reply.op == "ok" and reply.keys == MINE and reply.get("staleness") == 0
+    for k, t in zip(MINE, reply.tensors):
+        assert torch.equal(t, before[k] - 0.1)
