@@ -28,7 +28,7 @@ A rule works on its shard through the small Host interface below, so it is teste
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -54,8 +54,10 @@ class Host(Protocol):
     config: PSConfig
     counters: dict[str, int]  # a rule counts "updates", "row_collisions" and "dropped_keys"
 
-    def apply(self, keys: Sequence[int], label: str, count: bool = True, lr: float | None = None) -> None:
-        """One optimizer step over the chunks of keys, whose .grad the rule has set."""
+    def apply(self, keys: Sequence[int], label: Callable[[], str] | str, count: bool = True,
+              lr: float | None = None) -> None:
+        """One optimizer step over the chunks of keys, whose .grad the rule has set (label: what
+        a trace calls it, or a function that says, called only where there is a trace)."""
 
     def bump(self) -> None:
         """The version goes up by one."""
@@ -170,7 +172,7 @@ class AsyncRule(Rule):
             if i is not None:
                 host.counters["row_collisions"] += self.rows.count(k, w, i, host.counters["updates"] + 1)
             host.chunks[k].grad = grad_of(host.chunks[k].shape, g, i)  # optimizers only read it
-        host.apply(keys, f"apply push of worker {w} (step {step})", lr=lr)
+        host.apply(keys, lambda: f"apply push of worker {w} (step {step})", lr=lr)
         if host.workers.note_keys(w, step, keys):
             host.bump()
 
@@ -334,7 +336,7 @@ class SyncRule(Rule):
             return
         if ready:
             named = f"key {ready[0]}" if len(ready) == 1 else f"keys {ready[0]}..{ready[-1]} ({len(ready)})"
-            host.apply(ready, f"update {named} (step {host.version}, {len(live)} workers)", count=False,
+            host.apply(ready, lambda: f"update {named} (step {host.version}, {len(live)} workers)", count=False,
                        lr=self._step_lr)
             self._updated.update(ready)
         if len(self._updated) == len(host.keys):

@@ -383,10 +383,12 @@ class ShardServer(ShardState):
 
     # -- state ---------------------------------------------------------------------------------
 
-    def apply(self, keys: Sequence[int], label: str, count: bool = True, lr: float | None = None) -> None:
+    def apply(self, keys: Sequence[int], label: Callable[[], str] | str, count: bool = True,
+              lr: float | None = None) -> None:
         """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
         skip every chunk without one), at learning rate lr (None: the optimizer's). count: it
-        is an update of the shard (the counter)."""
+        is an update of the shard (the counter). label: the trace's name for it, or a function
+        giving it (called only with a trace: a push's update does not format its name)."""
         start = time.time() if self.trace is not None else 0.0
         if self.pulls is not None:  # the update applies what its pull will carry
             began = time.perf_counter()
@@ -408,7 +410,8 @@ class ShardServer(ShardState):
             self.snapshots.updated(k)
         self.counters["updates"] += int(count)
         if self.trace is not None:
-            self.trace(label, start, time.time(), thread=f"shard {self.shard}", version=self.version)
+            self.trace(label() if callable(label) else label, start, time.time(), thread=f"shard {self.shard}",
+                       version=self.version)
 
     def bump(self) -> None:
         self.version += 1
