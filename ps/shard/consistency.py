@@ -68,6 +68,9 @@ class Rule:
     how many versions one step of every worker makes (for checkpoint periods)."""
 
     name = ""
+    may_release = True
+    """Whether the last push may have let a waiting request go on (sync: only one that made
+    a key ready); a shard that knows it did not skips the look at its waiting requests."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -251,6 +254,7 @@ class SyncRule(Rule):
                          f"lr={self._step_lr:g}: every worker must run the same learning-rate schedule")
 
     def push(self, w, step, keys, grads, ids, lr, hold) -> None:
+        self.may_release = False
         self.host.workers.note_keys(w, step, keys)
         stale = self.over() or step < self.host.version
         late = {j for j, k in enumerate(keys) if stale or k in self._updated}
@@ -272,7 +276,7 @@ class SyncRule(Rule):
                 self.summing += g.numel() * g.element_size()
                 self.most_summing = max(self.most_summing, self.summing)
             self._pushed.setdefault(k, set()).add(w)
-        self._update_ready()
+        self._update_ready(keys)  # a push makes only its own keys ready
 
     def over(self) -> bool:
         """With backups, once a worker has left the run is over: a worker still pushing (its
@@ -307,15 +311,19 @@ class SyncRule(Rule):
         self._update_ready()
         return w not in self.host.workers.joining
 
-    def _update_ready(self) -> None:
-        """Update each key every live worker has pushed; once all are, the step is done. A held
-        step (a clip) keeps the averaged gradients until a pull brings the scale."""
+    def _update_ready(self, keys: Sequence[int] | None = None) -> None:
+        """Update each key (of keys; None: of the step) every live worker has pushed; once all
+        are, the step is done. A held step (a clip) keeps the averaged gradients until a pull
+        brings the scale. A push passes its own keys, the only ones it can make ready: a look
+        at every key pushed so far after each message cost a shard of K keys K*K looks a step."""
         host, live = self.host, self.host.workers.live()
         if not live:
             return
-        needed = self.needed(live)
-        ready = [k for k in self._pushed if k not in self._updated and k not in self._held
-                 and len(live & self._pushed[k]) >= needed]
+        needed, pushed = self.needed(live), self._pushed
+        ready = [k for k in (pushed if keys is None else keys) if k in pushed and k not in self._updated
+                 and k not in self._held and len(live & pushed[k]) >= needed]
+        if ready:
+            self.may_release = True
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed

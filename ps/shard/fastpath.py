@@ -85,9 +85,10 @@ class PushPullPath:
         if clock is not None:
             pull["clock"] = clock
         msg = Message(pull)
+        others = s._release() if rule.may_release else []  # sync: only a push that made a key ready
         if mv is not None and rule.version_of(keys) < mv and not rule.over() or not rule.pull_ready(msg):
             s.waiting.add(peer, msg, s.clock(), s.config.timeout_s, {"staleness": stale})
-            return s._release()
+            return others
         if clock is not None:
             s._note_gap(msg)
         header = {"v": PROTOCOL_VERSION, "op": "ok", "worker": w, "req": req, "version": rule.version_of(keys),
@@ -99,4 +100,4 @@ class PushPullPath:
             t = chunks[k].detach()  # a view of its own: the reply counts as a use (ps.shard.snapshots)
             out.append(memoryview((t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()).cast("B"))
         counters["bytes_out"] += len(out[0]) + sum(f.nbytes for f in out[1:])
-        return [(peer, out), *s._release()]
+        return [(peer, out), *others]
