@@ -13,6 +13,8 @@ import struct
 import threading
 
 import _pickle
+import time
+
 import pytest
 import torch
 
@@ -120,6 +122,11 @@ def test_allowed_client_joins_pushes_and_pulls(keys):
             for got, start in zip(join_values(LAYOUT, result.values), init_params()):
                 assert torch.equal(got, start - 0.5)
             assert [s["updates"] for s in c.stats()] == [1, 1]
+            # Both connections (requests, heartbeats) complete their handshakes; the heartbeat
+            # thread's may finish after a fast exchange, so wait for it while the client lives.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not all(t.events["handshakes"] >= 2 for t in cl.transports):
+                time.sleep(0.01)
         assert all(t.events["handshakes"] >= 2 and t.events["refused"] == 0 for t in cl.transports)
 
 
