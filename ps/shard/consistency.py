@@ -71,6 +71,9 @@ class Rule:
     may_release = True
     """Whether the last push may have let a waiting request go on (sync: only one that made
     a key ready); a shard that knows it did not skips the look at its waiting requests."""
+    readied: set[int] | None = None
+    """The keys the last push made ready, where only those changed (sync, within a step):
+    only pulls of them are asked whether they may go on; None: every waiting request is."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -254,7 +257,7 @@ class SyncRule(Rule):
                          f"lr={self._step_lr:g}: every worker must run the same learning-rate schedule")
 
     def push(self, w, step, keys, grads, ids, lr, hold) -> None:
-        self.may_release = False
+        self.may_release, self.readied = False, set()
         self.host.workers.note_keys(w, step, keys)
         stale = self.over() or step < self.host.version
         late = {j for j, k in enumerate(keys) if stale or k in self._updated}
@@ -324,6 +327,8 @@ class SyncRule(Rule):
                  and k not in self._held and len(live & pushed[k]) >= needed]
         if ready:
             self.may_release = True
+            if self.readied is not None:
+                self.readied.update(ready)
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed
@@ -351,6 +356,7 @@ class SyncRule(Rule):
             self._end_step()
 
     def _end_step(self) -> None:
+        self.readied = None  # a new version: any waiting request may go on
         self.host.workers.joining.clear()  # rejoined workers count from the next step
         self.host.counters["updates"] += 1
         self._step_lr = self._step_hold = None

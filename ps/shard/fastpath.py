@@ -85,7 +85,7 @@ class PushPullPath:
         if clock is not None:
             pull["clock"] = clock
         msg = Message(pull)
-        others = s._release() if rule.may_release else []  # sync: only a push that made a key ready
+        others = s._release(rule.readied) if rule.may_release else []  # sync: a push that made keys ready
         if mv is not None and rule.version_of(keys) < mv and not rule.over() or not rule.pull_ready(msg):
             s.waiting.add(peer, msg, s.clock(), s.config.timeout_s, {"staleness": stale})
             return others

@@ -327,12 +327,13 @@ class ShardServer(ShardState):
             parts.append(f"workers {others} to leave")
         return " and ".join(parts) or "nothing"
 
-    def _release(self) -> list[Reply]:
-        """Answer the waiting requests whose condition now holds."""
+    def _release(self, keys: set[int] | None = None) -> list[Reply]:
+        """Answer the waiting requests whose condition now holds (keys: only these keys were
+        updated since the last look, see Waiting.ready)."""
         if self.aborted or not self.waiting:
             return []
         return [self._answer(d.peer, d.msg, waited_us=int(waited * 1e6), **d.fields)
-                for d, waited in self.waiting.ready(self._ready, self.clock())]
+                for d, waited in self.waiting.ready(self._ready, self.clock(), keys)]
 
     def _lose(self, w: int, reason: str) -> None:
         self.workers.lose(w, reason)

@@ -35,11 +35,21 @@ class Waiting:
     def add(self, peer: bytes, msg: Message, now: float, timeout_s: float, fields: dict) -> None:
         self._waiting.append(Waiter(peer, msg, now, now + timeout_s, fields))
 
-    def ready(self, holds: Callable[[Message], bool], now: float) -> list[tuple[Waiter, float]]:
-        """(waiter, seconds waited) of each request whose condition now holds, taken out."""
+    def ready(self, holds: Callable[[Message], bool], now: float,
+              keys: set[int] | None = None) -> list[tuple[Waiter, float]]:
+        """(waiter, seconds waited) of each request whose condition now holds, taken out.
+        keys: only these keys were updated since the last look (a sync step under way), so a
+        pull of keys that are all others cannot have become ready and is not asked about."""
         out = []
-        for d in [d for d in self._waiting if holds(d.msg)]:
-            self._waiting.remove(d)
+        if keys is None:
+            found = [d for d in self._waiting if holds(d.msg)]
+        else:
+            found = [d for d in self._waiting if (d.msg.op != "pull" or not d.msg.keys
+                                                  or not keys.isdisjoint(d.msg.keys)) and holds(d.msg)]
+        if found:
+            kept = set(map(id, found))
+            self._waiting = [d for d in self._waiting if id(d) not in kept]
+        for d in found:
             waited = now - d.since
             self.waits["count"] += 1
             self.waits["total_s"] += waited
