@@ -255,8 +255,8 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
                     header["clock"] = clock
             if n_packed:
                 per_shard[s] = (header, None, None, [(p.frames, p.meta) for p in tensors])
-            elif n_rows or wire is not None:
-                per_shard[s] = (header, tensors, row_ids if n_rows else None)
+            elif n_rows or wire is not None:  # rows only in the messages of shards that hold pushed rows
+                per_shard[s] = (header, tensors, row_ids if any(i is not None for i in row_ids) else None)
             else:  # whole keys as the layout has them: its dtypes and shapes
                 header["dtypes"] = [key_dtype[k] for k in keys]
                 header["shapes"] = [layout.key_wire_shape[k] for k in keys]
