@@ -144,22 +144,19 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
         measured = by_label.get(label)
         compute = (median(c for c, _ in measured) if measured else fallback) * grow
         ratio = median(r for _, r in measured) if measured else 1.0
-        for i, target in enumerate(targets):
+        for target in targets:
             comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
             step = compute + comm
             rows.append({"engine": label, "workers": target.workers,
                          "servers": target.servers if family(label) == "ps" else None,
                          "step_s": step, "compute_s": compute, "comm_s": comm, "calibrated": bool(measured),
                          "samples_per_s": batch * target.workers / step if step > 0 and batch else None,
-                         "efficiency": compute / step if step > 0 else 1.0,
-                         **link_bytes(label, target, nbytes), "target": i})
-    for i in range(len(targets)):  # the fastest engine of each target
-        here = [r for r in rows if r["target"] == i]
+                         "efficiency": compute / step if step > 0 else 1.0, **link_bytes(label, target, nbytes)})
+    for i in range(len(targets)):  # the fastest engine of each target (rows: label by label, target by target)
+        here = rows[i::len(targets)]
         best = min(r["step_s"] for r in here)
         for r in here:
             r["fastest"] = r["step_s"] == best
-    for r in rows:
-        del r["target"]
     return rows
 
 

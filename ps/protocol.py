@@ -71,9 +71,13 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
         t = t.detach()
     if t.dim() != 1:
         t = t.reshape(-1)
-    if dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return _raw(t)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a flat, contiguous CPU tensor without autograd, as a view (bfloat16 as
+    int16, the same bits: numpy has no bfloat16)."""
+    return memoryview((t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()).cast("B")
 
 
 def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None,
@@ -124,8 +128,17 @@ def encode_whole(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> lis
     """encode's frames of whole keys whose 'dtypes' and 'shapes' the header already names,
     as flat, contiguous CPU tensors without autograd (PSClient.push made each so, and
     checked it against the layout): without encode's look at every tensor."""
-    return [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True),
-            *[memoryview((t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()).cast("B") for t in tensors]]
+    return [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True), *map(_raw, tensors)]
+
+
+def pull_of(h: dict[str, Any]) -> Message:
+    """The pull a push+pull's header (h) asks for: its keys' values under its own min_version
+    and clock."""
+    pull = {"op": "pull", "v": h["v"], "worker": h["worker"], "req": h["req"], "keys": h["keys"]}
+    for f in ("min_version", "clock"):
+        if h.get(f) is not None:
+            pull[f] = h[f]
+    return Message(pull)
 
 
 def error_reply(worker: int, req: int, message: str, code: str | None = None) -> list[bytes]:
@@ -179,10 +192,7 @@ def decode(frames: Sequence[Any], layout: Layout | None = None, known_workers: C
     if head.nbytes > limits.max_header_bytes:
         _fail(f"header frame is {head.nbytes} bytes; at most {limits.max_header_bytes} allowed")
     try:
-        h = msgpack.unpackb(
-            head, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=limits.max_str_len, max_bin_len=0, max_ext_len=0,
-            max_array_len=limits.max_keys, max_map_len=limits.max_map_len)
+        h = msgpack.unpackb(head, **limits.unpack_options())
     except Exception as e:
         _fail(f"header frame is not valid msgpack within limits: {type(e).__name__}: {e}")
     if not isinstance(h, dict):

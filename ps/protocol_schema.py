@@ -80,6 +80,12 @@ class Limits:
     max_map_len: int = 1 << 12
     max_tensor_bytes: int = 1 << 30
 
+    def unpack_options(self) -> dict:
+        """msgpack.unpackb's options for a header within these bounds: str keys, lists, no
+        binary or extension types."""
+        return dict(raw=False, strict_map_key=True, use_list=True, max_str_len=self.max_str_len, max_bin_len=0,
+                    max_ext_len=0, max_array_len=self.max_keys, max_map_len=self.max_map_len)
+
 
 class Message:
     """A decoded message: the header dict and one tensor per entry of header['keys'] (if any).

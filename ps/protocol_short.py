@@ -34,9 +34,7 @@ class WholeKeys:
             nbytes = shape[0] * ITEMSIZE[dtype]
             if 0 < nbytes <= limits.max_tensor_bytes:  # an empty frame is decode's to read
                 self._table[k] = (dtype, shape, nbytes, TORCH_DTYPES[dtype])
-        self._unpack = dict(raw=False, strict_map_key=True, use_list=True, max_str_len=limits.max_str_len,
-                            max_bin_len=0, max_ext_len=0, max_array_len=limits.max_keys,
-                            max_map_len=limits.max_map_len)
+        self._unpack = limits.unpack_options()
         self._max_header = limits.max_header_bytes
 
     def header(self, frames: list) -> dict | None:

@@ -68,12 +68,10 @@ class Rule:
     how many versions one step of every worker makes (for checkpoint periods)."""
 
     name = ""
-    may_release = True
-    """Whether the last push may have let a waiting request go on (sync: only one that made
-    a key ready); a shard that knows it did not skips the look at its waiting requests."""
     readied: set[int] | None = None
-    """The keys the last push made ready, where only those changed (sync, within a step):
-    only pulls of them are asked whether they may go on; None: every waiting request is."""
+    """What the last push changed that a waiting request may wait for: the keys it made ready
+    within a step (sync; empty: nothing, no request can go on), or None: anything (a new
+    version, every async push). ShardServer._release asks the waiting requests accordingly."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -92,11 +90,6 @@ class Rule:
         """Refuse (Reject) a push's 'hold' and 'lr' where the rule cannot take them."""
         if msg.get("hold"):
             raise Reject(HOLD_ONLY_SYNC)
-
-    def takes(self, w: int, step: int, lr: float | None) -> bool:
-        """Whether check_step and check_push pass, without raising, for a push of whole keys
-        that holds nothing (ps.shard.fastpath's question; False where it is unsure)."""
-        return True
 
     def push(self, w: int, step: int, keys: list[int], grads: list[torch.Tensor],
              ids: list[torch.Tensor | None], lr: float | None, hold: bool) -> None:
@@ -237,11 +230,6 @@ class SyncRule(Rule):
             raise Reject(f"sync push for step {step}, but the shard is at step {self.host.version}; "
                          f"pull with min_version={step} first")
 
-    def takes(self, w: int, step: int, lr: float | None) -> bool:
-        """A push of the step under way, not among held ones, at the step's learning rate (a
-        late push, dropped, goes the general way)."""
-        return step == self.host.version and not self._step_hold and (lr is None or self._step_lr in (None, lr))
-
     def check_push(self, w: int, step: int, msg: Message) -> None:
         hold, lr = bool(msg.get("hold")), msg.get("lr")
         if hold and self.host.config.backup_workers:
@@ -257,7 +245,7 @@ class SyncRule(Rule):
                          f"lr={self._step_lr:g}: every worker must run the same learning-rate schedule")
 
     def push(self, w, step, keys, grads, ids, lr, hold) -> None:
-        self.may_release, self.readied = False, set()
+        self.readied = set()
         self.host.workers.note_keys(w, step, keys)
         stale = self.over() or step < self.host.version
         late = {j for j, k in enumerate(keys) if stale or k in self._updated}
@@ -325,10 +313,8 @@ class SyncRule(Rule):
         needed, pushed = self.needed(live), self._pushed
         ready = [k for k in (pushed if keys is None else keys) if k in pushed and k not in self._updated
                  and k not in self._held and len(live & pushed[k]) >= needed]
-        if ready:
-            self.may_release = True
-            if self.readied is not None:
-                self.readied.update(ready)
+        if ready and self.readied is not None:
+            self.readied.update(ready)
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed

@@ -27,7 +27,7 @@ import torch
 from ps.codec import Codec, GradientPulls
 from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, Layout
-from ps.protocol import REQUESTS, Limits, Message, encode
+from ps.protocol import REQUESTS, Limits, Message, encode, pull_of
 from ps.shard.consistency import rule_for
 from ps.shard.dispatch import Dispatcher, Reply, serve
 from ps.shard.fastpath import PushPullPath
@@ -236,18 +236,7 @@ class ShardServer(ShardState):
     def _on_push(self, peer: bytes, msg: Message) -> list[Reply]:
         h = msg.header
         w, step, version, keys = h["worker"], h["step"], h["version"], msg.keys
-        if not keys:
-            raise Reject("push names no keys")
-        if version > self.version:
-            raise Reject(f"push says its gradient was computed on version {version}, "
-                         f"but this shard is only at version {self.version}")
-        if step < self.workers.clocks[w]:
-            raise Reject(f"worker {w} already pushed all keys of step {step} (its clock is {self.workers.clocks[w]})")
-        self.rule.check_step(w, step)
-        done = self.workers.pushed(w, step)
-        if done and not done.isdisjoint(keys):
-            raise Reject(f"worker {w} pushed key(s) {[k for k in keys if k in done]} of step {step} twice")
-        self.rule.check_push(w, step, msg)
+        self.check_push(w, step, version, keys, msg)
         if msg.parts:  # compressed: rebuilt whole (contents checked) before anything is applied
             start = time.perf_counter()
             try:
@@ -261,21 +250,40 @@ class ShardServer(ShardState):
         # validated: from here on the push is applied
         if self.config.wire_dtype:  # compressed on the wire: back to the master values' dtype
             msg.tensors[:] = [g.to(self.chunks[k].dtype) for k, g in zip(keys, msg.tensors)]
-        ids = msg.ids or [None] * len(keys)
+        stale = self.take_push(w, step, version, keys, msg.tensors, msg.ids, h.get("lr"), bool(h.get("hold")))
+        if h.get("pull"):  # the pushed keys' values, under the push's own conditions
+            return self._on_pull(peer, pull_of(h), staleness=stale)
+        return [self._ok(peer, msg, staleness=stale, version=self.version)]
+
+    def check_push(self, w: int, step: int, version: int, keys: list[int], msg: Message) -> None:
+        """Refuse (Reject) a push of keys by worker w for step, computed on version, that this
+        shard cannot take now (msg: its 'hold' and 'lr', for the rule). Pushes taken the short
+        way (ps.shard.fastpath) are asked the same."""
+        if not keys:
+            raise Reject("push names no keys")
+        if version > self.version:
+            raise Reject(f"push says its gradient was computed on version {version}, "
+                         f"but this shard is only at version {self.version}")
+        if step < self.workers.clocks[w]:
+            raise Reject(f"worker {w} already pushed all keys of step {step} (its clock is {self.workers.clocks[w]})")
+        self.rule.check_step(w, step)
+        done = self.workers.pushed(w, step)
+        if done and not done.isdisjoint(keys):
+            raise Reject(f"worker {w} pushed key(s) {[k for k in keys if k in done]} of step {step} twice")
+        self.rule.check_push(w, step, msg)
+
+    def take_push(self, w: int, step: int, version: int, keys: list[int], grads: list[torch.Tensor],
+                  ids: list, lr: float | None, hold: bool) -> int:
+        """Apply a checked push (check_push): its staleness counted, then the rule's push of
+        grads (ids: per key its row ids or None; [] for whole keys). Its staleness."""
         stale = self.version - version
         self.staleness[stale] = self.staleness.get(stale, 0) + 1
         counters = self.counters
         counters["pushes"] += 1
-        if msg.ids:
+        if ids:
             counters["rows_pushed"] += sum(i.numel() for i in ids if i is not None)
-        self.rule.push(w, step, keys, msg.tensors, ids, h.get("lr"), bool(h.get("hold")))
-        if h.get("pull"):  # the pushed keys' values, under the push's own conditions
-            pull = {"op": "pull", "v": h["v"], "worker": w, "req": h["req"], "keys": keys}
-            for f in ("min_version", "clock"):
-                if h.get(f) is not None:
-                    pull[f] = h[f]
-            return self._on_pull(peer, Message(pull), staleness=stale)
-        return [self._ok(peer, msg, staleness=stale, version=self.version)]
+        self.rule.push(w, step, keys, grads, ids or [None] * len(keys), lr, hold)
+        return stale
 
     # -- requests that wait ----------------------------------------------------------------------
 
@@ -297,15 +305,19 @@ class ShardServer(ShardState):
         return self._values(peer, msg, msg.keys or self.keys, exact=bool(msg.get("wait_left")), **fields)
 
     def _ready(self, msg: Message) -> bool:
-        min_version = msg.get("min_version")
         if msg.op == "wait":
-            return self.version >= min_version
+            return self.version >= msg.get("min_version")
         if msg.op == "join":
             return msg.worker not in self.workers.joining
         if msg.op == "norm":
             return self.rule.norm_ready(msg.get("step"))
+        return self.pull_ready(msg)
+
+    def pull_ready(self, msg: Message) -> bool:
+        """Whether a pull's condition holds: wait_left, min_version and the rule's own."""
         if msg.get("wait_left") and any(w != msg.worker for w in self.workers.live()):
             return False
+        min_version = msg.get("min_version")
         if min_version is not None and self.rule.version_of(msg.keys or self.keys) < min_version \
                 and not self.rule.over():
             return False
@@ -329,8 +341,8 @@ class ShardServer(ShardState):
 
     def _release(self, keys: set[int] | None = None) -> list[Reply]:
         """Answer the waiting requests whose condition now holds (keys: only these keys were
-        updated since the last look, see Waiting.ready)."""
-        if self.aborted or not self.waiting:
+        updated since the last look, none if empty: Rule.readied, Waiting.ready)."""
+        if self.aborted or not self.waiting or keys is not None and not keys:
             return []
         return [self._answer(d.peer, d.msg, waited_us=int(waited * 1e6), **d.fields)
                 for d, waited in self.waiting.ready(self._ready, self.clock(), keys)]
