@@ -221,8 +221,19 @@ def validate(runs: list[Run], link_bound: float = 0.5) -> list[dict]:
         [row] = predict(calibration_runs, [run.label], [target])
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
+        shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]
+        known = [x for x in shares if x is not None]
         rows.append({**row, "run": str(run.path), "rate_bits": target.rate * 8, "racks": target.racks,
                      "latency_s": target.latency, "placement": target.placement if family(run.label) == "ps" else None,
                      "measured_s": measured, "error": row["step_s"] / measured - 1,
-                     "link_bound": comm >= link_bound * measured})
+                     "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
+                     "calibration_retransmitted": max(known) if known else None})
     return rows
+
+
+def retransmitted(run: Run) -> float | None:
+    """The share of a run's TCP segments sent again (all hosts together): packets its links'
+    queues dropped, which the played links never do. None: not recorded (loopback, or a run
+    from before the counters)."""
+    share = (run.summary.get("network") or {}).get("retransmitted")
+    return float(share) if share is not None else None

@@ -13,21 +13,44 @@ from .results import Run
 WITHIN = 0.15
 """The error a link-bound row is held to."""
 
+DROPPING = 0.01
+"""A run whose links sent this share of its segments again dropped packets where its
+calibration's, below a fifth of it, did not: `psar predict` plays links that never drop."""
+
 
 def table(rows: list[dict]) -> str:
-    """Each held-out run: its cluster, measured and predicted median step, the error; then how
-    many link-bound rows are within WITHIN."""
+    """Each held-out run: its cluster, measured and predicted median step, the error, the
+    share of its TCP segments sent again beside its calibration's (retx %: packets the links
+    dropped); then how many link-bound rows are within WITHIN, and which of those outside
+    it dropped packets their calibration did not."""
     lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
-             f"{'predicted ms':>13}{'error':>8}  link-bound"]
+             f"{'predicted ms':>13}{'error':>8}  link-bound  retx % (calibration)"]
     for r in rows:
         lines.append(f"{r['engine']:<36}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
                      f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
-                     f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%  {'yes' if r['link_bound'] else 'no'}")
+                     f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%  {'yes' if r['link_bound'] else 'no ':<10}"
+                     f"  {_share(r.get('retransmitted'))} ({_share(r.get('calibration_retransmitted'))})")
     bound = [abs(r["error"]) for r in rows if r["link_bound"]]
     if bound:
         lines.append(f"link-bound rows: {sum(e <= WITHIN for e in bound)} of {len(bound)} within "
                      f"{100 * WITHIN:.0f}%, largest error {100 * max(bound):.1f}%")
+    dropping = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and _drops_anew(r)]
+    if dropping:
+        lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "
+                     "their segments again, their calibration under a fifth of that: their links' queues dropped "
+                     "packets (several hosts sending into one port), which psar predict's links never do")
     return "\n".join(lines)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def _drops_anew(row: dict) -> bool:
+    """The held-out run dropped packets (DROPPING) where its calibration dropped under a fifth
+    as many (unknown counts as not)."""
+    held, calibration = row.get("retransmitted"), row.get("calibration_retransmitted")
+    return held is not None and calibration is not None and held >= DROPPING and calibration < held / 5
 
 
 def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:

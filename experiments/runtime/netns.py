@@ -54,6 +54,36 @@ class Host:
             out[key] = int(res.stdout.strip())
         return out
 
+    def tcp_counters(self) -> dict[str, int]:
+        """What TCP on this host has done so far (its namespace's own counters, zero when the
+        run's hosts were made): segments sent, segments sent again, and retransmission
+        timeouts (each a stall of at least the kernel's minimum RTO, 200 ms by default)."""
+        text = {f: run("ip", "netns", "exec", self.netns, "cat", f"/proc/net/{f}").stdout for f in ("snmp", "netstat")}
+        return tcp_counters(text["snmp"], text["netstat"])
+
+
+TCP_COUNTERS = {"segments_out": ("Tcp", "OutSegs"), "retransmitted": ("Tcp", "RetransSegs"),
+                "timeouts": ("TcpExt", "TCPTimeouts")}
+"""Host.tcp_counters's fields, by (table, field) of /proc/net/snmp and /proc/net/netstat."""
+
+
+def tcp_counters(snmp: str, netstat: str) -> dict[str, int]:
+    """TCP_COUNTERS read from the text of /proc/net/snmp and /proc/net/netstat (each table a
+    line of names after "Table:" and a line of values); ValueError naming what is missing."""
+    tables: dict[str, dict[str, str]] = {}
+    for text in (snmp, netstat):
+        lines = text.splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            table, _, fields = names.partition(":")
+            tables.setdefault(table, {}).update(zip(fields.split(), values.partition(":")[2].split()))
+    out = {}
+    for name, (table, field_) in TCP_COUNTERS.items():
+        value = tables.get(table, {}).get(field_)
+        if value is None or not value.isdigit():
+            raise ValueError(f"/proc/net: no {table} {field_} counter (got {value!r})")
+        out[name] = int(value)
+    return out
+
 
 QUEUE_MS = 10
 """Most a link's queue holds past its burst, in milliseconds of its rate: a switch port's or

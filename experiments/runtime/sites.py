@@ -158,19 +158,25 @@ class Emulated:
 
     def record(self) -> dict:
         """The network for summary.json: what it was and what each host's link carried, and
-        with racks what each rack's uplink carried (up: to the core) and its link time."""
+        with racks what each rack's uplink carried (up: to the core) and its link time; what
+        TCP did on each host (tcp: segments sent, sent again, timeouts), and over all hosts the
+        share of segments sent again (retransmitted) and the timeouts: packets the links'
+        short queues dropped, where several hosts send into one port at once (incast)."""
         bits = parse_rate(self.net.rate)
         hosts = {}
         for name, host in self.network.hosts.items():
             c = host.counters()
             hosts[name] = {"addr": host.addr, "rack": host.rack, **c,
-                           "link_s": max(c["tx_bytes"], c["rx_bytes"]) * 8 / bits}
+                           "link_s": max(c["tx_bytes"], c["rx_bytes"]) * 8 / bits, "tcp": host.tcp_counters()}
+        sent = sum(h["tcp"]["segments_out"] for h in hosts.values())
         uplinks = {}
         for rack, c in self.network.uplink_bytes().items():
             busiest = max(c["up_bytes"], c["down_bytes"]) * 8
             uplinks[str(rack)] = {**c, "link_s": busiest / parse_rate(self.net.uplink) if self.net.uplink else None}
         return {**self.network.describe(), "placement": self.net.placement,
-                "latency_by": self.latency_by, "hosts": hosts, "uplinks": uplinks}
+                "latency_by": self.latency_by, "hosts": hosts, "uplinks": uplinks,
+                "retransmitted": sum(h["tcp"]["retransmitted"] for h in hosts.values()) / sent if sent else 0.0,
+                "timeouts": sum(h["tcp"]["timeouts"] for h in hosts.values())}
 
 
 def sites_for(net: NetConfig, workers: int, servers: int) -> Loopback | Emulated:

@@ -226,6 +226,9 @@ def test_shaped_runs_compute_what_loopback_computes(tmp_path, pool):
         assert summary["network"]["queue_ms"] == network.QUEUE_MS
         assert set(hosts) == ({"w0", "w1", "s0"} if engine == "ps-sync" else {"w0", "w1"})
         assert all(h["tx_bytes"] > 0 and h["rx_bytes"] > 0 for h in hosts.values())
+        # Each host's TCP counters are its own namespace's, from zero: at most what its link sent.
+        assert all(0 < h["tcp"]["segments_out"] < h["tx_bytes"] / 40 for h in hosts.values()), hosts
+        assert 0 <= summary["network"]["retransmitted"] < 1 and summary["network"]["timeouts"] >= 0
     assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]
 
 

@@ -91,6 +91,29 @@ def test_validate_predicts_the_larger_runs_from_the_smallest_alone(tmp_path):
         validate([small])
 
 
+def test_validate_says_which_rows_dropped_packets_their_calibration_did_not(tmp_path):
+    """The held-out run's share of segments sent again stands beside its calibration's; a
+    link-bound row outside 15% whose run dropped (1% or more) where its calibration did not is
+    named as such; one that dropped no more than its calibration is not."""
+    def with_drops(run, share):
+        summary = json.loads((run.path / "summary.json").read_text())
+        summary["network"]["retransmitted"] = share
+        (run.path / "summary.json").write_text(json.dumps(summary))
+        return load_run(run.path)
+
+    small = with_drops(fake_run(tmp_path / "ps2", "ps-sync", workers=2, compute_s=0.1, step_s=0.5), 0.0001)
+    slow = with_drops(fake_run(tmp_path / "ps4", "ps-sync", workers=4, compute_s=0.1, step_s=2.0), 0.06)
+    rows = validate([small, slow])
+    assert rows[0]["retransmitted"] == 0.06 and rows[0]["calibration_retransmitted"] == 0.0001
+    assert abs(rows[0]["error"]) > 0.15
+    out = CliRunner().invoke(predict_cmd, ["--validate", str(small.path), str(slow.path)])
+    assert out.exit_code == 0 and "6.00 (0.01)" in out.output, out.output
+    assert "1 of them outside 15% sent 1% or more of their segments again" in out.output
+    with_drops(small, 0.05)
+    out = CliRunner().invoke(predict_cmd, ["--validate", str(small.path), str(slow.path)])
+    assert "6.00 (5.00)" in out.output and "of them outside" not in out.output, out.output
+
+
 def test_the_predict_grid_calibrates_at_2_workers_and_holds_out_the_rest():
     """Every engine runs at 2 workers on 200mbit and at 4 and 8 on the held-out clusters, each
     cell's settings accepted as they stand."""
