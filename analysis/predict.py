@@ -137,6 +137,9 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     for run in runs:
         by_label.setdefault(run.label, []).append(calibration(run))
         settings.setdefault(run.label, run.config.get("ps") or {})
+    fan_in: dict[str, int] = {}
+    for run in runs:
+        fan_in[run.label] = max(fan_in.get(run.label, 0), shard_fan_in(run.label, _own_target(run)))
     fallback = by_label[runs[0].label][0][0]
     batch = int(runs[0].config.get("batch_size") or 0)
     rows = []
@@ -151,13 +154,25 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
                          "servers": target.servers if family(label) == "ps" else None,
                          "step_s": step, "compute_s": compute, "comm_s": comm, "calibrated": bool(measured),
                          "samples_per_s": batch * target.workers / step if step > 0 and batch else None,
-                         "efficiency": compute / step if step > 0 else 1.0, **link_bytes(label, target, nbytes)})
+                         "efficiency": compute / step if step > 0 else 1.0, **link_bytes(label, target, nbytes),
+                         "fan_in": shard_fan_in(label, target), "calibration_fan_in": fan_in.get(label)})
     for i in range(len(targets)):  # the fastest engine of each target (rows: label by label, target by target)
         here = rows[i::len(targets)]
         best = min(r["step_s"] for r in here)
         for r in here:
             r["fastest"] = r["step_s"] == best
     return rows
+
+
+def shard_fan_in(label: str, target: Target) -> int:
+    """How many hosts send into one shard's port at once in a parameter server's exchange:
+    every worker where the shards have hosts of their own, the other workers where they share
+    the workers'; 0 for the other engines. Where it is higher than the runs' own, their links
+    may drop packets that the runs' never did (a drop-tail port overflowing), which the played
+    links do not: see validate's retransmitted."""
+    if family(label) != "ps":
+        return 0
+    return target.workers if target.placement == "separate" else target.workers - 1
 
 
 def link_bytes(label: str, target: Target, nbytes: float) -> dict[str, float | None]:

@@ -126,6 +126,15 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
                    f"{r['samples_per_s'] or 0:>11.0f}{100 * r['efficiency']:>10.0f}%"
                    f"{r['worker_link_bytes'] / 1e6:>10.3g}{shard:>9}  {'yes' if r['calibrated'] else 'no: ideal'}"
                    f"{'  fastest' if r['fastest'] else ''}")
+    beyond: dict[str, list[int]] = {}  # engine: the fan-ins above its runs', and theirs
+    for r in rows:
+        if r["calibration_fan_in"] is not None and r["fan_in"] > r["calibration_fan_in"]:
+            beyond.setdefault(r["engine"], [r["calibration_fan_in"]]).append(r["fan_in"])
+    for engine, (had, *fan_ins) in beyond.items():
+        many = f"{min(fan_ins)}" + (f" to {max(fan_ins)}" if max(fan_ins) > min(fan_ins) else "")
+        click.echo(f"note: {engine} with {many} hosts sending into each shard's port at once, where its runs had "
+                   f"{had}: a port whose queue drops packets at that fan-in makes the step longer than predicted "
+                   "(psar predict --validate names the held-out rows where it did)")
 
 
 def _print_validation(runs, as_json: bool) -> None:

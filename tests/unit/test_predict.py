@@ -114,6 +114,21 @@ def test_validate_says_which_rows_dropped_packets_their_calibration_did_not(tmp_
     assert "6.00 (5.00)" in out.output and "of them outside" not in out.output, out.output
 
 
+def test_a_shard_port_taking_more_hosts_than_the_runs_had_is_noted(tmp_path):
+    """ps-sync's fan-in (hosts sending into one shard's port) is each row's, beside the runs'
+    highest; the table notes an engine predicted beyond it, once; the ring has none."""
+    runs = [fake_run(tmp_path / "ps2", "ps-sync", workers=2), fake_run(tmp_path / "ar2", "allreduce", workers=2)]
+    rows = predict(runs, ["ps-sync", "allreduce/library"],
+                   [Target(2, RATE_BITS / 8, 2), Target(4, RATE_BITS / 8, 4, "separate"), Target(8, RATE_BITS / 8, 4, "separate")])
+    assert [(r["fan_in"], r["calibration_fan_in"]) for r in rows] == [(1, 1), (4, 1), (8, 1), (0, 0), (0, 0), (0, 0)]
+    out = CliRunner().invoke(predict_cmd, [str(tmp_path / "ps2"), str(tmp_path / "ar2"), "--workers", "2,4,8",
+                                           "--net", "200mbit", "--servers", "4", "--set", "net.placement=separate"])
+    assert out.exit_code == 0, out.output
+    notes = [line for line in out.output.splitlines() if line.startswith("note:")]
+    assert notes == [notes[0]] and "ps-sync with 2 to 8 hosts sending into each shard's port at once, where its " \
+        "runs had 1" in notes[0], out.output
+
+
 def test_the_predict_grid_calibrates_at_2_workers_and_holds_out_the_rest():
     """Every engine runs at 2 workers on 200mbit and at 4 and 8 on the held-out clusters, each
     cell's settings accepted as they stand."""
