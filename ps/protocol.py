@@ -75,9 +75,15 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a flat, contiguous CPU tensor without autograd, as a view (bfloat16 as
-    int16, the same bits: numpy has no bfloat16)."""
+    """The bytes of a flat, contiguous CPU tensor without autograd, as a view (as_array's,
+    inline: a worker's push calls it for every key)."""
     return memoryview((t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()).cast("B")
+
+
+def as_array(t: torch.Tensor):
+    """A numpy view of a contiguous CPU tensor without autograd (bfloat16 as int16, the same
+    bits: numpy has no bfloat16)."""
+    return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
 
 
 def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] | None = None,
@@ -128,7 +134,13 @@ def encode_whole(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> lis
     """encode's frames of whole keys whose 'dtypes' and 'shapes' the header already names,
     as flat, contiguous CPU tensors without autograd (PSClient.push made each so, and
     checked it against the layout): without encode's look at every tensor."""
-    return [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True), *map(_raw, tensors)]
+    return [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True), *map(_raw, tensors)]  # pack_header's
+
+
+def pack_header(header: dict[str, Any]) -> bytes:
+    """A message's header frame (the protocol version first): encode_whole's, and a shard's
+    reply whose frames are its keys' bytes (ps.shard.snapshots.SnapshotPool.reply_bytes)."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True)
 
 
 def pull_of(h: dict[str, Any]) -> Message:

@@ -15,8 +15,9 @@ has joined and is not lost, no compression, and the shard's own checks of a push
 the general way, which names the problem; so this path never has an error of its own. The
 push is taken and its pull's condition asked as the general path does (take_push,
 pull_ready); what it leaves out is the general decoder, the dispatcher's Message and the
-general reply's look at every tensor: the same state, replies and counters bit for bit
-(tests/unit/test_shard_fastpath.py runs both on the same messages).
+general reply's look at every tensor, whose frames it takes from views of the chunks kept
+from one reply to the next (SnapshotPool.reply_bytes): the same state, replies and counters
+bit for bit (tests/unit/test_shard_fastpath.py runs both on the same messages).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ps.protocol import encode_whole, pull_of
+from ps.protocol import pack_header, pull_of
 from ps.protocol_schema import PROTOCOL_VERSION, Message
 from ps.protocol_short import WholeKeys, ints
 from ps.shard.reject import Reject
@@ -87,6 +88,6 @@ class PushPullPath:
         header = {"op": "ok", "worker": w, "req": req, "version": rule.version_of(keys), "keys": list(keys),
                   "staleness": stale, "dtypes": h["dtypes"], "shapes": h["shapes"]}
         rule.read(w)
-        out = encode_whole(header, [s.snapshots.snapshot(k) for k in keys])
+        out = [pack_header(header), *map(s.snapshots.reply_bytes, keys)]
         s.counters["bytes_out"] += sum(map(len, out))
         return [(peer, out), *others]

@@ -4,12 +4,18 @@ Replies leave zero-copy: a reply's frames point into a chunk, or into a snapshot
 wire dtype (under compression) shared by every reply until the key's next update. So a chunk
 is moved before it is written while a reply still points at it (own), a snapshot is never
 written while a reply may point at it, and the former buffers are kept for reuse: a fresh
-allocation of a large buffer costs its page faults on every update.
+allocation of a large buffer costs its page faults on every update. The short path's replies
+(ps.shard.fastpath) point into a chunk through a numpy view of it kept from one reply to the
+next (reply_bytes), which whatever holds such a reply references, so own counts those too.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from ps.protocol import as_array
 
 SPARE_SNAPSHOTS = 4
 """Former buffers kept per key for reuse (snapshots in the wire dtype, and a chunk's former
@@ -19,13 +25,14 @@ update (a shard's push+pull of 1 MiB took 590 us in a profile with one spare, 44
 kept buffers)."""
 
 
-def in_use(t: torch.Tensor) -> bool:
-    """Whether anything besides `t` holds its memory: a reply built on it (frames that ZeroMQ
-    has not sent yet, or a reader's tensors). A fresh allocation of a large snapshot costs
-    page faults on every update (a 16 MiB clone took 2x a copy into a kept buffer); a kept
-    buffer is written again only when nothing else can see it. Without torch's use count,
-    every buffer counts as in use (a fresh copy each time)."""
-    return _USE_COUNT is None or _USE_COUNT(t.untyped_storage()._cdata) > 2  # t's own, and this call's
+def in_use(t: torch.Tensor, kept: int = 0) -> bool:
+    """Whether anything besides `t` (and `kept` views of it that the pool keeps) holds its
+    memory: a reply built on it (frames that ZeroMQ has not sent yet, or a reader's tensors).
+    A fresh allocation of a large snapshot costs page faults on every update (a 16 MiB clone
+    took 2x a copy into a kept buffer); a kept buffer is written again only when nothing else
+    can see it. Without torch's use count, every buffer counts as in use (a fresh copy each
+    time)."""
+    return _USE_COUNT is None or _USE_COUNT(t.untyped_storage()._cdata) > 2 + kept  # t's own, and this call's
 
 
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -40,6 +47,7 @@ class SnapshotPool:
         self.chunks, self.wire = chunks, wire
         self._snap: dict[int, dict] = {}  # key -> {wire dtype: its values as of its last update}
         self._spare: dict[tuple, list[torch.Tensor]] = {}  # (key, wire dtype or None) -> former buffers
+        self._arrays: dict[int, object] = {}  # key -> a numpy view of its chunk (reply_bytes), until the chunk moves
 
     def snapshot(self, k: int, exact: bool = False) -> torch.Tensor:
         """The values of chunk k as of its last update, to leave in a reply: the chunk itself
@@ -56,15 +64,30 @@ class SnapshotPool:
             copies[self.wire] = spare.copy_(flat) if spare is not None else flat.to(self.wire)
         return copies[self.wire]
 
+    def reply_bytes(self, k: int) -> memoryview:
+        """The bytes of chunk k (flat) as they are, for a reply of the whole key without
+        compression, as a view of a numpy view of the chunk made once a key and kept until
+        the chunk moves (own): a reply costs no tensor call (a detach and a numpy view cost
+        20 us on a core that has just slept). Each view of those bytes, and each made from
+        it (ZeroMQ's frames, a reader's tensors), holds a reference to the numpy view, which
+        own() counts."""
+        array = self._arrays.get(k)
+        if array is None:
+            flat = self.chunks[k].detach()
+            array = self._arrays[k] = as_array(flat if flat.dim() == 1 else flat.reshape(-1))
+        return memoryview(array).cast("B")
+
     def own(self, k: int) -> None:
         """Make chunk k's memory the shard's alone before it is written: if a reply still
         points at it (ZeroMQ has not sent it yet), the chunk moves to a copy (in a spare
         buffer) and the reply keeps the former memory. Under sync the next update of a key
         comes only after every worker has its values, so this copies only when a reply is
         late (async, ssp, a slow link)."""
-        chunk = self.chunks[k]
-        if not in_use(chunk):
+        chunk, array = self.chunks[k], self._arrays.get(k)
+        if array is None and not in_use(chunk) or array is not None and sys.getrefcount(array) <= 3 \
+                and not in_use(chunk, 1):  # the array: the dict's, this name's and the call's references
             return
+        self._arrays.pop(k, None)  # a reply keeps the array, and through it the former memory
         spare = self._take((k, None))
         moved = spare.copy_(chunk.detach()) if spare is not None else chunk.detach().clone()
         former = chunk.detach()  # keeps the memory the reply points at; a spare once it is sent

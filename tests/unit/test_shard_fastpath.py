@@ -165,3 +165,38 @@ def test_short_path_takes_a_push_pull_and_its_reply_decodes():
     assert reply.op == "ok" and reply.keys == MINE and reply.get("staleness") == 0
     for k, t in zip(MINE, reply.tensors):
         assert torch.equal(t, before[k] - 0.1)
+
+
+@pytest.mark.parametrize("held", ["frames", "a view made from them", "a tensor read from them"])
+def test_a_short_reply_still_held_keeps_its_values_and_one_let_go_costs_no_copy(held):
+    """The short path's replies are views of the chunks (SnapshotPool.reply_bytes): while one
+    is held, however it is held, the next update moves the chunk instead of writing under it;
+    once nothing holds one, updates write the chunk where it is."""
+    server, taken = shard("async", 1, OPTIMIZERS["sgd"], short=True)
+    server.handle(b"w0", encode({"op": "join", "worker": 0, "req": 0}))
+    k = MINE[0]
+    ones = [torch.ones(LAYOUT.keys[k].numel, dtype=torch.float64)]
+
+    def push_pull(req):
+        (_, frames), = server.handle(b"w0", frames_of({"op": "push", "worker": 0, "req": req, "step": req - 1,
+                                                      "version": server.version, "keys": [k], "pull": 1,
+                                                      "clock": req}, ones))
+        return frames
+
+    start = server.chunks[k].clone()
+    frames = push_pull(1)
+    kept = {"frames": frames, "a view made from them": memoryview(frames[1])[8:],
+            "a tensor read from them": decode(frames, LAYOUT, shard=0).tensors[0]}[held]
+    first = torch.frombuffer(bytearray(frames[1]), dtype=torch.float64)
+    del frames
+    newer = decode(push_pull(2), LAYOUT, shard=0).tensors[0].clone()
+    now = {"frames": lambda: bytes(kept[1]), "a view made from them": lambda: bytes(kept),
+           "a tensor read from them": lambda: kept.numpy().tobytes()}[held]()
+    assert now == first.numpy().tobytes()[8 if held == "a view made from them" else 0:]
+    assert torch.equal(first, start.reshape(-1) - 0.1) and torch.equal(newer, start.reshape(-1) - 0.1 - 0.1)
+    del kept, now
+    where = server.chunks[k].data_ptr()
+    for req in (3, 4, 5):
+        push_pull(req)
+    assert server.chunks[k].data_ptr() == where  # nothing held: written in place
+    assert torch.equal(server.chunks[k].reshape(-1), newer - 0.1 - 0.1 - 0.1) and all(taken[1:])
