@@ -55,11 +55,17 @@ class ZeroEngine(Units, ZeroState):
     """Engine protocol (attach / backward / step / close) of ZeRO stage config.stage."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: ZeroConfig,
-                 timeout_s: float = 60.0, trace=None) -> None:
+                 timeout_s: float = 60.0, trace=None, delay_s: float = 0.0) -> None:
+        """delay_s: an injected latency of every hop of psar's ring (zero.algorithm=ring; the
+        backend's collectives cannot take one)."""
+        if delay_s and config.algorithm != "ring":
+            raise ValueError(f"an injected delay ({1e3 * delay_s:g} ms a message) needs zero.algorithm=ring: "
+                             f"zero.algorithm={config.algorithm}'s collectives are the backend's")
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
-        self._collectives = (RingCollectives if config.algorithm == "ring" else LibraryCollectives)(rank, world)
+        self._collectives = RingCollectives(rank, world, delay_s) if config.algorithm == "ring" else \
+            LibraryCollectives(rank, world)
         self._liveness = Liveness(rank, world)
         self._backward_states = BackwardStates(timeout_s)
         self._syncing = True

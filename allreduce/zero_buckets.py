@@ -91,14 +91,15 @@ class _RingWork:
 class RingCollectives:
     """psar's own ring, its two halves (allreduce/ring.py), one after another on one thread in
     the order they are started, which every rank shares: rank r owns chunk (r + 1) % N, where
-    the reduce-scatter half leaves the sum."""
+    the reduce-scatter half leaves the sum. delay_s: an injected latency paid once per hop
+    (fault.delay_ms, or net.latency_ms where the kernel has no netem), N-1 times a half."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, delay_s: float = 0.0) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from .ring import owner_chunk
 
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.delay_s = rank, world, delay_s
         self.owner = owner_chunk(rank, world)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-zero-ring")
 
@@ -109,7 +110,8 @@ class RingCollectives:
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> _RingWork:
         from .ring import ring_allreduce
 
-        future = self._pool.submit(ring_allreduce, flat, self.rank, self.world, phase="reduce_scatter")
+        future = self._pool.submit(ring_allreduce, flat, self.rank, self.world, phase="reduce_scatter",
+                                   delay_s=self.delay_s)
         chunk = self._chunk(flat)
         return _RingWork(future, None if out.data_ptr() == chunk.data_ptr() else (out, chunk))
 
@@ -121,7 +123,7 @@ class RingCollectives:
         def gather() -> None:
             if chunk.data_ptr() != piece.data_ptr():
                 chunk.copy_(piece)
-            ring_allreduce(values, self.rank, self.world, phase="all_gather")
+            ring_allreduce(values, self.rank, self.world, phase="all_gather", delay_s=self.delay_s)
 
         return _RingWork(self._pool.submit(gather))
 

@@ -256,7 +256,7 @@ for _spec in [
                          Label("allreduce/auto", "#5254a3", "ring"),
                          Label("allreduce/auto+allgather", "#9c9ede", "ring", gathers_rows=True))),
     EngineSpec("zero", "ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded over the workers",
-               "experiments.harness.builders:zero", "sharded", "#a55194", reads=("zero.",),
+               "experiments.harness.builders:zero", "sharded", "#a55194", reads=("zero.", "fault.delay_ms"),
                label_of=_zero_label, compressions=("none",),
                variants=(Label("zero-1", "#a55194", "library"),                   # purple-pink
                          Label("zero-2", "#7b4173", "library"),                   # plum

@@ -135,7 +135,7 @@ PREDICT_ENGINES = (Variant("allreduce"), Variant("ps-sync", "N", ("net.placement
                    Variant("gossip", 1, ("gossip.topology=one-peer-exponential",)))
 """The engines `psar compare predict` checks psar predict on: the ring, the parameter server
 with a shard host per worker (sync and async), ZeRO stage 1 on psar's ring, gossip on the
-one-peer graph. zero is left out of the latency cell: its collectives take no emulated delay."""
+one-peer graph (zero on psar's ring takes the latency cell's delay at every hop, as the ring does)."""
 
 PREDICT_HELD_OUT = {4: ("net.rate=100mbit", "net.rate=1gbit", "net.rate=2gbit",
                         "net.racks=2 net.uplink=100mbit", "net.latency_ms=10"),
@@ -149,8 +149,7 @@ def _predict_variants() -> tuple[Variant, ...]:
     workers on the held-out clusters."""
     calibration = tuple(Variant(v.engine, v.servers, v.overrides, (2,)) for v in PREDICT_ENGINES)
     held_out = tuple(Variant(v.engine, v.servers, v.overrides + tuple(net.split()), (n,))
-                     for n, nets in PREDICT_HELD_OUT.items() for net in nets for v in PREDICT_ENGINES
-                     if not (v.engine == "zero" and net.startswith("net.latency_ms")))  # zero takes no delay
+                     for n, nets in PREDICT_HELD_OUT.items() for net in nets for v in PREDICT_ENGINES)
     return calibration + held_out
 
 

@@ -44,10 +44,10 @@ def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
 def zero(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.zero import ZeroEngine
 
-    if cfg.fault.delay_ms:
-        raise ValueError("fault.delay_ms cannot be applied to zero: its collectives are the backend's; "
-                         "use --net to study a slow link")
-    return ZeroEngine(env.rank, env.world, device, cfg.zero, cfg.timeout_s, trace)
+    if cfg.fault.delay_ms and cfg.zero.algorithm != "ring":
+        raise ValueError(f"fault.delay_ms applies to zero on psar's own ring (zero.algorithm=ring); "
+                         f"zero.algorithm={cfg.zero.algorithm}'s collectives are the backend's")
+    return ZeroEngine(env.rank, env.world, device, cfg.zero, cfg.timeout_s, trace, cfg.fault.delay_s)
 
 
 def gossip(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:

@@ -14,8 +14,9 @@ class FaultConfig:
     """That rank's forward+backward takes this many times as long as its steps took before the
     slowdown began (it sleeps the difference; experiments/harness/inject.py)."""
     delay_ms: float = 0.0
-    """One-way latency added to every message: each step of our ring, 2(N-1) of them before
-    each library all-reduce, and two (request and reply) on every parameter-server round trip."""
+    """One-way latency added to every message: each step of our ring (zero's too, with
+    zero.algorithm=ring: N-1 a reduce-scatter or all-gather), 2(N-1) of them before each
+    library all-reduce, and two (request and reply) on every parameter-server round trip."""
 
     kill_rank: int = -1
     """Rank that dies (SIGKILL, no goodbye) before the compute of step kill_step (-1: none);

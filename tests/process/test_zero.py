@@ -38,7 +38,13 @@ def POOL_JOBS() -> dict[str, dict]:
     for stage in STAGES:
         jobs[f"q3-ring{stage}"] = dict(experiment="quickstart", engine="zero", workers=3, overrides=F64 + (
             f"zero.stage={stage}", "zero.algorithm=ring"))
+    jobs["q3-ring1-delay"] = dict(experiment="quickstart", engine="zero", workers=3, overrides=F64 + (
+        "zero.stage=1", "zero.algorithm=ring", f"fault.delay_ms={DELAY_MS}"))
     return jobs
+
+
+DELAY_MS = 25
+"""An injected latency of every hop of psar's ring under zero (q3-ring1-delay)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +69,14 @@ def test_three_workers_with_padded_buckets_end_with_locals_parameters(results, s
 @pytest.mark.parametrize("stage", STAGES)
 def test_on_psar_own_ring_every_stage_ends_with_locals_parameters(results, stage):
     assert max_param_diff(results["q3-local"][1], results[f"q3-ring{stage}"][1]) < 1e-10
+
+
+def test_on_psar_own_ring_an_injected_delay_is_paid_every_hop_and_changes_no_value(results):
+    """Each step's reduce-scatter and all-gather on 3 workers take 2 hops each: at least 4
+    delays a step, 20 steps."""
+    summary, state = results["q3-ring1-delay"]
+    assert max_param_diff(results["q3-local"][1], state) < 1e-10
+    assert summary["wall_s"] >= 20 * 4 * DELAY_MS / 1e3, summary["wall_s"]
 
 
 def test_on_psar_own_ring_stage_three_with_batchnorm_ends_with_locals_parameters_and_sends_the_same(results):
