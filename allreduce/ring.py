@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -146,7 +147,9 @@ def ring_allreduce(
     With `wire_dtype` the chunks travel in that dtype (compression) and partial sums are
     accumulated in `flat`'s own dtype; the reduced chunk is rounded to the wire dtype on its
     owner too, so every rank ends with bit-identical values. `delay_s` is an injected
-    latency paid once per hop (2(N-1) times). `piece_bytes` is the smallest message on the
+    latency of every message: on Gloo each piece's send leaves that long after the piece is
+    ready (2(N-1) times along each piece's way, the pieces overlapping); on NCCL a pause
+    before each hop. `piece_bytes` is the smallest message on the
     wire a chunk is cut into, in at most most_pieces (see the module's docstring).
     """
     if flat.dim() != 1 or not flat.is_contiguous():
@@ -197,8 +200,10 @@ def ring_allreduce(
         r0, r1 = piece(hop, j)
         out = flat[s0:s1].to(wire) if send and s1 > s0 else None
         into = target(hop, j) if recv and r1 > r0 else None
-        moved[0] += (s1 - s0) * itemsize if send else 0
-        moved[1] += (r1 - r0) * itemsize if recv else 0
+        if send:  # (a late sender thread, _LateSends, counts moved[0]; this thread moved[1])
+            moved[0] += (s1 - s0) * itemsize
+        if recv:
+            moved[1] += (r1 - r0) * itemsize
         ops, works = post_exchange(out, right, into, left, group, tag=hop * pieces + j)
         if ordered:  # one batch: waited as the hop's
             kept.append((ops, []))
@@ -211,17 +216,44 @@ def ring_allreduce(
 
     # Each piece's receives are posted two hops ahead (Gloo sends a message only once its
     # receive is posted: posted late, every hop waits a round trip of notices). A hop's
-    # piece j moves on as soon as it has arrived and been summed.
+    # piece j moves on as soon as it has arrived and been summed. An injected latency on Gloo
+    # holds each send back delay_s after its piece is ready, on a thread of its own, so that
+    # it arrives delay_s plus its transfer later while the other pieces go on, as on a link
+    # of that latency. (Gloo's receives say they are done only once waited, so one thread
+    # cannot both wait for them and send on time.) NCCL's sends are batched with their hop's
+    # receives, and there the delay is a pause before each hop, which overlaps the transfer.
     waiting: dict[tuple[int, int], list] = {}
-    for j in range(pieces):
-        for hop in range(first, first if ordered else min(first + 2, last)):
-            waiting[hop, j] = post(hop, j, send=False, recv=True)
-    if delay_s:
-        time.sleep(delay_s)
-    for j in range(pieces):
-        waiting[first, j] = post(first, j, send=True, recv=ordered) + waiting.get((first, j), [])
+    late = _LateSends(delay_s, lambda hop, j: post(hop, j, send=True, recv=False)) if delay_s and not ordered \
+        else None
+    try:
+        for j in range(pieces):
+            for hop in range(first, first if ordered else min(first + 2, last)):
+                waiting[hop, j] = post(hop, j, send=False, recv=True)
+        if delay_s and late is None:
+            time.sleep(delay_s)
+        for j in range(pieces):
+            if late is not None:
+                late.send(first, j)
+            else:
+                waiting[first, j] = post(first, j, send=True, recv=ordered) + waiting.get((first, j), [])
+        _hops(first, last, pieces, waiting, late, delay_s, ordered, world, wire, flat, piece, target, post)
+    except BaseException:
+        if late is not None:
+            late.close(drop=True)  # what is still held is not sent
+        raise
+    if late is not None:
+        late.close()  # every held send posted; the first error one met raised
+    for _, works in kept:
+        for work in works:
+            work.wait()
+    return moved[0], moved[1]
+
+
+def _hops(first, last, pieces, waiting, late, delay_s, ordered, world, wire, flat, piece, target, post) -> None:
+    """ring_allreduce's hops first..last-1: each piece received, summed (or kept) and sent
+    on to the next hop (through `late` where sends are held back)."""
     for hop in range(first, last):
-        if hop > first and delay_s:
+        if hop > first and delay_s and late is None:
             time.sleep(delay_s)
         for j in range(pieces):
             for work in waiting.pop((hop, j)):
@@ -237,9 +269,49 @@ def ring_allreduce(
                     flat[r0:r1] = into
             if not ordered and hop + 2 < last:
                 waiting[hop + 2, j] = post(hop + 2, j, send=False, recv=True)
-            if hop + 1 < last:
+            if hop + 1 >= last:
+                continue
+            if late is not None:
+                late.send(hop + 1, j)
+            else:
                 waiting[hop + 1, j] = post(hop + 1, j, send=True, recv=ordered) + waiting.get((hop + 1, j), [])
-    for _, works in kept:
-        for work in works:
-            work.wait()
-    return moved[0], moved[1]
+
+
+class _LateSends:
+    """Sends posted delay_s after they are asked for, in order, by a thread of their own
+    (post(hop, piece) posts one); close() waits until every one asked for is posted and
+    raises the first error a post met."""
+
+    def __init__(self, delay_s: float, post: Callable[[int, int], list]) -> None:
+        import queue
+
+        self.delay_s, self._post, self.error = delay_s, post, None
+        self._drop = threading.Event()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="psar-ring-late-sends", daemon=True)
+        self._thread.start()
+
+    def send(self, hop: int, j: int) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"ring: a held-back send failed: {self.error}") from self.error
+        self._queue.put((time.monotonic() + self.delay_s, hop, j))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            when, hop, j = item
+            if not self._drop.wait(max(0.0, when - time.monotonic())) and self.error is None:
+                try:
+                    self._post(hop, j)
+                except Exception as e:  # raised in the ring's own thread, by send or close
+                    self.error = e
+
+    def close(self, drop: bool = False) -> None:
+        if drop:
+            self._drop.set()
+        self._queue.put(None)
+        self._thread.join()
+        if self.error is not None and not drop:
+            raise RuntimeError(f"ring: a held-back send failed: {self.error}") from self.error
