@@ -43,7 +43,7 @@ def POOL_JOBS() -> dict[str, dict]:
     return jobs
 
 
-DELAY_MS = 25
+DELAY_MS = 10
 """An injected latency of every hop of psar's ring under zero (q3-ring1-delay)."""
 
 
