@@ -225,18 +225,40 @@ def ring_allreduce(
     waiting: dict[tuple[int, int], list] = {}
     late = _LateSends(delay_s, lambda hop, j: post(hop, j, send=True, recv=False)) if delay_s and not ordered \
         else None
+    pause = delay_s if late is None else 0.0  # NCCL's delay: before each hop
+
+    def send(hop: int, j: int) -> None:
+        if late is not None:
+            late.send(hop, j)
+        else:
+            waiting[hop, j] = post(hop, j, send=True, recv=ordered) + waiting.get((hop, j), [])
+
     try:
         for j in range(pieces):
             for hop in range(first, first if ordered else min(first + 2, last)):
                 waiting[hop, j] = post(hop, j, send=False, recv=True)
-        if delay_s and late is None:
-            time.sleep(delay_s)
-        for j in range(pieces):
-            if late is not None:
-                late.send(first, j)
-            else:
-                waiting[first, j] = post(first, j, send=True, recv=ordered) + waiting.get((first, j), [])
-        _hops(first, last, pieces, waiting, late, delay_s, ordered, world, wire, flat, piece, target, post)
+        for hop in range(first, last):
+            if pause:
+                time.sleep(pause)
+            if hop == first:
+                for j in range(pieces):
+                    send(first, j)
+            for j in range(pieces):
+                for work in waiting.pop((hop, j)):
+                    work.wait()
+                r0, r1 = piece(hop, j)
+                if r1 > r0:
+                    into = target(hop, j)
+                    if hop < world - 1:
+                        flat[r0:r1] += into
+                        if hop == world - 2 and wire != flat.dtype:  # the owned piece, as the others get it
+                            flat[r0:r1] = flat[r0:r1].to(wire)
+                    elif into.data_ptr() != flat[r0:r1].data_ptr():
+                        flat[r0:r1] = into
+                if not ordered and hop + 2 < last:
+                    waiting[hop + 2, j] = post(hop + 2, j, send=False, recv=True)
+                if hop + 1 < last:
+                    send(hop + 1, j)
     except BaseException:
         if late is not None:
             late.close(drop=True)  # what is still held is not sent
@@ -247,34 +269,6 @@ def ring_allreduce(
         for work in works:
             work.wait()
     return moved[0], moved[1]
-
-
-def _hops(first, last, pieces, waiting, late, delay_s, ordered, world, wire, flat, piece, target, post) -> None:
-    """ring_allreduce's hops first..last-1: each piece received, summed (or kept) and sent
-    on to the next hop (through `late` where sends are held back)."""
-    for hop in range(first, last):
-        if hop > first and delay_s and late is None:
-            time.sleep(delay_s)
-        for j in range(pieces):
-            for work in waiting.pop((hop, j)):
-                work.wait()
-            r0, r1 = piece(hop, j)
-            if r1 > r0:
-                into = target(hop, j)
-                if hop < world - 1:
-                    flat[r0:r1] += into
-                    if hop == world - 2 and wire != flat.dtype:  # the owned piece, as the others get it
-                        flat[r0:r1] = flat[r0:r1].to(wire)
-                elif into.data_ptr() != flat[r0:r1].data_ptr():
-                    flat[r0:r1] = into
-            if not ordered and hop + 2 < last:
-                waiting[hop + 2, j] = post(hop + 2, j, send=False, recv=True)
-            if hop + 1 >= last:
-                continue
-            if late is not None:
-                late.send(hop + 1, j)
-            else:
-                waiting[hop + 1, j] = post(hop + 1, j, send=True, recv=ordered) + waiting.get((hop + 1, j), [])
 
 
 class _LateSends:

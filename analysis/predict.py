@@ -134,11 +134,10 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     grow = nbytes / measured_bytes
     by_label: dict[str, list[tuple[float, float]]] = {}
     settings: dict[str, dict] = {}
+    fan_in: dict[str, int] = {}  # label: the highest of its runs' shard_fan_in
     for run in runs:
         by_label.setdefault(run.label, []).append(calibration(run))
         settings.setdefault(run.label, run.config.get("ps") or {})
-    fan_in: dict[str, int] = {}
-    for run in runs:
         fan_in[run.label] = max(fan_in.get(run.label, 0), shard_fan_in(run.label, _own_target(run)))
     fallback = by_label[runs[0].label][0][0]
     batch = int(runs[0].config.get("batch_size") or 0)

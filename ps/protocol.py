@@ -75,9 +75,8 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a flat, contiguous CPU tensor without autograd, as a view (as_array's,
-    inline: a worker's push calls it for every key)."""
-    return memoryview((t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()).cast("B")
+    """The bytes of a flat, contiguous CPU tensor without autograd, as a view."""
+    return memoryview(as_array(t)).cast("B")
 
 
 def as_array(t: torch.Tensor):
@@ -134,7 +133,7 @@ def encode_whole(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> lis
     """encode's frames of whole keys whose 'dtypes' and 'shapes' the header already names,
     as flat, contiguous CPU tensors without autograd (PSClient.push made each so, and
     checked it against the layout): without encode's look at every tensor."""
-    return [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True), *map(_raw, tensors)]  # pack_header's
+    return [pack_header(header), *map(_raw, tensors)]
 
 
 def pack_header(header: dict[str, Any]) -> bytes:

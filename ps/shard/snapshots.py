@@ -84,8 +84,8 @@ class SnapshotPool:
         comes only after every worker has its values, so this copies only when a reply is
         late (async, ssp, a slow link)."""
         chunk, array = self.chunks[k], self._arrays.get(k)
-        if array is None and not in_use(chunk) or array is not None and sys.getrefcount(array) <= 3 \
-                and not in_use(chunk, 1):  # the array: the dict's, this name's and the call's references
+        replied = array is not None and sys.getrefcount(array) > 3  # beyond the dict's, this name's, the call's
+        if not replied and not in_use(chunk, kept=array is not None):
             return
         self._arrays.pop(k, None)  # a reply keeps the array, and through it the former memory
         spare = self._take((k, None))

@@ -19,7 +19,7 @@ from ps.shard import ShardServer
 LAYOUT = build_layout([ParamSpec("w", (256,), "float32"), ParamSpec("b", (256,), "float32")], 1, 1 << 20)
 BUDGET = {"shard": 100, "push": 45, "wait": 80}
 """Calls (Python functions and C functions called from Python) at most, of one 1 KiB
-push+pull: the short paths make 90, 33 and 65 of them, the general ones 164, 72 and 90."""
+push+pull: the short paths make 90, 35 and 65 of them, the general ones 164, 72 and 90."""
 
 
 def counted(fn, *args):
