@@ -26,6 +26,8 @@ def POOL_JOBS():
         jobs[f"{exp}-local"] = dict(experiment=exp, engine="local", overrides=F64)
         for s in SERVERS:
             jobs[f"{exp}-sync-s{s}"] = dict(experiment=exp, engine="ps-sync", servers=s, overrides=F64)
+    # 8 shards for quickstart's 5 keys: three shards hold none and answer nothing.
+    jobs["quickstart-sync-s8"] = dict(experiment="quickstart", engine="ps-sync", servers=8, overrides=F64)
     # Each parameter's gradient in a message of its own, in place of one bucket per shard.
     jobs["quickstart-sync-s2-unbucketed"] = dict(experiment="quickstart", engine="ps-sync", servers=2,
                                                  overrides=F64 + ("ps.bucket_kb=0",))
@@ -58,6 +60,17 @@ def test_ps_sync_matches_local_in_float64(results, experiment, servers):
     assert ref_summary["final_loss"] < 2.2
 
 
+def test_shards_without_keys_change_nothing(results):
+    from ps.layout import ParamSpec, build_layout
+    specs = [ParamSpec("w1", (128, 64), "float64"), ParamSpec("b1", (128,), "float64"),
+             ParamSpec("w2", (10, 128), "float64"), ParamSpec("b2", (10,), "float64")]  # quickstart's MLP
+    assert sum(b == 0 for b in build_layout(specs, 8, 1 << 20).bytes_per_shard()) == 3
+    res, _ = results
+    summary, state = res["quickstart-sync-s8"]
+    assert summary["steps"] == 20 and summary["servers"] == 8
+    assert max_param_diff(res["quickstart-local"][1], state) < 1e-10
+
+
 def test_buckets_send_one_push_per_shard_per_step_and_change_nothing(results):
     res, _ = results
     (bucketed, state), (unbucketed, unbucketed_state) = res["quickstart-sync-s2"], res["quickstart-sync-s2-unbucketed"]
@@ -65,8 +78,9 @@ def test_buckets_send_one_push_per_shard_per_step_and_change_nothing(results):
     assert max_param_diff(state, unbucketed_state) < 1e-10
     per_step = 20 * 2  # steps x workers
     assert [s["pushes"] for s in bucketed["server_stats"]] == [per_step, per_step]
-    # quickstart's 4 parameters over 2 shards: unbucketed, a shard pushed to once per parameter it holds
-    assert sorted(s["pushes"] for s in unbucketed["server_stats"]) == [per_step, 3 * per_step]
+    # quickstart's 4 parameters over 2 shards, the first cut in two (a shard's share is small):
+    # unbucketed, a shard is pushed to once per parameter it holds a piece of
+    assert sorted(s["pushes"] for s in unbucketed["server_stats"]) == [2 * per_step, 3 * per_step]
 
 
 def test_phased_exchange_changes_nothing_but_when_values_are_pulled(results):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ps.config import PSConfig, key_mb
-from ps.layout import (MIN_CHUNK_ELEMS, Layout, ParamSpec, build_layout, chunk_elems_from_mb, join_values,
+from ps.layout import (MIN_CHUNK_ELEMS, MIN_SHARE_ELEMS, Layout, ParamSpec, build_layout, chunk_elems_from_mb, join_values,
                        split_values)
 
 MLP_WIDE = [ParamSpec("0.weight", (4096, 784), "float32"), ParamSpec("0.bias", (4096,), "float32"),
@@ -31,6 +31,21 @@ def test_balance(specs, shards, chunk_mb, bound):
     assert max(per_shard) / min(per_shard) <= bound, per_shard
     assert max(per_shard) - min(per_shard) <= max(layout.nbytes(k) for k in layout.keys)  # greedy's guarantee
     assert max(k.numel for k in layout.keys) <= chunk_elems_from_mb(chunk_mb)
+
+
+MLP_256 = [ParamSpec("0.weight", (256, 784), "float32"), ParamSpec("0.bias", (256,), "float32"),
+           ParamSpec("2.weight", (256, 256), "float32"), ParamSpec("2.bias", (256,), "float32"),
+           ParamSpec("4.weight", (10, 256), "float32"), ParamSpec("4.bias", (10,), "float32")]
+
+
+@pytest.mark.parametrize("shards,bound", [(2, 1.02), (3, 1.03), (4, 1.04), (8, 1.07), (16, 1.15)])
+def test_a_small_model_spreads_over_many_shards(shards, bound):
+    """0.27 M elements, so a shard's share is below MIN_CHUNK_ELEMS: pieces go down to a
+    quarter of it (not below MIN_SHARE_ELEMS) and every shard holds near its share."""
+    layout = build_layout(MLP_256, shards, chunk_elems_from_mb(0.5))
+    per_shard = layout.bytes_per_shard()
+    assert max(per_shard) / (sum(per_shard) / shards) <= bound, per_shard
+    assert min(k.numel for k in layout.keys if MLP_256[k.param].numel >= MIN_SHARE_ELEMS) >= MIN_SHARE_ELEMS * 3 // 4
 
 
 COVERAGE = [(specs, shards, chunk) for specs in (MLP_WIDE, CNN, MIXED)
