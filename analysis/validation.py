@@ -39,7 +39,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "
                      "their segments again, their calibration under a fifth of that: their links' queues dropped "
                      "packets (several hosts sending into one port), which psar predict's links never do; a step "
-                     "that waits on every flow (ps-sync's answer to a key waits for every worker's push) loses most")
+                     "that waits on every flow (ps-sync's answer to a key waits for every worker's push) loses most; "
+                     "runs with deep-buffered ports (--set net.queue_ms=300) queue what these dropped")
     return "\n".join(lines)
 
 

@@ -86,7 +86,7 @@ def tcp_counters(snmp: str, netstat: str) -> dict[str, int]:
 
 
 QUEUE_MS = 10
-"""Most a link's queue holds past its burst, in milliseconds of its rate: a switch port's or
+"""Most a link's queue holds past its burst by default (net.queue_ms), in milliseconds of its rate: a switch port's or
 fq_codel's few milliseconds, not a bufferbloated 200 ms, behind which a host that sends and
 receives at once also queues the ACKs of what it receives. With 200 ms of queue, a co-located
 ps-sync step at 2 workers inside `psar compare link-scaling` took 1.45 and 1.58 s (one rank
@@ -131,6 +131,8 @@ class Network(Probes):
     """The rack of each host in `names`; empty: all in rack 0."""
     uplink: str = ""
     """Each rack's link to the core, each way, in tc's units; "": not shaped."""
+    queue_ms: float = QUEUE_MS
+    """What the bridge's side of a link (a switch port) queues past its burst, in ms of its rate."""
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     hosts: dict[str, Host] = field(default_factory=dict)
     created: list[str] = field(default_factory=list)
@@ -199,9 +201,9 @@ class Network(Probes):
         run("tc", "-n", host.netns, "-batch", "-", input="\n".join(lines) + "\n")  # tc names a failing line
 
     def queue_bytes(self, burst: int, rate: str = "") -> int:
-        """tbf's limit: QUEUE_MS of rate (the hosts' where "") past the burst, at least
+        """tbf's limit: queue_ms of rate (the hosts' where "") past the burst, at least
         QUEUE_MIN_BYTES."""
-        return max(QUEUE_MIN_BYTES, int(parse_rate(rate or self.rate) / 8 * QUEUE_MS / 1000) + burst)
+        return max(QUEUE_MIN_BYTES, int(parse_rate(rate or self.rate) / 8 * self.queue_ms / 1000) + burst)
 
     @property
     def rack_count(self) -> int:
@@ -309,7 +311,7 @@ class Network(Probes):
         """What summary.json records about the network."""
         racks = self.rack_count
         return {"rate": self.rate, "rate_bits": parse_rate(self.rate) if self.rate else None,
-                "latency_ms": self.latency_ms, "queue_ms": QUEUE_MS if self.rate else None,
+                "latency_ms": self.latency_ms, "queue_ms": self.queue_ms if self.rate else None,
                 "hosts": {n: h.addr for n, h in self.hosts.items()},
                 "racks": racks, "rack_of": {n: h.rack for n, h in self.hosts.items()},
                 "uplink": self.uplink, "uplink_bits": parse_rate(self.uplink) if self.uplink else None,

@@ -62,6 +62,7 @@ def test_a_list_that_does_not_fit_is_refused_naming_its_key(net, call, message):
     (dict(worker_racks="0,one"), "net.worker_racks='0,one': expected a comma list of rack indices"),
     (dict(server_racks="-1"), "net.server_racks='-1': expected a comma list of rack indices >= 0"),
     (dict(worker_racks="0,,1"), "net.worker_racks='0,,1'"),
+    (dict(rate="1gbit", queue_ms=0), "net.queue_ms=0: must be > 0"),
 ])
 def test_a_setting_that_is_wrong_on_its_own_is_refused_at_once(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -95,3 +96,14 @@ def test_racks_are_checked_against_the_run_once_every_override_is_in():
     ]:
         with pytest.raises(OverrideError, match=re.escape(message)):
             build_config("quickstart", overrides, engine=engine)
+
+
+@pytest.mark.timeout(10)
+def test_a_switch_port_queues_queue_ms_of_its_rate_past_its_burst():
+    from experiments.runtime.netns import QUEUE_MIN_BYTES, Network
+
+    assert Network(("w0",), "100mbit").queue_bytes(3000) == QUEUE_MIN_BYTES  # 10 ms and the burst: 128 KB
+    assert Network(("w0",), "1gbit").queue_bytes(3000) == 1_253_000
+    deep = Network(("w0",), "100mbit", queue_ms=300.0)
+    assert deep.queue_bytes(3000) == 3_750_000 + 3000  # 300 ms of 12.5 MB/s, past the burst
+    assert Network(("w0",), "1gbit", queue_ms=300.0).queue_bytes(3000, "100mbit") == 3_753_000

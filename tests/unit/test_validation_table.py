@@ -1,0 +1,24 @@
+"""psar predict --validate's table: its count of link-bound rows within 15%, and the note
+naming those outside it whose links dropped packets their calibration's did not."""
+
+from analysis.validation import table
+
+
+def _row(error, retx, calibration, link_bound=True, engine="ps-sync"):
+    return {"engine": engine, "workers": 4, "servers": 4, "rate_bits": 100e6, "racks": 1, "latency_s": 0.0,
+            "measured_s": 2.6, "step_s": 2.6 * (1 + error), "error": error, "link_bound": link_bound,
+            "retransmitted": retx, "calibration_retransmitted": calibration}
+
+
+def test_rows_outside_that_dropped_anew_are_named_with_what_queues_their_drops():
+    text = table([_row(-0.25, 0.037, 0.001), _row(-0.26, 0.002, 0.001), _row(-0.05, 0.04, 0.0),
+                  _row(0.4, 0.05, 0.0, link_bound=False)])
+    lines = text.splitlines()
+    assert lines[1].split()[-2:] == ["3.70", "(0.10)"]
+    assert "link-bound rows: 1 of 3 within 15%, largest error 26.0%" in text
+    assert "1 of them outside 15% sent 1% or more" in text and "net.queue_ms=300" in text
+
+
+def test_no_note_where_no_row_outside_dropped_anew():
+    text = table([_row(-0.25, 0.03, 0.02), _row(0.1, 0.05, 0.0)])
+    assert "link-bound rows: 1 of 2 within 15%" in text and "dropped" not in text
