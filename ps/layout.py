@@ -30,7 +30,8 @@ split costs more in per-frame overhead than it gains in balance; unless the mode
 beside its shards that a quarter of each shard's even share is below it (then down to that
 quarter, so that the greedy placement keeps every shard near its share)."""
 MIN_SHARE_ELEMS = 1 << 12
-"""However many shards, no tensor is cut below this many elements (16 KiB of float32)."""
+"""However many shards, a tensor is cut only into pieces of more than half this many elements
+(16 KiB of float32), unless there are fewer pieces than shards."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -231,7 +232,7 @@ def _short(x: Any, n: int = 80) -> str:
 
 def _chunk_sizes(numel: int, num_shards: int, chunk_elems: int, unit: int = 1, least: int = MIN_CHUNK_ELEMS) -> list[int]:
     """Near-equal chunk sizes for one flattened parameter, each a multiple of unit (a row),
-    none cut below least elements."""
+    none cut to half of least elements or fewer."""
     if numel == 0:
         return [0]
     units, least = numel // unit, max(1, least // unit)
@@ -257,7 +258,7 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
             long as pieces stay >= MIN_CHUNK_ELEMS) so that it spreads evenly over all
             shards; smaller ones stay whole. Where a quarter of a shard's even share of all
             elements is below MIN_CHUNK_ELEMS (a small model, many shards), pieces go down to
-            that quarter (not below MIN_SHARE_ELEMS), so that every shard holds near its share:
+            that quarter (no lower than MIN_SHARE_ELEMS), so that every shard holds near its share:
             mlp-mid with 256-wide layers (0.27 M elements) at most 1.06x the mean of 2 to 8
             shards (it was 1.23x at 2, 1.49x at 4, 1.95x at 8, where the predictor plays an
             even share).
@@ -283,13 +284,14 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
             raise ValueError(f"sparse parameter index {p}: expected a 2-D parameter (rows, dim) of the {len(specs)}")
     share = math.ceil(sum(spec.numel for spec in specs) / num_shards)
     least = max(MIN_SHARE_ELEMS, min(MIN_CHUNK_ELEMS, share // 4))
-    pieces = []  # (id, param, offset, numel)
+    pieces = []  # (param, offset, numel)
     for p, spec in enumerate(specs):
         offset = 0
         cut = (sparse_chunk_elems, spec.shape[1]) if p in sparse else (chunk_elems, 1)
-        for size in _chunk_sizes(spec.numel, num_shards, *cut, least):
-            pieces.append((len(pieces), p, offset, size))
+        for size in _chunk_sizes(spec.numel, num_shards, *cut, least=least):
+            pieces.append((p, offset, size))
             offset += size
+    pieces = [(kid, *piece) for kid, piece in enumerate(_at_least(pieces, num_shards, specs, sparse))]
     heap = [(0, s) for s in range(num_shards)]  # (bytes, shard): least loaded first, ties by index
     shard_of = {}
     for kid, p, _, numel in sorted(pieces, key=lambda x: (-x[3] * specs[x[1]].itemsize, x[0])):
@@ -298,6 +300,28 @@ def build_layout(specs: Iterable[ParamSpec], num_shards: int, chunk_elems: int,
         heapq.heappush(heap, (load + numel * specs[p].itemsize, shard))
     keys = [Key(kid, p, off, numel, shard_of[kid]) for kid, p, off, numel in pieces]
     return Layout(specs, keys, num_shards, chunk_elems, sparse)
+
+
+def _at_least(pieces: list[tuple[int, int, int]], num_shards: int, specs: list[ParamSpec],
+              sparse: frozenset) -> list[tuple[int, int, int]]:
+    """pieces (param, offset, numel), the largest cut in two (on a row boundary where the
+    parameter is row-sparse) until there are num_shards of them, so that every shard holds a
+    key: a shard without one would count steps it takes no part in. ValueError where the
+    model has fewer elements (rows) than shards."""
+    def unit(piece: tuple[int, int, int]) -> int:
+        return specs[piece[0]].shape[1] if piece[0] in sparse else 1
+
+    pieces = list(pieces)
+    while len(pieces) < num_shards:
+        p, offset, numel = big = max(pieces, key=lambda piece: (piece[2] // unit(piece), -piece[0], -piece[1]))
+        units = numel // unit(big)
+        if units < 2:
+            raise ValueError(f"{num_shards} shards for a model of {len(pieces)} pieces at most "
+                             f"({sum(s.numel for s in specs)} elements): give it at most {len(pieces)} shards")
+        half = units // 2 * unit(big)
+        pieces[pieces.index(big)] = (p, offset, half)
+        pieces.append((p, offset + half, numel - half))
+    return sorted(pieces)
 
 
 def split_values(layout: Layout, params: Sequence[torch.Tensor], shard: int | None = None) -> dict[int, torch.Tensor]:

@@ -87,11 +87,6 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
             if path is None:
                 raise ValueError("--resume needs the run directory (--out) that holds the checkpoint")
             server.load_state_dict(load_checkpoint(path))
-        if path is not None and cfg.checkpoint.every and not server.keys:
-            # The layout gave this shard no key (more shards than the model has pieces): its
-            # version never moves, so it never reaches a checkpoint; its state never changes
-            # either, and a resume needs its file.
-            save_atomic(server.state_dict(), path)
     except BaseException:
         transport.close()
         raise

@@ -3,6 +3,8 @@ experiments/runtime/netns.py builds it."""
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass
 
@@ -68,8 +70,8 @@ class NetConfig:
             raise ValueError(f"net.latency_ms={self.latency_ms}: must be >= 0")
         if self.latency_ms and not self.rate:
             raise ValueError("net.latency_ms needs an emulated network: give --net RATE too")
-        if not self.queue_ms > 0:
-            raise ValueError(f"net.queue_ms={self.queue_ms}: must be > 0")
+        if not (self.queue_ms > 0 and math.isfinite(self.queue_ms)):
+            raise ValueError(f"net.queue_ms={self.queue_ms}: must be a finite number > 0")
 
     def check(self, workers: int, servers: int | None) -> None:
         """The racks against each other and against the run's hosts, once every override is in

@@ -82,9 +82,7 @@ class ShardOptimizer:
         self.keys = list(chunks)
         self.chunks = chunks
         skip_compile_guards()
-        # A shard the layout gave no key (more shards than a small model has pieces) builds its
-        # optimizer over one empty tensor, which torch takes and no step ever names.
-        self.optimizer = make_optimizer(list(chunks.values()) or [torch.zeros(0)])
+        self.optimizer = make_optimizer(list(chunks.values()))
         if len(self.optimizer.param_groups) != 1:
             raise ValueError(f"a shard's optimizer must have one parameter group, "
                              f"got {len(self.optimizer.param_groups)}")
@@ -173,8 +171,6 @@ class ShardOptimizer:
         if any(len(g) != 1 for g in groups):
             raise ValueError("checkpoint's optimizer state has more than one parameter group for a key")
         hyper = {n: v for n, v in groups[0][0].items() if n != "params"} if groups else {}
-        if not self.keys:
-            return
         state = {i: s for i, k in enumerate(self.keys) for s in saved[k]["state"].values()}
         self.optimizer.load_state_dict({"state": state,
                                         "param_groups": [{**hyper, "params": list(range(len(self.keys)))}]})

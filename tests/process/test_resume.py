@@ -19,9 +19,7 @@ SETTINGS = ("dtype=float64", "threads=1", "checkpoint.every=5")
 # cnn has BatchNorm buffers, which must come back too; quickstart keeps the rest cheap.
 ENGINES = {"allreduce": ("cnn", {}), "ddp": ("quickstart", {}), "local": ("quickstart", {}),
            "ps-sync": ("cnn", {"servers": 2}), "zero": ("cnn", {}), "zero3": ("cnn", {}),
-           "gossip": ("quickstart", {"workers": 4}),
-           "ps-sync-keyless": ("quickstart", {"servers": 8})}  # 3 of the 8 shards hold no key
-ENGINE_OF = {"zero3": "zero", "ps-sync-keyless": "ps-sync"}
+           "gossip": ("quickstart", {"workers": 4})}
 # gossip: each worker's own model and optimizer, and the one-peer graph's schedule, go on
 OWN = {"zero": ("zero.stage=2",), "zero3": ("zero.stage=3", "zero.algorithm=ring"),
        "gossip": ("gossip.topology=one-peer-exponential",)}
@@ -30,7 +28,7 @@ OWN = {"zero": ("zero.stage=2",), "zero3": ("zero.stage=3", "zero.algorithm=ring
 def POOL_JOBS() -> dict[str, dict]:
     jobs = {}
     for name, (experiment, extra) in ENGINES.items():
-        settings, engine = SETTINGS + OWN.get(name, ()), ENGINE_OF.get(name, name)
+        settings, engine = SETTINGS + OWN.get(name, ()), "zero" if name == "zero3" else name
         jobs[f"{name}-full"] = dict(experiment=experiment, engine=engine, steps=12, overrides=settings, **extra)
         # Stopped after step 7 (its last checkpoint is step 5), then resumed to step 12.
         jobs[f"{name}-cut"] = dict(experiment=experiment, engine=engine, steps=7, resume_steps=12,

@@ -62,7 +62,8 @@ def test_a_list_that_does_not_fit_is_refused_naming_its_key(net, call, message):
     (dict(worker_racks="0,one"), "net.worker_racks='0,one': expected a comma list of rack indices"),
     (dict(server_racks="-1"), "net.server_racks='-1': expected a comma list of rack indices >= 0"),
     (dict(worker_racks="0,,1"), "net.worker_racks='0,,1'"),
-    (dict(rate="1gbit", queue_ms=0), "net.queue_ms=0: must be > 0"),
+    (dict(rate="1gbit", queue_ms=0), "net.queue_ms=0: must be a finite number > 0"),
+    (dict(rate="1gbit", queue_ms=float("inf")), "net.queue_ms=inf: must be a finite number > 0"),
 ])
 def test_a_setting_that_is_wrong_on_its_own_is_refused_at_once(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -100,7 +101,9 @@ def test_racks_are_checked_against_the_run_once_every_override_is_in():
 
 @pytest.mark.timeout(10)
 def test_a_switch_port_queues_queue_ms_of_its_rate_past_its_burst():
-    from experiments.runtime.netns import QUEUE_MIN_BYTES, Network
+    from experiments.runtime.netns import QUEUE_MIN_BYTES, QUEUE_MS, Network
+
+    assert NetConfig().queue_ms == QUEUE_MS  # the setting's default is the network's
 
     assert Network(("w0",), "100mbit").queue_bytes(3000) == QUEUE_MIN_BYTES  # 10 ms and the burst: 128 KB
     assert Network(("w0",), "1gbit").queue_bytes(3000) == 1_253_000

@@ -41,11 +41,22 @@ MLP_256 = [ParamSpec("0.weight", (256, 784), "float32"), ParamSpec("0.bias", (25
 @pytest.mark.parametrize("shards,bound", [(2, 1.02), (3, 1.03), (4, 1.04), (8, 1.07), (16, 1.15)])
 def test_a_small_model_spreads_over_many_shards(shards, bound):
     """0.27 M elements, so a shard's share is below MIN_CHUNK_ELEMS: pieces go down to a
-    quarter of it (not below MIN_SHARE_ELEMS) and every shard holds near its share."""
+    quarter of it (more than half of MIN_SHARE_ELEMS) and every shard holds near its share."""
     layout = build_layout(MLP_256, shards, chunk_elems_from_mb(0.5))
     per_shard = layout.bytes_per_shard()
     assert max(per_shard) / (sum(per_shard) / shards) <= bound, per_shard
-    assert min(k.numel for k in layout.keys if MLP_256[k.param].numel >= MIN_SHARE_ELEMS) >= MIN_SHARE_ELEMS * 3 // 4
+    assert min(k.numel for k in layout.keys if MLP_256[k.param].numel >= MIN_SHARE_ELEMS) >= MIN_SHARE_ELEMS // 2 + 1
+
+
+TINY = [ParamSpec("w", (3, 4), "float32"), ParamSpec("b", (3,), "float32")]  # 15 elements
+
+
+@pytest.mark.parametrize("specs,shards", [(MLP_256, 64), (TINY, 15)])
+def test_every_shard_holds_a_key_while_the_model_has_elements_for_it(specs, shards):
+    layout = build_layout(specs, shards, 1 << 20)
+    assert all(layout.shard_keys(s) for s in range(shards)) and len(layout.keys) >= shards
+    with pytest.raises(ValueError, match="give it at most 15 shards"):
+        build_layout(TINY, 16, 1 << 20)
 
 
 COVERAGE = [(specs, shards, chunk) for specs in (MLP_WIDE, CNN, MIXED)
