@@ -417,7 +417,9 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
         return self._step
 
     def report(self) -> dict:
-        out = {"updates_lost": self.updates_lost}
+        # How the shards held the model (ps.layout.Layout.cut): another psar may cut it otherwise.
+        out = {"updates_lost": self.updates_lost,
+               "layout": {"keys": len(self.layout.keys), "cut": self.layout.cut}}
         if self.config.backup_workers and self._server_stats:
             out["dropped_pushes"] = dropped_per_step(self._server_stats)
         if self._tables:

@@ -212,6 +212,14 @@ class Layout:
         text = json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
+    @cached_property
+    def cut(self) -> str:
+        """sha256 of how the parameters are cut and placed (each key's parameter, offset, size
+        and shard, and the shard count), without names or dtypes: a run's record of its keys."""
+        text = json.dumps([self.num_shards, [[k.param, k.offset, k.numel, k.shard] for k in self.keys]],
+                          separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.fingerprint == other.fingerprint
 

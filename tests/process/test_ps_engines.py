@@ -69,6 +69,7 @@ def test_more_shards_than_tensors_change_nothing(results):
     res, _ = results
     summary, state = res["quickstart-sync-s8"]
     assert summary["steps"] == 20 and summary["servers"] == 8
+    assert summary["layout"] == {"keys": 8, "cut": layout.cut}  # the run records how its shards held the model
     assert max_param_diff(res["quickstart-local"][1], state) < 1e-10
 
 
