@@ -4,7 +4,6 @@ experiments/runtime/netns.py builds it."""
 from __future__ import annotations
 
 import math
-
 import re
 from dataclasses import dataclass
 

@@ -32,8 +32,8 @@ class ShardState:
         if state.get("shard") != self.shard or state.get("fingerprint") != self.layout.fingerprint:
             raise ValueError(f"checkpoint is of shard {state.get('shard')} with layout "
                              f"{str(state.get('fingerprint'))[:12]}, not shard {self.shard} with layout "
-                             f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard? (a psar before "
-                             f"f1e5cd7 cut small models over several shards otherwise)")
+                             f"{self.layout.fingerprint[:12]}: same experiment, --set and --shard? (an older psar cut "
+                             f"small models over several shards otherwise)")
         with torch.no_grad():
             for k, t in state["values"].items():
                 self.snapshots.own(k)
