@@ -15,6 +15,7 @@ trip of notices (4 ranks on 1gbit links: 4 KB took 7.1 ms, 5.3 ms posted ahead).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -277,8 +278,6 @@ class _LateSends:
     raises the first error a post met."""
 
     def __init__(self, delay_s: float, post: Callable[[int, int], list]) -> None:
-        import queue
-
         self.delay_s, self._post, self.error = delay_s, post, None
         self._drop = threading.Event()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

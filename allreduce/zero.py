@@ -59,7 +59,7 @@ class ZeroEngine(Units, ZeroState):
         """delay_s: an injected latency of every hop of psar's ring (zero.algorithm=ring; the
         backend's collectives cannot take one)."""
         if delay_s and config.algorithm != "ring":
-            raise ValueError(f"an injected delay ({1e3 * delay_s:g} ms a message) needs zero.algorithm=ring: "
+            raise ValueError(f"an injected delay (fault.delay_ms={1e3 * delay_s:g}) needs zero.algorithm=ring: "
                              f"zero.algorithm={config.algorithm}'s collectives are the backend's")
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
         self.shards = [rank]

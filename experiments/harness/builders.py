@@ -44,9 +44,6 @@ def ddp(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None)
 def zero(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) -> Engine:
     from allreduce.zero import ZeroEngine
 
-    if cfg.fault.delay_ms and cfg.zero.algorithm != "ring":
-        raise ValueError(f"fault.delay_ms applies to zero on psar's own ring (zero.algorithm=ring); "
-                         f"zero.algorithm={cfg.zero.algorithm}'s collectives are the backend's")
     return ZeroEngine(env.rank, env.world, device, cfg.zero, cfg.timeout_s, trace, cfg.fault.delay_s)
 
 

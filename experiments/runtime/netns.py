@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from experiments.runtime.iproute import (CMD_TIMEOUT_S, PREFIX, NetworkError, _alive, _kill_inside,  # noqa: F401
                                          _namespaces, clean_stale, has_netem, run, unavailable)
 from experiments.runtime.netprobes import Probes
-from experiments.settings.net import parse_rate
+from experiments.settings.net import NetConfig, parse_rate
 
 IFNAME = "psar0"
 """Every host's interface to the bridge has this name, in its own namespace."""
@@ -85,7 +85,7 @@ def tcp_counters(snmp: str, netstat: str) -> dict[str, int]:
     return out
 
 
-QUEUE_MS = 10
+QUEUE_MS = NetConfig.queue_ms
 """Most a link's queue holds past its burst by default (net.queue_ms), in milliseconds of its rate: a switch port's or
 fq_codel's few milliseconds, not a bufferbloated 200 ms, behind which a host that sends and
 receives at once also queues the ACKs of what it receives. With 200 ms of queue, a co-located
