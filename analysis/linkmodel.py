@@ -156,7 +156,8 @@ def run_link_time(run: Run, traffic: "Traffic") -> float | None:
 
 def run_psar_link_time(run: Run, traffic: "Traffic") -> float | None:
     """psar_link_time for a run on an emulated network (None for a loopback run, and for racks,
-    which it does not model), with its push messages when its ps-sync exchange was pipelined."""
+    which it does not model), with its push messages when its ps-sync exchange was pipelined
+    (None where they cannot be read off the run: traffic.push_messages)."""
     net = _network(run)
     if net is None or int(net.get("racks") or 1) > 1:
         return None
@@ -165,5 +166,7 @@ def run_psar_link_time(run: Run, traffic: "Traffic") -> float | None:
             run.config.get("ps", {}).get("exchange", "pipelined") == "pipelined":
         from .traffic import push_messages  # here: it reads model.pt with torch
         messages = push_messages(run)
+        if messages is None:  # its keys were cut otherwise: which messages overlapped is not known
+            return None
     return psar_link_time(*_shape(run), traffic.push, float(net["rate_bits"]), net.get("placement", "colocated"),
                           messages, traffic.pull, traffic.gathered)

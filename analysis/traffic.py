@@ -35,12 +35,14 @@ def _floating_tensors(run: Run) -> list:
     return list(_floating_state(run).values())
 
 
-def push_messages(run: Run) -> list[int]:
+def push_messages(run: Run) -> list[int] | None:
     """Bytes of each push message a ps worker sends a step, in the order they leave: the
     model's parameters from last to first (the order backward produces their gradients), each
     cut into its keys (ps.chunk_mb, by net.rate where it is 0, as the run's layout cuts it),
     gathered until a message holds ps.bucket_kb KiB, as the engine's buckets are, even between
-    one parameter's keys."""
+    one parameter's keys. None where the run's summary records another cut of its keys
+    (ps.layout.Layout.cut): tables it moved by rows, or another psar's layout, whose messages
+    model.pt does not tell."""
     from experiments.settings.net import parse_rate
     from ps.config import PSConfig, key_mb
     from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb, dtype_name
@@ -55,6 +57,9 @@ def push_messages(run: Run) -> list[int]:
     specs = [ParamSpec(str(i), tuple(t.shape), dtype_name(t.dtype)) for i, t in enumerate(params)]
     servers = int(run.config.get("servers", 1) or 1)
     layout = build_layout(specs, servers, chunk_elems_from_mb(chunk_mb, params[0].element_size()))
+    recorded = (run.summary.get("layout") or {}).get("cut")
+    if recorded is not None and recorded != layout.cut:
+        return None
     sizes, bucket = [], 0
     for p in reversed(range(len(params))):
         for key in layout.param_keys(p):

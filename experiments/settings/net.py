@@ -78,6 +78,9 @@ class NetConfig:
         where the engine runs no shards, so net.server_racks is not its concern)."""
         if self.uplink and not self.rate:
             raise ValueError(f"net.uplink={self.uplink} shapes an emulated network: give --net RATE too")
+        if self.queue_ms != NetConfig.queue_ms and not self.rate:
+            raise ValueError(f"net.queue_ms={self.queue_ms:g} sizes an emulated switch port's queue: "
+                             "give --net RATE too")
         if self.uplink and self.racks == 1:
             raise ValueError(f"net.uplink={self.uplink} joins racks to the core: set net.racks above 1 too")
         if self.server_racks and self.placement == "colocated":

@@ -255,6 +255,15 @@ def test_push_messages_follow_backward_the_keys_and_the_bucket_size(tmp_path):
     config["ps"] = {"bucket_kb": 1024, "chunk_mb": 4}
     (run.path / "config.json").write_text(json.dumps(config))
     assert push_messages(load_run(run.path)) == [b + 4 * k]
+    # The run's summary records its cut: the same one, or another that model.pt cannot tell.
+    from ps.layout import ParamSpec, build_layout, chunk_elems_from_mb
+    cut = build_layout([ParamSpec("0", (512, 1024), "float32"), ParamSpec("1", (8,), "float64")], 1,
+                       chunk_elems_from_mb(4, 4)).cut
+    summary = json.loads((run.path / "summary.json").read_text())
+    for recorded, expected in ((cut, [b + 4 * k]), ("0" * 64, None)):
+        summary["layout"] = {"keys": 2, "cut": recorded}
+        (run.path / "summary.json").write_text(json.dumps(summary))
+        assert push_messages(load_run(run.path)) == expected
 
 
 def test_validate(tmp_path):

@@ -86,6 +86,7 @@ def test_racks_are_checked_against_the_run_once_every_override_is_in():
     for overrides, engine, message in [
         (["net.racks=2", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit shapes an emulated network: "
                                                              "give --net RATE too"),
+        (["net.queue_ms=300"], "ps-sync", "net.queue_ms=300 sizes an emulated switch port's queue: give --net RATE"),
         (["net.rate=200mbit", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit joins racks to the core: "
                                                                   "set net.racks above 1 too"),
         ([*RACKS, "net.worker_racks=0,1,1"], "allreduce", "net.worker_racks='0,1,1' places 3 hosts; the run has 2"),
