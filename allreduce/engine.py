@@ -164,6 +164,10 @@ class AllReduceEngine:
         self._reducer.zero_grad()
         self._sparse.zero_grad()
         stats = {"comm_s": comm_s, "in_backward_s": in_backward, "bytes_sent": nbytes, "bytes_recv": nbytes}
+        if self._reducer.timeline:  # when backward released each bucket (psar predict plays them)
+            stats["backward_s"] = self._reducer.backward_s
+            stats["buckets"] = [[round(at, 6), size] for at, size in self._reducer.timeline]
+            self._reducer.timeline = []
         if self._exchange is not None:
             stats["compress_s"] = self._exchange.take_seconds()
         if self._sparse.params:  # what the all-gather of the tables' rows sent, apart (analysis models it)

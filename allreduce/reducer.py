@@ -77,10 +77,18 @@ class Reducer:
         self._next = 0
         self.bytes_sent = 0
         self.syncing = True  # False inside no_sync: gradients only accumulate in the buckets
+        self._began = 0.0
+        self.timeline: list[tuple[float, int]] = []
+        """(seconds from prepare(), bytes) of each bucket this step started, in order: when
+        backward made it ready, or when finish() started what backward left."""
+        self.backward_s = 0.0
+        """Seconds from prepare() to finish(): the backward the buckets overlapped."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slot]
 
     def prepare(self) -> None:
-        """Before backward: make sure every .grad is still its bucket view."""
+        """Before backward: make sure every .grad is still its bucket view; the step's
+        timeline starts."""
+        self._began, self.timeline = time.perf_counter(), []
         for p, view in self._views.items():
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 if p.grad is not None:
@@ -103,6 +111,7 @@ class Reducer:
             self._next += 1
 
     def _start(self, bucket: Bucket) -> None:
+        self.timeline.append((time.perf_counter() - self._began, bucket.flat.numel() * bucket.flat.element_size()))
         name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
         if self.exchange is not None:  # it averages once the messages are in
             bucket.handle, nbytes = self.exchange.start("+".join(bucket.names), bucket.flat, self._steps, name,
@@ -124,6 +133,7 @@ class Reducer:
                 f"{len(missing)} parameter(s) got no gradient this step: {shown}; every rank "
                 "must use every parameter, or set allreduce.unused=zero to reduce zeros for them"
             )
+        self.backward_s = time.perf_counter() - self._began
         for bucket in self.buckets:
             bucket.ready = set(range(len(bucket.params)))  # unused ones reduce their zeros
         self._start_ready()

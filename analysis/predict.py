@@ -8,8 +8,11 @@ model.pt's; and the exchange is scaled by the runs' own ratio of measured commun
 the same schedule played on the cluster they ran on (their rate, workers and shards), so that
 what psar's implementation adds to the ideal (copies, a shard's work) is carried along rather
 than fitted anew. A collective's messages' fixed cost (fixed_cost) is added apart, since it
-grows with the hops, not the bytes. A parameter server's exchange is played as its runs'
-settings run it: pipelined by keys with the workers' window (ps-sync's default), or phased.
+grows with the hops, not the bytes. An all-reduce run that recorded when its backward
+released each gradient bucket plays its buckets from those times (analysis/overlap.py): the
+step waits only for what ends after backward, on the target as on its own cluster. A
+parameter server's exchange is played as its runs' settings run it: pipelined by keys with
+the workers' window (ps-sync's default), or phased.
 An engine with no run of its own takes the compute of the runs' first engine and a ratio of
 1 (the ideal).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from .costmodel import compute_time
+from .overlap import Timeline, exposed, solve_ratio, timeline
 from .results import Run, family
 from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
 from .traffic import gradient_bytes
@@ -109,14 +113,30 @@ def fixed_cost(label: str, target: Target) -> float:
     return rounds * 2 * (LINK_MESSAGE_S if target.message is None else target.message)
 
 
-def calibration(run: Run) -> tuple[float, float]:
-    """(compute seconds, measured over played communication) of one run, its messages' fixed
-    cost set apart."""
+def calibration(run: Run) -> tuple[float, float, Timeline | None]:
+    """(compute seconds, measured over played communication, its buckets' timeline) of one
+    run, its messages' fixed cost set apart. An all-reduce run that recorded when backward
+    released its buckets (analysis/overlap.py) is played with them: the ratio is the one that
+    gives its measured wait after backward."""
     compute = compute_time(run)
     target = _own_target(run)
+    nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
+    line = _timeline(run)
+    if line is not None:
+        ratio = solve_ratio(line, lambda share: exchange(run.label, target, share * nbytes, ps),
+                            fixed_cost(run.label, target), _measured_step(run) - compute)
+        return compute, ratio, line
     measured = _measured_step(run) - compute - fixed_cost(run.label, target)
-    played = exchange(run.label, target, float(gradient_bytes(run)), run.config.get("ps"))
-    return compute, (measured / played if played > 0 else 1.0)
+    played = exchange(run.label, target, nbytes, ps)
+    return compute, (measured / played if played > 0 else 1.0), None
+
+
+def _timeline(run: Run) -> Timeline | None:
+    """The run's bucket timeline where its exchange is a plain all-reduce of its gradient (the
+    allreduce engine, every step, uncompressed); None otherwise."""
+    if run.engine != "allreduce" or run.compression or int((run.config.get("allreduce") or {}).get("period", 1)) > 1:
+        return None
+    return timeline(run)
 
 
 def predict(runs: list[Run], labels: list[str], targets: list[Target],
@@ -132,7 +152,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     measured_bytes = float(gradient_bytes(runs[0]))
     nbytes = params_bytes or measured_bytes
     grow = nbytes / measured_bytes
-    by_label: dict[str, list[tuple[float, float]]] = {}
+    by_label: dict[str, list[tuple[float, float, Timeline | None]]] = {}
     settings: dict[str, dict] = {}
     fan_in: dict[str, int] = {}  # label: the highest of its runs' shard_fan_in
     for run in runs:
@@ -144,10 +164,18 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     rows = []
     for label in labels:
         measured = by_label.get(label)
-        compute = (median(c for c, _ in measured) if measured else fallback) * grow
-        ratio = median(r for _, r in measured) if measured else 1.0
+        compute = (median(c for c, _, _ in measured) if measured else fallback) * grow
+        ratio = median(r for _, r, _ in measured) if measured else 1.0
+        lines = [line for _, _, line in measured or () if line is not None]
+        line = lines[0] if lines and len(lines) == len(measured) else None
+        if line is not None and grow != 1.0:  # backward grows with the compute
+            line = Timeline(line.backward_s * grow, tuple((at * grow, share) for at, share in line.buckets))
         for target in targets:
-            comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
+            if line is not None:
+                comm = exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio
+                               + fixed_cost(label, target))
+            else:
+                comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
             step = compute + comm
             rows.append({"engine": label, "workers": target.workers,
                          "servers": target.servers if family(label) == "ps" else None,

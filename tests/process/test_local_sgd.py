@@ -55,6 +55,21 @@ def test_local_sgd_sends_gradients_then_parameters_every_period(results, pool):
     assert ours == expected == torchs
 
 
+def test_each_reduced_step_records_when_backward_released_its_buckets(results, pool):
+    """What psar predict plays (analysis/overlap.py): the buckets' start times within backward
+    and their bytes, on every step that all-reduced its gradient, and on no other."""
+    def records(name):
+        lines = (pool.folder(__name__) / name / "metrics" / "rank0.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    for r in records("library-every-step"):
+        assert sum(size for _, size in r["buckets"]) == 9610 * 8
+        starts = [at for at, _ in r["buckets"]]
+        assert starts == sorted(starts) and 0 <= starts[0] and starts[-1] <= r["backward_s"] + 1e-6
+    local = records("library-local")
+    assert [("buckets" in r) for r in local] == [True] * 3 + [False] * (STEPS - 3)  # the warm-up's, then local steps
+
+
 def diloco_reference(workers: int = 2, warmup: int = 3, period: int = 4, steps: int = STEPS):
     """DiLoCo in one process, from the run's initial model on the run's shards: each worker's
     own SGD with momentum on its own gradient (the averaged one during the warm-up); at the

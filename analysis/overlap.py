@@ -1,0 +1,74 @@
+"""An all-reduce's buckets released as backward produces them: what of the exchange a step
+waits for after its backward, for `psar predict`.
+
+The allreduce engine records, each step, when its backward made each gradient bucket ready
+and the bucket's bytes (metrics' `buckets`: [seconds since backward began, bytes], in the
+order they started) and how long its backward took (`backward_s`). Played on a cluster, each
+bucket's all-reduce starts once it is ready and the bucket before it is done (buckets go in
+order, as on every rank), and the step waits for what ends after backward: the exposed
+exchange. A run without the records, or whose steps do not agree on its buckets, plays its
+exchange after backward, whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Callable
+
+from .results import Run
+
+
+@dataclass(frozen=True)
+class Timeline:
+    backward_s: float
+    """The median backward, seconds."""
+    buckets: tuple[tuple[float, float], ...]
+    """(median seconds since backward began when it started, share of the step's bytes) of
+    each bucket, in order."""
+
+
+def timeline(run: Run) -> Timeline | None:
+    """The run's buckets as its steady steps released them (medians over steps and ranks);
+    None where a step has no record of them or the steps differ in their buckets."""
+    records = run.steady_records()
+    if not records or any("buckets" not in r or "backward_s" not in r for r in records):
+        return None
+    sizes = [tuple(size for _, size in r["buckets"]) for r in records]
+    if len(set(sizes)) != 1 or not sizes[0] or sum(sizes[0]) <= 0:
+        return None
+    total = float(sum(sizes[0]))
+    starts = [median(r["buckets"][i][0] for r in records) for i in range(len(sizes[0]))]
+    return Timeline(median(r["backward_s"] for r in records),
+                    tuple((at, size / total) for at, size in zip(starts, sizes[0])))
+
+
+def exposed(line: Timeline, allreduce: Callable[[float], float]) -> float:
+    """Seconds of exchange after backward: each bucket's all-reduce (allreduce(share): its
+    seconds for that share of the step's bytes) from when it is ready and the one before it
+    is done."""
+    end = 0.0
+    for ready, share in line.buckets:
+        end = max(ready, end) + allreduce(share)
+    return max(0.0, end - line.backward_s)
+
+
+def solve_ratio(line: Timeline, played: Callable[[float], float], fixed: float, measured: float) -> float:
+    """The ratio r of measured to played exchange for which the exposed exchange (each
+    bucket r x played(share) plus its messages' fixed cost) is the measured one; 1 (the
+    ideal) where even r = 0 leaves more exposed than measured, or the run's backward hid
+    every bucket (nothing to measure the ratio by)."""
+    def at(r: float) -> float:
+        return exposed(line, lambda share: r * played(share) + fixed)
+
+    if measured <= at(0.0) + 1e-12:
+        return 1.0
+    low, high = 0.0, 1.0
+    while at(high) < measured:
+        high *= 2
+        if high > 1e6:
+            return high
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if at(mid) < measured else (low, mid)
+    return (low + high) / 2

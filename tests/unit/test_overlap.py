@@ -1,0 +1,77 @@
+"""`psar predict` with an all-reduce's buckets released as backward produced them
+(analysis/overlap.py): the calibration gives the run's own measured step back, other clusters
+play each bucket from when it was ready, and a run whose buckets were all ready at the end of
+backward is predicted as one without the record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from analysis.overlap import Timeline, exposed, solve_ratio, timeline
+from analysis.predict import Target, exchange, fixed_cost, predict
+from analysis.results import load_run
+from test_labels import M, RATE_BITS, fake_run
+
+LABEL = "allreduce/library"
+
+
+def with_buckets(run, backward_s, buckets):
+    """run's metrics with every step recording backward_s and buckets [[seconds, bytes]]."""
+    for path in (run.path / "metrics").glob("rank*.jsonl"):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "backward_s": backward_s, "buckets": buckets}) + "\n" for r in lines))
+    return load_run(run.path)
+
+
+def test_buckets_ready_during_backward_hide_their_exchange(tmp_path):
+    run = with_buckets(fake_run(tmp_path / "ar", "allreduce", compute_s=0.1, step_s=0.5), 0.08,
+                       [[0.02, M // 2], [0.08, M - M // 2]])
+    line = timeline(run)
+    assert line == Timeline(0.08, ((0.02, 0.5), (0.08, 0.5)))
+    own, faster = Target(2, RATE_BITS / 8), Target(4, 10 * RATE_BITS / 8)
+    rows = {r["workers"]: r for r in predict([run], [LABEL], [own, faster])}
+    assert rows[2]["step_s"] == pytest.approx(0.5, rel=1e-9)  # the ratio gives the run's own wait after backward
+
+    def bucket(target, ratio):
+        return exchange(LABEL, target, M / 2) * ratio + fixed_cost(LABEL, target)
+
+    ratio = solve_ratio(line, lambda share: exchange(LABEL, own, share * M), fixed_cost(LABEL, own), 0.4)
+    first = 0.02 + bucket(faster, ratio)
+    assert rows[4]["comm_s"] == pytest.approx(max(0.08, first) + bucket(faster, ratio) - 0.08)
+    # The same run without its record plays the exchange after backward, whole: longer here.
+    plain = fake_run(tmp_path / "plain", "allreduce", compute_s=0.1, step_s=0.5)
+    [whole] = predict([plain], [LABEL], [faster])
+    assert rows[4]["comm_s"] < whole["comm_s"]
+
+
+def test_one_bucket_ready_at_the_end_of_backward_is_the_plain_prediction(tmp_path):
+    run = with_buckets(fake_run(tmp_path / "ar", "allreduce", compute_s=0.1, step_s=0.5), 0.05, [[0.05, M]])
+    plain = fake_run(tmp_path / "plain", "allreduce", compute_s=0.1, step_s=0.5)
+    targets = [Target(n, RATE_BITS / 8 * k) for n in (2, 8, 64) for k in (1, 10)]
+    for a, b in zip(predict([run], [LABEL], targets), predict([plain], [LABEL], targets)):
+        assert a["step_s"] == pytest.approx(b["step_s"], rel=1e-9)
+
+
+def test_a_timeline_needs_every_step_to_agree_on_its_buckets(tmp_path):
+    run = with_buckets(fake_run(tmp_path / "ar", "allreduce"), 0.05, [[0.01, 100], [0.05, 200]])
+    path = run.path / "metrics" / "rank1.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[2]["buckets"] = [[0.05, 300]]  # a step that started other buckets
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert timeline(load_run(run.path)) is None
+    assert timeline(fake_run(tmp_path / "none", "allreduce")) is None  # no record
+
+
+def test_exposed_plays_buckets_in_order_from_when_each_is_ready():
+    line = Timeline(1.0, ((0.0, 0.25), (0.5, 0.25), (1.0, 0.5)))
+    # 0.25 of the bytes take 0.3 s: the first ends at 0.3, the second starts at 0.5 and ends at
+    # 0.8, the third starts at 1.0 and ends at 1.6: 0.6 s after backward.
+    assert exposed(line, lambda share: 1.2 * share) == pytest.approx(0.6)
+    assert exposed(line, lambda share: 0.0) == 0.0
+    # Slow buckets queue behind each other: 4 s a step's bytes, the last ends at 4 s.
+    assert exposed(line, lambda share: 4 * share) == pytest.approx(3.0)
+    # Nothing to calibrate by where backward hid it all: the ideal.
+    assert solve_ratio(line, lambda share: share, 0.0, 0.0) == 1.0
+    assert solve_ratio(line, lambda share: 1.2 * share, 0.0, 0.6) == pytest.approx(1.0)
