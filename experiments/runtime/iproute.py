@@ -34,6 +34,38 @@ def run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.C
     return res
 
 
+CONGESTION = "/proc/sys/net/ipv4/tcp_congestion_control"
+"""Where a namespace's TCP congestion control is read and set."""
+
+
+def congestion(netns: str, name: str = "") -> str:
+    """TCP's congestion control in namespace netns (set to name first, where given): a new
+    namespace starts with the machine's default, and can be set only to what the machine
+    allows (net.ipv4.tcp_allowed_congestion_control). NetworkError naming those otherwise."""
+    if name:
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", name):  # it goes through sh
+            raise NetworkError(f"net.congestion={name!r}: not a TCP congestion control's name")
+        res = run("ip", "netns", "exec", netns, "sh", "-c", f"echo {name} > {CONGESTION}", check=False)
+        if res.returncode != 0:
+            allowed = run("ip", "netns", "exec", netns, "cat", CONGESTION.replace("congestion_control",
+                                                                                 "allowed_congestion_control"),
+                          check=False).stdout.split()
+            raise NetworkError(f"net.congestion={name}: a host's namespace takes only what this machine allows "
+                               f"({', '.join(allowed) or 'none'}; net.ipv4.tcp_allowed_congestion_control): "
+                               f"{res.stderr.strip()}")
+    return run("ip", "netns", "exec", netns, "cat", CONGESTION).stdout.strip()
+
+
+def congestion_default() -> str:
+    """The congestion control a new namespace starts with here (read off a probe namespace)."""
+    probe = f"{PREFIX}{os.getpid()}-cc"
+    try:
+        run("ip", "netns", "add", probe)
+        return congestion(probe)
+    finally:
+        run("ip", "netns", "del", probe, check=False)
+
+
 def unavailable() -> str | None:
     """Why emulated hosts cannot be made here, in one line, or None if they can."""
     if not os.uname().sysname == "Linux":

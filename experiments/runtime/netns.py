@@ -20,7 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from experiments.runtime.iproute import (CMD_TIMEOUT_S, PREFIX, NetworkError, _alive, _kill_inside,  # noqa: F401
-                                         _namespaces, clean_stale, has_netem, run, unavailable)
+                                         _namespaces, clean_stale, congestion, congestion_default, has_netem, run,
+                                         unavailable)
 from experiments.runtime.netprobes import Probes
 from experiments.settings.net import NetConfig, parse_rate
 
@@ -133,9 +134,13 @@ class Network(Probes):
     """Each rack's link to the core, each way, in tc's units; "": not shaped."""
     queue_ms: float = QUEUE_MS
     """What the bridge's side of a link (a switch port) queues past its burst, in ms of its rate."""
+    congestion: str = ""
+    """TCP congestion control on every host ("": the machine's default, which they start with)."""
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     hosts: dict[str, Host] = field(default_factory=dict)
     created: list[str] = field(default_factory=list)
+    congestion_in_use: str = ""
+    """What the hosts' TCP ran (read off a host once they are up)."""
 
     @property
     def prefix(self) -> str:
@@ -275,6 +280,7 @@ class Network(Probes):
                 if self.rate:
                     self._shape_host(host, i)          # what the host sends
                     self._shape(self.bridge_ns, port)  # what it receives
+                self.congestion_in_use = congestion(host.netns, self.congestion)
                 self.hosts[name] = host
         except BaseException:
             self.down()
@@ -312,6 +318,7 @@ class Network(Probes):
         racks = self.rack_count
         return {"rate": self.rate, "rate_bits": parse_rate(self.rate) if self.rate else None,
                 "latency_ms": self.latency_ms, "queue_ms": self.queue_ms if self.rate else None,
+                "congestion": self.congestion_in_use or None,
                 "hosts": {n: h.addr for n, h in self.hosts.items()},
                 "racks": racks, "rack_of": {n: h.rack for n, h in self.hosts.items()},
                 "uplink": self.uplink, "uplink_bits": parse_rate(self.uplink) if self.uplink else None,

@@ -122,7 +122,8 @@ class Emulated:
         netem = bool(self.net.latency_ms) and has_netem()
         self.latency_by = ("netem" if netem else "engine (fault.delay_ms)") if self.net.latency_ms else ""
         self.network = Network(tuple(names), self.net.rate, self.net.latency_ms if netem else 0.0,
-                               racks=tuple(racks), uplink=self.net.uplink, queue_ms=self.net.queue_ms)
+                               racks=tuple(racks), uplink=self.net.uplink, queue_ms=self.net.queue_ms,
+                               congestion=self.net.congestion)
         self.network.__enter__()
         return self
 

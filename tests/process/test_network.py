@@ -210,6 +210,18 @@ def POOL_JOBS() -> dict[str, dict]:
 
 
 @needs_netns
+@pytest.mark.timeout(60)
+def test_a_congestion_control_the_machine_does_not_allow_is_refused_naming_those_it_does():
+    with pytest.raises(network.NetworkError, match="net.congestion=nosuchcc: a host's namespace takes only what "
+                                                   "this machine allows"):
+        Network(("w0",), "100mbit", congestion="nosuchcc").up()
+    with Network(("w0", "w1"), "100mbit", congestion="reno") as net:
+        assert net.describe()["congestion"] == "reno"
+        assert all(network.congestion(h.netns) == "reno" for h in net.hosts.values())
+    assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]
+
+
+@needs_netns
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_shaped_runs_compute_what_loopback_computes(tmp_path, pool):
@@ -218,12 +230,15 @@ def test_shaped_runs_compute_what_loopback_computes(tmp_path, pool):
     from conftest import max_param_diff, run_job
 
     reference = pool.results(__name__)["local"][1]
-    for engine, extra in (("ps-sync", ("net.placement=separate", "net.queue_ms=40")), ("allreduce", ())):
+    own = network.congestion_default()
+    for engine, extra in (("ps-sync", ("net.placement=separate", "net.queue_ms=40", "net.congestion=reno")),
+                          ("allreduce", ())):
         summary, state = run_job(tmp_path, "quickstart", engine, steps=6,
                                  overrides=F64 + ("net.rate=1gbit", *extra))
         assert max_param_diff(state, reference) <= 1e-10, engine
         hosts = summary["network"]["hosts"]
         assert summary["network"]["queue_ms"] == (40 if engine == "ps-sync" else network.QUEUE_MS)
+        assert summary["network"]["congestion"] == ("reno" if engine == "ps-sync" else own)  # what the hosts' TCP ran
         assert set(hosts) == ({"w0", "w1", "s0"} if engine == "ps-sync" else {"w0", "w1"})
         assert all(h["tx_bytes"] > 0 and h["rx_bytes"] > 0 for h in hosts.values())
         # Each host's TCP counters are its own namespace's, from zero: at most what its link sent.

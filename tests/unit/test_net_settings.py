@@ -64,6 +64,7 @@ def test_a_list_that_does_not_fit_is_refused_naming_its_key(net, call, message):
     (dict(worker_racks="0,,1"), "net.worker_racks='0,,1'"),
     (dict(rate="1gbit", queue_ms=0), "net.queue_ms=0: must be a finite number > 0"),
     (dict(rate="1gbit", queue_ms=float("inf")), "net.queue_ms=inf: must be a finite number > 0"),
+    (dict(rate="1gbit", congestion="reno; reboot"), "net.congestion='reno; reboot': expected a TCP congestion"),
 ])
 def test_a_setting_that_is_wrong_on_its_own_is_refused_at_once(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -87,6 +88,7 @@ def test_racks_are_checked_against_the_run_once_every_override_is_in():
         (["net.racks=2", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit shapes an emulated network: "
                                                              "give --net RATE too"),
         (["net.queue_ms=300"], "ps-sync", "net.queue_ms=300 sizes an emulated switch port's queue: give --net RATE"),
+        (["net.congestion=reno"], "ps-sync", "net.congestion=reno sets the emulated hosts' TCP: give --net RATE too"),
         (["net.rate=200mbit", "net.uplink=100mbit"], "allreduce", "net.uplink=100mbit joins racks to the core: "
                                                                   "set net.racks above 1 too"),
         ([*RACKS, "net.worker_racks=0,1,1"], "allreduce", "net.worker_racks='0,1,1' places 3 hosts; the run has 2"),
