@@ -3,11 +3,13 @@ waits for after its backward, for `psar predict`.
 
 The allreduce engine records, each step, when its backward made each gradient bucket ready
 and the bucket's bytes (metrics' `buckets`: [seconds since backward began, bytes], in the
-order they started) and how long its backward took (`backward_s`). Played on a cluster, each
-bucket's all-reduce starts once it is ready and the bucket before it is done (buckets go in
-order, as on every rank), and the step waits for what ends after backward: the exposed
-exchange. A run without the records, or whose steps do not agree on its buckets, plays its
-exchange after backward, whole.
+order they started) and how long its backward took (`backward_s`); the parameter-server
+engines record each bucket they pushed the same way. Played on a cluster, each bucket's
+all-reduce starts once it is ready and the bucket before it is done (buckets go in order, as
+on every rank), and a parameter server's keys leave no sooner than backward released them
+(schedules.parameter_server_pipelined's ready); the step waits for what ends after backward:
+the exposed exchange. A run without the records, or whose steps do not agree on its buckets
+(rows of tables differ from batch to batch), plays its exchange after backward, whole.
 """
 
 from __future__ import annotations
@@ -53,22 +55,19 @@ def exposed(line: Timeline, allreduce: Callable[[float], float]) -> float:
     return max(0.0, end - line.backward_s)
 
 
-def solve_ratio(line: Timeline, played: Callable[[float], float], fixed: float, measured: float) -> float:
-    """The ratio r of measured to played exchange for which the exposed exchange (each
-    bucket r x played(share) plus its messages' fixed cost) is the measured one; 1 (the
-    ideal) where even r = 0 leaves more exposed than measured, or the run's backward hid
+def solve_ratio(exposed_at: Callable[[float], float], measured: float) -> float:
+    """The ratio r of measured to played exchange for which exposed_at(r), the exchange left
+    after backward when every transfer takes r times its played time, is the measured one; 1
+    (the ideal) where even r = 0 leaves more exposed than measured, or the run's backward hid
     every bucket (nothing to measure the ratio by)."""
-    def at(r: float) -> float:
-        return exposed(line, lambda share: r * played(share) + fixed)
-
-    if measured <= at(0.0) + 1e-12:
+    if measured <= exposed_at(0.0) + 1e-12:
         return 1.0
     low, high = 0.0, 1.0
-    while at(high) < measured:
+    while exposed_at(high) < measured:
         high *= 2
         if high > 1e6:
             return high
-    for _ in range(60):
+    for _ in range(50):
         mid = (low + high) / 2
-        low, high = (mid, high) if at(mid) < measured else (low, mid)
+        low, high = (mid, high) if exposed_at(mid) < measured else (low, mid)
     return (low + high) / 2

@@ -8,9 +8,10 @@ model.pt's; and the exchange is scaled by the runs' own ratio of measured commun
 the same schedule played on the cluster they ran on (their rate, workers and shards), so that
 what psar's implementation adds to the ideal (copies, a shard's work) is carried along rather
 than fitted anew. A collective's messages' fixed cost (fixed_cost) is added apart, since it
-grows with the hops, not the bytes. An all-reduce run that recorded when its backward
-released each gradient bucket plays its buckets from those times (analysis/overlap.py): the
-step waits only for what ends after backward, on the target as on its own cluster. A
+grows with the hops, not the bytes. A run that recorded when its backward released each
+gradient bucket (all-reduce, parameter server) plays its buckets from those times
+(analysis/overlap.py): the step waits only for what ends after backward, on the target as on
+its own cluster. A
 parameter server's exchange is played as its runs' settings run it: pipelined by keys with
 the workers' window (ps-sync's default), or phased.
 An engine with no run of its own takes the compute of the runs' first engine and a ratio of
@@ -19,7 +20,7 @@ An engine with no run of its own takes the compute of the runs' first engine and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 from .costmodel import compute_time
@@ -115,26 +116,43 @@ def fixed_cost(label: str, target: Target) -> float:
 
 def calibration(run: Run) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
-    run, its messages' fixed cost set apart. An all-reduce run that recorded when backward
-    released its buckets (analysis/overlap.py) is played with them: the ratio is the one that
-    gives its measured wait after backward."""
+    run, its messages' fixed cost set apart. A run that recorded when backward released its
+    buckets (analysis/overlap.py) is played with them: the ratio is the one that gives its
+    measured wait after backward."""
     compute = compute_time(run)
     target = _own_target(run)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
     line = _timeline(run)
     if line is not None:
-        ratio = solve_ratio(line, lambda share: exchange(run.label, target, share * nbytes, ps),
-                            fixed_cost(run.label, target), _measured_step(run) - compute)
-        return compute, ratio, line
+        return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
+                                    _measured_step(run) - compute), line
     measured = _measured_step(run) - compute - fixed_cost(run.label, target)
     played = exchange(run.label, target, nbytes, ps)
     return compute, (measured / played if played > 0 else 1.0), None
 
 
+def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None, line: Timeline,
+                     ratio: float) -> float:
+    """Seconds of label's exchange on the target left after backward, its buckets released as
+    line says, every transfer `ratio` times its played time: an all-reduce's buckets one after
+    the other (each with its messages' fixed cost), a parameter server's keys pipelined."""
+    if family(label) == "ps":
+        key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
+        cluster = target.cluster("ps")
+        slowed = replace(cluster, rate=cluster.rate / ratio if ratio > 0 else cluster.rate * 1e12)
+        end = parameter_server_pipelined(slowed, nbytes, target.servers, key, window, line.buckets)
+        return max(0.0, end - line.backward_s)
+    return exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target))
+
+
 def _timeline(run: Run) -> Timeline | None:
-    """The run's bucket timeline where its exchange is a plain all-reduce of its gradient (the
-    allreduce engine, every step, uncompressed); None otherwise."""
-    if run.engine != "allreduce" or run.compression or int((run.config.get("allreduce") or {}).get("period", 1)) > 1:
+    """The run's bucket timeline where its exchange is its gradient as backward makes it (the
+    allreduce engine every step, a parameter server pipelined, each step), uncompressed;
+    None otherwise."""
+    ps = run.config.get("ps") or {}
+    if run.compression or run.engine not in ("allreduce", "ps-sync", "ps-async", "ps-ssp") \
+            or int((run.config.get("allreduce") or {}).get("period", 1)) > 1 or ps.get("exchange") == "phased" \
+            or int(ps.get("push_every", 1)) > 1 or int(ps.get("fetch_every", 1)) > 1:
         return None
     return timeline(run)
 
@@ -172,8 +190,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
             line = Timeline(line.backward_s * grow, tuple((at * grow, share) for at, share in line.buckets))
         for target in targets:
             if line is not None:
-                comm = exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio
-                               + fixed_cost(label, target))
+                comm = exposed_exchange(label, target, nbytes, settings.get(label), line, ratio)
             else:
                 comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
             step = compute + comm

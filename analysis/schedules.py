@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from .fairshare import Flow, simulate
 
@@ -129,13 +130,28 @@ def _host_classes(cluster: Cluster, shards: int) -> list[_Hosts]:
             for (rack, worker, k), n in sorted(count.items())]
 
 
+def released(keys: int, buckets: Sequence[tuple[float, float]]) -> list[float]:
+    """When each of a shard's `keys` keys (in the order they leave) is released, from buckets
+    [(seconds, share of the bytes)] in the order backward released them: key k once the
+    buckets so far hold (k + 1) / keys of the bytes."""
+    out, done, i = [], 0.0, 0
+    for k in range(keys):
+        while i < len(buckets) and done < (k + 1) / keys - 1e-9:
+            done += buckets[i][1]
+            i += 1
+        out.append(buckets[min(i, len(buckets)) - 1][0] if buckets else 0.0)
+    return out
+
+
 def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key_bytes: float,
-                               window: int = 0) -> float:
+                               window: int = 0, ready: Sequence[tuple[float, float]] = ()) -> float:
     """Seconds of ps-sync's pipelined exchange of nbytes per worker over `shards` shards, in
     keys of about key_bytes: every worker streams each shard its keys in turn, and a shard
     sends a key's new values to every worker once every worker's push of it is in. window: at
     most this many of a worker's keys unanswered at a shard (ps.window_mb over the key), a
-    key waiting for the answer to the one `window` before it; 0: none."""
+    key waiting for the answer to the one `window` before it; 0: none. ready: the buckets
+    [(seconds, share of the bytes)] as backward released them (a key leaves no sooner: see
+    released); the seconds are then counted from backward's start; (): all at 0."""
     if cluster.servers not in (0, shards):
         raise ValueError(f"the cluster has {cluster.servers} shard hosts for {shards} shards")
     if key_bytes <= 0:
@@ -143,6 +159,7 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
     classes = _host_classes(cluster, shards)
     keys = max(1, math.ceil(nbytes / shards / key_bytes))
     key = nbytes / shards / keys
+    at = released(keys, ready) if ready else [0.0] * keys
     pairs = {}  # (worker class, shard class): (remote shards per worker, remote workers per shard)
     for a in (c for c in classes if c.worker):
         for b in (c for c in classes if c.shards):
@@ -180,7 +197,7 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
             return []
         blocked.discard((a, b))
         sent[a, b] += 1
-        return [push(a, b, sent[a, b] - 1, start)]
+        return [push(a, b, sent[a, b] - 1, max(start, at[sent[a, b] - 1]))]
 
     def then(name: str, at: float) -> list[Flow]:
         kind, a, b, k = name.split(" ")
@@ -197,5 +214,5 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
                                         by_name[b].shards * rw, rs, at))
         return started
 
-    arrived = simulate([push(a, b, 0, 0.0) for a, b in pairs], capacity, then)
+    arrived = simulate([push(a, b, 0, at[0]) for a, b in pairs], capacity, then)
     return max(t for name, t in arrived.items() if name.startswith("reply"))

@@ -166,6 +166,8 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
         self._bucket_bytes = 0
         self._returned: set[int] = set()  # dense keys whose values come back with their push this step
         self._ready = 0  # parameters whose gradient arrived this step
+        self._began, self._backward_s = 0.0, 0.0
+        self._released: list[list] = []  # [seconds since backward began, bytes] of each bucket pushed
         self._summed: dict[int, torch.Tensor] = {}  # Downpour: parameter -> its gradients since the last push
         self._pushes_made = self._step if self.mode != "sync" else 0  # async/ssp pushes carry it as their clock
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._push, i))
@@ -255,7 +257,9 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
     def backward(self, loss: torch.Tensor) -> None:
         self.settle()  # values of parameters this step's forward did not use
         self._check_values()
+        self._began, self._released = time.perf_counter(), []
         loss.backward()
+        self._backward_s = time.perf_counter() - self._began
 
     def settle(self, counted: bool = True) -> None:
         """Take every value the last step left to the next forward (ps.order=forward): the
@@ -331,7 +335,12 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
         late, coming = self._forward.handed_over() if self._forward is not None else (nothing_late(), 0)
-        out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(coming),
+        if self._released and self._backward_s:  # when backward released each bucket (psar predict plays them)
+            out_buckets = {"backward_s": self._backward_s, "buckets": self._released}
+        else:
+            out_buckets = {}
+        self._released, self._backward_s = [], 0.0
+        out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(coming), **out_buckets,
                "wait_s": max([r.waited_s for r in results] + [waited, late["wait_s"]]),
                "staleness": late["staleness"] + staleness}
         if late["forward_s"]:  # this step's forward waited for the last step's values: not compute

@@ -4,7 +4,8 @@ done), even between the keys of one parameter; under sync the message asks for t
 next values too (push+pull), under compress.method its keys leave compressed with this
 worker's error feedback. A mixin of ps.engine.PSEngine, whose fields it reads: layout,
 client, config, mode, _named, _tables, _bucket*, _pushes, _pulls, _returned, _want,
-_summed, _forward, compressor, memory."""
+_summed, _forward, compressor, memory, _began and _released (each pushed bucket's time
+since backward began, and bytes)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class Buckets:
         keys' next values (push+pull), or, where the bucket holds rows, a pull right behind it."""
         if not self._bucket:
             return
+        self._released.append([round(time.perf_counter() - self._began, 6), self._bucket_bytes])
         name = "+".join(self._bucket_names) if len(self._bucket_names) < 4 else \
             f"{self._bucket_names[0]}..{self._bucket_names[-1]} ({len(self._bucket_names)} parameters)"
         # no rows: the push asks for the values itself (Downpour: on the steps that fetch)

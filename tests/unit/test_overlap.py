@@ -1,4 +1,4 @@
-"""`psar predict` with an all-reduce's buckets released as backward produced them
+"""`psar predict` with an all-reduce's and a parameter server's buckets released as backward produced them
 (analysis/overlap.py): the calibration gives the run's own measured step back, other clusters
 play each bucket from when it was ready, and a run whose buckets were all ready at the end of
 backward is predicted as one without the record."""
@@ -10,6 +10,7 @@ import json
 import pytest
 
 from analysis.overlap import Timeline, exposed, solve_ratio, timeline
+from analysis.schedules import Cluster, parameter_server_pipelined, released
 from analysis.predict import Target, exchange, fixed_cost, predict
 from analysis.results import load_run
 from test_labels import M, RATE_BITS, fake_run
@@ -37,7 +38,8 @@ def test_buckets_ready_during_backward_hide_their_exchange(tmp_path):
     def bucket(target, ratio):
         return exchange(LABEL, target, M / 2) * ratio + fixed_cost(LABEL, target)
 
-    ratio = solve_ratio(line, lambda share: exchange(LABEL, own, share * M), fixed_cost(LABEL, own), 0.4)
+    ratio = solve_ratio(lambda r: exposed(line, lambda share: r * exchange(LABEL, own, share * M)
+                                          + fixed_cost(LABEL, own)), 0.4)
     first = 0.02 + bucket(faster, ratio)
     assert rows[4]["comm_s"] == pytest.approx(max(0.08, first) + bucket(faster, ratio) - 0.08)
     # The same run without its record plays the exchange after backward, whole: longer here.
@@ -73,5 +75,21 @@ def test_exposed_plays_buckets_in_order_from_when_each_is_ready():
     # Slow buckets queue behind each other: 4 s a step's bytes, the last ends at 4 s.
     assert exposed(line, lambda share: 4 * share) == pytest.approx(3.0)
     # Nothing to calibrate by where backward hid it all: the ideal.
-    assert solve_ratio(line, lambda share: share, 0.0, 0.0) == 1.0
-    assert solve_ratio(line, lambda share: 1.2 * share, 0.0, 0.6) == pytest.approx(1.0)
+    assert solve_ratio(lambda r: exposed(line, lambda share: r * share), 0.0) == 1.0
+    assert solve_ratio(lambda r: exposed(line, lambda share: r * 1.2 * share), 0.6) == pytest.approx(1.0)
+
+
+def test_a_parameter_servers_keys_leave_no_sooner_than_backward_released_them(tmp_path):
+    """ps-sync on 2 separate shards: keys released as backward goes leave during it, so less
+    is left after it than when every key leaves at its end; the run's own step comes back."""
+    cluster = Cluster(2, RATE_BITS / 8, servers=2)
+    late = parameter_server_pipelined(cluster, M, 2, M / 8, 0, ((0.05, 1.0),))
+    assert late == pytest.approx(0.05 + parameter_server_pipelined(cluster, M, 2, M / 8))  # all at once, later
+    early = parameter_server_pipelined(cluster, M, 2, M / 8, 0, ((0.0, 0.5), (0.05, 0.5)))
+    assert early < late
+    assert released(4, ((0.0, 0.5), (0.05, 0.5))) == [0.0, 0.0, 0.05, 0.05]
+    assert released(3, ((0.01, 0.2), (0.02, 0.3), (0.03, 0.5))) == [0.02, 0.03, 0.03]
+    run = with_buckets(fake_run(tmp_path / "ps", "ps-sync", compute_s=0.1, step_s=0.5), 0.05,
+                       [[0.0, M // 2], [0.05, M - M // 2]])
+    [row] = predict([run], ["ps-sync"], [Target(2, RATE_BITS / 8, 2)])  # its own cluster: 2 co-located shards
+    assert row["step_s"] == pytest.approx(0.5, rel=1e-6)
