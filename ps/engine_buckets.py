@@ -4,8 +4,8 @@ done), even between the keys of one parameter; under sync the message asks for t
 next values too (push+pull), under compress.method its keys leave compressed with this
 worker's error feedback. A mixin of ps.engine.PSEngine, whose fields it reads: layout,
 client, config, mode, _named, _tables, _bucket*, _pushes, _pulls, _returned, _want,
-_summed, _forward, compressor, memory, _began and _released (each pushed bucket's time
-since backward began, and bytes)."""
+_summed, _forward, compressor, memory, _began and _released (when the buckets that each
+gradient filled were pushed, since backward began, and their bytes)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Buckets:
         # Key by key: a message leaves once it holds ps.bucket_kb, even between the keys of one
         # parameter, so that a shard can answer its first pieces while later ones arrive.
         name, cap, dense = self._named[index][0], self.config.bucket_kb * 1024, index not in self._tables
+        first = len(self._released)
         for k, g in grads.items():
             if not self._bucket_names or self._bucket_names[-1] != name:
                 self._bucket_names.append(name)
@@ -49,6 +50,8 @@ class Buckets:
         self._ready += 1
         if self._ready == len(self._named):  # backward is done: what is left leaves
             self._flush(step)
+        if len(self._released) - first > 1:  # the buckets one gradient filled: one entry of the record
+            self._released[first:] = [[self._released[-1][0], sum(size for _, size in self._released[first:])]]
 
     def _compress(self, k: int, grad: torch.Tensor):
         """Key k's gradient plus this worker's residual, compressed; the residual becomes
