@@ -173,8 +173,11 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     by_label: dict[str, list[tuple[float, float, Timeline | None]]] = {}
     settings: dict[str, dict] = {}
     fan_in: dict[str, int] = {}  # label: the highest of its runs' shard_fan_in
+    waited: dict[str, float] = {}  # label: the largest share of a run's step it waited after backward
     for run in runs:
         by_label.setdefault(run.label, []).append(calibration(run))
+        step = _measured_step(run)
+        waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
         settings.setdefault(run.label, run.config.get("ps") or {})
         fan_in[run.label] = max(fan_in.get(run.label, 0), shard_fan_in(run.label, _own_target(run)))
     fallback = by_label[runs[0].label][0][0]
@@ -199,7 +202,8 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
                          "step_s": step, "compute_s": compute, "comm_s": comm, "calibrated": bool(measured),
                          "samples_per_s": batch * target.workers / step if step > 0 and batch else None,
                          "efficiency": compute / step if step > 0 else 1.0, **link_bytes(label, target, nbytes),
-                         "fan_in": shard_fan_in(label, target), "calibration_fan_in": fan_in.get(label)})
+                         "fan_in": shard_fan_in(label, target), "calibration_fan_in": fan_in.get(label),
+                         "calibration_wait_share": waited.get(label)})
     for i in range(len(targets)):  # the fastest engine of each target (rows: label by label, target by target)
         here = rows[i::len(targets)]
         best = min(r["step_s"] for r in here)

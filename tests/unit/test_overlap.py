@@ -93,3 +93,19 @@ def test_a_parameter_servers_keys_leave_no_sooner_than_backward_released_them(tm
                        [[0.0, M // 2], [0.05, M - M // 2]])
     [row] = predict([run], ["ps-sync"], [Target(2, RATE_BITS / 8, 2)])  # its own cluster: 2 co-located shards
     assert row["step_s"] == pytest.approx(0.5, rel=1e-6)
+
+
+def test_predict_notes_a_calibration_run_that_waited_little_after_backward(tmp_path):
+    from click.testing import CliRunner
+
+    from experiments.cli.predicting import predict_cmd
+
+    fake_run(tmp_path / "hidden", "allreduce", compute_s=0.4, step_s=0.5)  # waited 20% of its step
+    fake_run(tmp_path / "bound", "ps-sync", compute_s=0.1, step_s=0.5)  # 80%
+    out = CliRunner().invoke(predict_cmd, [str(tmp_path / "hidden"), str(tmp_path / "bound"), "--workers", "8",
+                                           "--net", "1gbit"])
+    assert out.exit_code == 0, out.output
+    notes = [line for line in out.output.splitlines() if "after backward" in line]
+    assert notes == ["note: allreduce/library's runs waited at most 20% of their step after backward: its ratio is "
+                     "read off that remainder, which the run-to-run spread of its compute moves far (calibrate on a "
+                     "run whose exchange its link bounds: at least 50% of the step)"]
