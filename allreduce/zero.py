@@ -72,6 +72,8 @@ class ZeroEngine(Units, ZeroState):
         self._bytes = 0
         self._waited = 0.0
         self._next = 0
+        self._began, self._backward_s = 0.0, 0.0
+        self._released: list[list] = []  # stages 1 and 2: [seconds since backward began, bytes] of each reduce-scatter
         self._sending: list[Bucket] = []  # stages 2 and 3: buffers being reduce-scattered, oldest first
         self._versions: list[int] = []  # stage 1: the gradient buffers' as backward left them
         self._held = 0  # their bytes, and those of the whole gradients waiting for their bucket
@@ -145,11 +147,13 @@ class ZeroEngine(Units, ZeroState):
                     p.grad = view
         if self.config.stage == 3:
             self._start_backward()
+        self._began, self._released = time.perf_counter(), []
         with self._liveness.naming_lost_ranks():
             self._backward_states.backward(loss)
             if not self._syncing:
                 return
             start = time.perf_counter()
+            self._backward_s = start - self._began
             self._finish()
             self._waited += time.perf_counter() - start
 
@@ -185,6 +189,7 @@ class ZeroEngine(Units, ZeroState):
             bucket.sending = flat
             self._sending.append(bucket)
         flat.div_(self.world)  # averaged before the sum, as the all-reduce engine does
+        self._released.append([round(time.perf_counter() - self._began, 6), nbytes(flat)])
         bucket.handle = self._collectives.reduce_scatter(bucket.piece.grad, flat)
         self._bytes += nbytes(flat) * (self.world - 1) // self.world
         if self.config.stage == 3:  # its backward is done: the values go until the next forward
@@ -276,8 +281,12 @@ class ZeroEngine(Units, ZeroState):
             (bucket.grad if bucket.grad is not None else bucket.piece.grad).zero_()
         self._mark_gradients()
         sent, self._bytes = self._bytes, 0
-        return {"comm_s": time.perf_counter() - start + in_backward, "in_backward_s": in_backward,
-                "bytes_sent": sent, "bytes_recv": sent}
+        stats = {"comm_s": time.perf_counter() - start + in_backward, "in_backward_s": in_backward,
+                 "bytes_sent": sent, "bytes_recv": sent}
+        if self.config.stage < 3 and self._released and self._backward_s:  # what psar predict plays
+            stats["backward_s"], stats["buckets"] = self._backward_s, self._released
+        self._released, self._backward_s = [], 0.0
+        return stats
 
     def _note(self) -> None:
         """The bytes of what this rank holds now, each kept at its most."""

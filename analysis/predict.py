@@ -135,7 +135,13 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
                      ratio: float) -> float:
     """Seconds of label's exchange on the target left after backward, its buckets released as
     line says, every transfer `ratio` times its played time: an all-reduce's buckets one after
-    the other (each with its messages' fixed cost), a parameter server's keys pipelined."""
+    the other (each with its messages' fixed cost); ZeRO stage 1 and 2's reduce-scatters so
+    (half a ring each), then the all-gather of the whole; a parameter server's keys pipelined."""
+    if label in ("zero-1", "zero-2"):  # each bucket's reduce-scatter (half a ring) in backward, the all-gather after
+        def half(share: float) -> float:
+            return (exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target)) / 2
+
+        return exposed(line, half) + half(1.0)
     if family(label) == "ps":
         key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
         cluster = target.cluster("ps")
@@ -147,9 +153,11 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
 
 def _timeline(run: Run) -> Timeline | None:
     """The run's bucket timeline where its exchange is its gradient as backward makes it (the
-    allreduce engine every step, a parameter server pipelined, each step), uncompressed;
-    None otherwise."""
+    allreduce engine every step, ZeRO stages 1 and 2, a parameter server pipelined, each
+    step), uncompressed; None otherwise."""
     ps = run.config.get("ps") or {}
+    if run.engine == "zero" and int((run.config.get("zero") or {}).get("stage", 1)) < 3:
+        return timeline(run)
     if run.compression or run.engine not in ("allreduce", "ps-sync", "ps-async", "ps-ssp") \
             or int((run.config.get("allreduce") or {}).get("period", 1)) > 1 or ps.get("exchange") == "phased" \
             or int(ps.get("push_every", 1)) > 1 or int(ps.get("fetch_every", 1)) > 1:

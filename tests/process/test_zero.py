@@ -7,6 +7,8 @@ with AdamW, and with three workers (a bucket that does not divide by 3 is padded
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import max_param_diff
@@ -93,6 +95,22 @@ def test_stages_one_and_two_send_what_an_all_reduce_sends_and_stage_three_half_a
     for stage in (1, 2):
         assert results[f"quickstart-zero{stage}"][0]["bytes_per_worker_per_step"] == sent
     assert results["quickstart-zero3"][0]["bytes_per_worker_per_step"] == 1.5 * sent
+
+
+
+def test_stages_one_and_two_record_when_backward_released_each_reduce_scatter(pool):
+    """What psar predict plays (analysis/overlap.py): each step's reduce-scatters, when and how
+    many bytes (a bucket padded to a multiple of the workers), within backward; stage 3,
+    which gathers in forward and backward, records none."""
+    def records(name):
+        lines = (pool.folder(__name__) / name / "metrics" / "rank0.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    for stage in (1, 2):
+        for r in records(f"quickstart-zero{stage}"):
+            assert 9610 * 8 <= sum(size for _, size in r["buckets"]) < 9610 * 8 + 2 * 8 * len(r["buckets"])
+            assert all(0 <= at <= r["backward_s"] for at, _ in r["buckets"]), r
+    assert not any("buckets" in r for r in records("quickstart-zero3"))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -11,7 +11,7 @@ import pytest
 
 from analysis.overlap import Timeline, exposed, solve_ratio, timeline
 from analysis.schedules import Cluster, parameter_server_pipelined, released
-from analysis.predict import Target, exchange, fixed_cost, predict
+from analysis.predict import Target, calibration, exchange, fixed_cost, predict
 from analysis.results import load_run
 from test_labels import M, RATE_BITS, fake_run
 
@@ -109,3 +109,21 @@ def test_predict_notes_a_calibration_run_that_waited_little_after_backward(tmp_p
     assert notes == ["note: allreduce/library's runs waited at most 20% of their step after backward: its ratio is "
                      "read off that remainder, which the run-to-run spread of its compute moves far (calibrate on a "
                      "run whose exchange its link bounds: at least 50% of the step)"]
+
+
+def test_zero_plays_its_reduce_scatters_in_backward_and_its_all_gather_after(tmp_path):
+    run = with_buckets(fake_run(tmp_path / "z", "zero", compute_s=0.1, step_s=0.5, stage=1), 0.08,
+                       [[0.02, M // 2], [0.08, M - M // 2]])
+    own, faster = Target(2, RATE_BITS / 8), Target(4, 10 * RATE_BITS / 8)
+    rows = {r["workers"]: r for r in predict([run], ["zero-1"], [own, faster])}
+    assert rows[2]["step_s"] == pytest.approx(0.5, rel=1e-6)
+
+    def half(target, share, ratio):
+        return (exchange("zero-1", target, share * M) * ratio + fixed_cost("zero-1", target)) / 2
+
+    ratio = solve_ratio(lambda r: exposed(timeline(run), lambda share: half(own, share, r)) + half(own, 1.0, r), 0.4)
+    first = 0.02 + half(faster, 0.5, ratio)
+    rs_after = max(0.08, first) + half(faster, 0.5, ratio) - 0.08
+    assert rows[4]["comm_s"] == pytest.approx(rs_after + half(faster, 1.0, ratio))
+    staged = with_buckets(fake_run(tmp_path / "z3", "zero", stage=3), 0.08, [[0.08, M]])
+    assert calibration(staged)[2] is None  # stage 3 gathers in forward: not played so
