@@ -114,6 +114,19 @@ def fixed_cost(label: str, target: Target) -> float:
     return rounds * 2 * (LINK_MESSAGE_S if target.message is None else target.message)
 
 
+def bench_message(path) -> float:
+    """A message's fixed cost, seconds, read off `psar bench`'s report (bench.json) from the
+    target's machines: half the fitted latency of one step of its all-reduce (a step is a
+    message sent and one received), the backend's own, else psar's ring's."""
+    from .costmodel import CostModel
+
+    model = CostModel.from_bench(path)
+    fit = model.library or model.ring
+    if fit is None:
+        raise ValueError(f"{path} has no all-reduce rows to read a message's cost from")
+    return max(fit.alpha_s, 0.0) / 2
+
+
 def calibration(run: Run) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its

@@ -73,6 +73,9 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
 @click.option("--message-us", type=click.FloatRange(min=0), default=None,
               help="A message's fixed cost to a rank that sends or receives it, in us, on the target "
                    "(default: 250, measured on this project's emulated links on 2 cores).")
+@click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="psar bench's bench.json, run on the target's machines: a message's fixed cost is half "
+                   "the per-step latency of its all-reduce fit (in place of --message-us).")
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "
                    "cluster, and print the error beside its measured step.")
@@ -84,8 +87,8 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
                    "400gbit, the runs given marked, and each engine's scaling at --net (or the runs' rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @friendly
-def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, validate, published, map_path,
-                as_json) -> None:
+def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, bench_path, validate, published,
+                map_path, as_json) -> None:
     """Predict each engine's step at other worker counts and links from RUN_DIRS (runs on
     emulated links): its compute and its exchange played over the target's links, scaled by
     the runs' own measured-to-played ratio. Example:
@@ -95,9 +98,17 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         psar predict --validate runs/grid/*
         psar predict --published
     """
-    from analysis.predict import predict
+    from analysis.predict import bench_message, predict
     from analysis.results import load_runs
     from experiments.engines import label_info
+
+    if bench_path is not None:
+        if message_us is not None:
+            raise click.UsageError("give a message's cost by --message-us or read it from --bench, not both")
+        try:
+            message_us = bench_message(bench_path) * 1e6
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--bench") from None
 
     if published:
         _print_published(as_json)

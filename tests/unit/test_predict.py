@@ -189,3 +189,23 @@ def test_a_model_of_another_size_moves_its_bytes_and_computes_in_proportion(tmp_
     bad = CliRunner().invoke(predict_cmd, [str(tmp_path / "ar"), "--workers", "8", "--net", "200mbit",
                                            "--set", "model.params_mb=0"])
     assert bad.exit_code != 0 and "model.params_mb" in bad.output
+
+
+def test_a_messages_cost_is_read_off_the_targets_bench_report(tmp_path):
+    """--bench: half the per-step latency of the report's all-reduce fit (here 40 us a step:
+    20 us a message), the same rows as --message-us 20; not both at once."""
+    fake_run(tmp_path / "ar", "allreduce", workers=2)
+    rows = [{"algorithm": "library", "bytes": b, "time_us": 2 * 40.0 + b * 1e-3} for b in (1024, 65536, 1 << 20)]
+    (tmp_path / "bench.json").write_text(json.dumps({"allreduce_table": {"world": 2, "backend": "gloo", "rows": rows}}))
+    common = [str(tmp_path / "ar"), "--workers", "8,64", "--net", "10gbit", "--json"]
+    read = CliRunner().invoke(predict_cmd, common + ["--bench", str(tmp_path / "bench.json")])
+    given = CliRunner().invoke(predict_cmd, common + ["--message-us", "20"])
+    assert read.exit_code == 0 and given.exit_code == 0, read.output + given.output
+    for a, b in zip(json.loads(read.output), json.loads(given.output)):
+        assert a["step_s"] == pytest.approx(b["step_s"], rel=1e-6)
+    both = CliRunner().invoke(predict_cmd, common + ["--message-us", "20", "--bench", str(tmp_path / "bench.json")])
+    assert both.exit_code != 0 and "not both" in both.output
+    (tmp_path / "empty.json").write_text(json.dumps({"ps_bandwidth": [{"bytes": 1024, "ps_us": 100.0},
+                                                                   {"bytes": 4096, "ps_us": 110.0}]}))
+    none = CliRunner().invoke(predict_cmd, common + ["--bench", str(tmp_path / "empty.json")])
+    assert none.exit_code != 0 and "has no all-reduce rows" in none.output
