@@ -158,7 +158,8 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
     if family(label) == "ps":
         key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
         cluster = target.cluster("ps")
-        slowed = replace(cluster, rate=cluster.rate / ratio if ratio > 0 else cluster.rate * 1e12)
+        slow = 1 / ratio if ratio > 0 else 1e12  # every link's transfers `ratio` times as long
+        slowed = replace(cluster, rate=cluster.rate * slow, uplink=cluster.uplink * slow if cluster.uplink else None)
         end = parameter_server_pipelined(slowed, nbytes, target.servers, key, window, line.buckets)
         return max(0.0, end - line.backward_s)
     return exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target))

@@ -11,7 +11,7 @@ import pytest
 
 from analysis.overlap import Timeline, exposed, solve_ratio, timeline
 from analysis.schedules import Cluster, parameter_server_pipelined, released
-from analysis.predict import Target, calibration, exchange, fixed_cost, predict
+from analysis.predict import Target, calibration, exchange, exposed_exchange, fixed_cost, predict
 from analysis.results import load_run
 from test_labels import M, RATE_BITS, fake_run
 
@@ -127,3 +127,24 @@ def test_zero_plays_its_reduce_scatters_in_backward_and_its_all_gather_after(tmp
     assert rows[4]["comm_s"] == pytest.approx(rs_after + half(faster, 1.0, ratio))
     staged = with_buckets(fake_run(tmp_path / "z3", "zero", stage=3), 0.08, [[0.08, M]])
     assert calibration(staged)[2] is None  # stage 3 gathers in forward: not played so
+
+
+def test_on_racks_the_ratio_slows_the_uplinks_too(tmp_path):
+    """A parameter server's run on two racks behind a slower uplink, predicted on its own
+    cluster, gives its own step back: the calibration's slowdown applies to every link."""
+    run = with_buckets(fake_run(tmp_path / "ps", "ps-sync", workers=4, compute_s=0.1, step_s=0.9), 0.05,
+                       [[0.0, M // 2], [0.05, M - M // 2]])
+    config, summary = (json.loads((run.path / f).read_text()) for f in ("config.json", "summary.json"))
+    config["net"] |= {"racks": 2, "placement": "separate"}
+    summary["network"] |= {"uplink_bits": RATE_BITS / 4}
+    (run.path / "config.json").write_text(json.dumps(config))
+    (run.path / "summary.json").write_text(json.dumps(summary))
+    run = load_run(run.path)
+    racks = Target(4, RATE_BITS / 8, 2, "separate", 2, RATE_BITS / 4 / 8)
+    [row] = predict([run], ["ps-sync"], [racks])
+    assert row["step_s"] == pytest.approx(0.9, rel=1e-6)
+    # Twice as slow as played is the played exchange on hosts and uplinks of half the rate.
+    line, ps = timeline(run), {"chunk_mb": 0.125, "window_mb": 0}  # keys and window whatever the rate
+    halved = Target(4, RATE_BITS / 16, 2, "separate", 2, RATE_BITS / 4 / 16)
+    assert exposed_exchange("ps-sync", racks, M, ps, line, 2.0) == pytest.approx(
+        exposed_exchange("ps-sync", halved, M, ps, line, 1.0))
