@@ -72,8 +72,8 @@ class ZeroEngine(Units, ZeroState):
         self._bytes = 0
         self._waited = 0.0
         self._next = 0
-        self._began, self._backward_s = 0.0, 0.0
-        self._released: list[list] = []  # stages 1 and 2: [seconds since backward began, bytes] of each reduce-scatter
+        self._began, self._backward_s, self._stalled = 0.0, 0.0, 0.0
+        self._released: list[list] = []  # stages 1 and 2: [seconds of backward before it, bytes] of each reduce-scatter
         self._sending: list[Bucket] = []  # stages 2 and 3: buffers being reduce-scattered, oldest first
         self._versions: list[int] = []  # stage 1: the gradient buffers' as backward left them
         self._held = 0  # their bytes, and those of the whole gradients waiting for their bucket
@@ -147,13 +147,13 @@ class ZeroEngine(Units, ZeroState):
                     p.grad = view
         if self.config.stage == 3:
             self._start_backward()
-        self._began, self._released = time.perf_counter(), []
+        self._began, self._released, self._stalled = time.perf_counter(), [], 0.0
         with self._liveness.naming_lost_ranks():
             self._backward_states.backward(loss)
             if not self._syncing:
                 return
             start = time.perf_counter()
-            self._backward_s = start - self._began
+            self._backward_s = start - self._began - self._stalled  # backward's own, without its waits
             self._finish()
             self._waited += time.perf_counter() - start
 
@@ -181,6 +181,7 @@ class ZeroEngine(Units, ZeroState):
         they came goes once its reduce-scatter is done, and at most IN_FLIGHT of them are being
         reduce-scattered (besides the newest)."""
         bucket = self.buckets[b]
+        ready = round(time.perf_counter() - self._began - self._stalled, 6)  # before any wait for buffers
         if bucket.grad is not None:
             flat = bucket.grad
         else:
@@ -189,7 +190,7 @@ class ZeroEngine(Units, ZeroState):
             bucket.sending = flat
             self._sending.append(bucket)
         flat.div_(self.world)  # averaged before the sum, as the all-reduce engine does
-        self._released.append([round(time.perf_counter() - self._began, 6), nbytes(flat)])
+        self._released.append([ready, nbytes(flat)])
         bucket.handle = self._collectives.reduce_scatter(bucket.piece.grad, flat)
         self._bytes += nbytes(flat) * (self.world - 1) // self.world
         if self.config.stage == 3:  # its backward is done: the values go until the next forward
@@ -206,6 +207,7 @@ class ZeroEngine(Units, ZeroState):
             began = time.perf_counter()
             oldest.handle.wait()
             self._waited += (time.perf_counter() - began) * timed
+            self._stalled += (time.perf_counter() - began) * timed  # backward's times leave it out
             self._transient(-nbytes(oldest.sending))
             oldest.sending = None
             self._sending.pop(0)

@@ -45,6 +45,16 @@ def timeline(run: Run) -> Timeline | None:
                     tuple((at, size / total) for at, size in zip(starts, sizes[0])))
 
 
+def median_timeline(lines: list[Timeline]) -> Timeline:
+    """Several runs' timelines as one: the median backward and bucket times where they have the
+    same buckets, else the first run's."""
+    if any(line.buckets and [s for _, s in line.buckets] != [s for _, s in lines[0].buckets] for line in lines):
+        return lines[0]
+    return Timeline(median(line.backward_s for line in lines),
+                    tuple((median(line.buckets[i][0] for line in lines), share)
+                          for i, (_, share) in enumerate(lines[0].buckets)))
+
+
 def exposed(line: Timeline, allreduce: Callable[[float], float]) -> float:
     """Seconds of exchange after backward: each bucket's all-reduce (allreduce(share): its
     seconds for that share of the step's bytes) from when it is ready and the one before it
@@ -57,17 +67,19 @@ def exposed(line: Timeline, allreduce: Callable[[float], float]) -> float:
 
 def solve_ratio(exposed_at: Callable[[float], float], measured: float) -> float:
     """The ratio r of measured to played exchange for which exposed_at(r), the exchange left
-    after backward when every transfer takes r times its played time, is the measured one; 1
-    (the ideal) where even r = 0 leaves more exposed than measured, or the run's backward hid
-    every bucket (nothing to measure the ratio by)."""
-    if measured <= exposed_at(0.0) + 1e-12:
-        return 1.0
+    after backward when every transfer takes r times its played time, is the measured one:
+    0 where even r = 0 leaves as much (the messages' fixed costs alone), the least r that
+    leaves anything where the run waited nothing after backward, and 1 (the ideal) where no
+    r leaves more (nothing played: one worker)."""
+    if exposed_at(0.0) >= max(measured, 1e-12):
+        return 0.0
+    target = max(measured, 1e-12)
     low, high = 0.0, 1.0
-    while exposed_at(high) < measured:
+    while exposed_at(high) < target:
         high *= 2
-        if high > 1e6:
-            return high
+        if high > 1e6:  # the played exchange does not grow with r
+            return 1.0
     for _ in range(50):
         mid = (low + high) / 2
-        low, high = (mid, high) if exposed_at(mid) < measured else (low, mid)
+        low, high = (mid, high) if exposed_at(mid) < target else (low, mid)
     return (low + high) / 2

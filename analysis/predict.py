@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from .costmodel import compute_time
-from .overlap import Timeline, exposed, solve_ratio, timeline
+from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
 from .results import Run, family
 from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
 from .traffic import gradient_bytes
@@ -127,15 +127,16 @@ def bench_message(path) -> float:
     return max(fit.alpha_s, 0.0) / 2
 
 
-def calibration(run: Run) -> tuple[float, float, Timeline | None]:
+def calibration(run: Run, whole: bool = False) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its
-    buckets (analysis/overlap.py) is played with them: the ratio is the one that gives its
-    measured wait after backward."""
+    buckets (analysis/overlap.py) is played with them, unless whole (its exchange after
+    backward, as a run without the record): the ratio is the one that gives its measured wait
+    after backward."""
     compute = compute_time(run)
     target = _own_target(run)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
-    line = _timeline(run)
+    line = None if whole else _timeline(run)
     if line is not None:
         return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
                                     _measured_step(run) - compute), line
@@ -150,11 +151,12 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
     line says, every transfer `ratio` times its played time: an all-reduce's buckets one after
     the other (each with its messages' fixed cost); ZeRO stage 1 and 2's reduce-scatters so
     (half a ring each), then the all-gather of the whole; a parameter server's keys pipelined."""
-    if label in ("zero-1", "zero-2"):  # each bucket's reduce-scatter (half a ring) in backward, the all-gather after
+    if label in ("zero-1", "zero-2"):  # each bucket's reduce-scatter (half a ring) in backward, the all-gathers after
         def half(share: float) -> float:
             return (exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target)) / 2
 
-        return exposed(line, half) + half(1.0)
+        gathers = exchange(label, target, nbytes) * ratio / 2 + len(line.buckets) * fixed_cost(label, target) / 2
+        return exposed(line, half) + gathers
     if family(label) == "ps":
         key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
         cluster = target.cluster("ps")
@@ -196,8 +198,11 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     settings: dict[str, dict] = {}
     fan_in: dict[str, int] = {}  # label: the highest of its runs' shard_fan_in
     waited: dict[str, float] = {}  # label: the largest share of a run's step it waited after backward
+    recorded = {}  # label: whether every run of it recorded its buckets (else all are played whole)
     for run in runs:
-        by_label.setdefault(run.label, []).append(calibration(run))
+        recorded[run.label] = recorded.get(run.label, True) and _timeline(run) is not None
+    for run in runs:
+        by_label.setdefault(run.label, []).append(calibration(run, whole=not recorded[run.label]))
         step = _measured_step(run)
         waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
         settings.setdefault(run.label, run.config.get("ps") or {})
@@ -209,8 +214,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
         measured = by_label.get(label)
         compute = (median(c for c, _, _ in measured) if measured else fallback) * grow
         ratio = median(r for _, r, _ in measured) if measured else 1.0
-        lines = [line for _, _, line in measured or () if line is not None]
-        line = lines[0] if lines and len(lines) == len(measured) else None
+        line = median_timeline([line for _, _, line in measured or ()]) if measured and recorded[label] else None
         if line is not None and grow != 1.0:  # backward grows with the compute
             line = Timeline(line.backward_s * grow, tuple((at * grow, share) for at, share in line.buckets))
         for target in targets:

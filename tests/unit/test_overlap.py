@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from analysis.overlap import Timeline, exposed, solve_ratio, timeline
+from analysis.overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
 from analysis.schedules import Cluster, parameter_server_pipelined, released
 from analysis.predict import Target, calibration, exchange, exposed_exchange, fixed_cost, predict
 from analysis.results import load_run
@@ -74,9 +74,13 @@ def test_exposed_plays_buckets_in_order_from_when_each_is_ready():
     assert exposed(line, lambda share: 0.0) == 0.0
     # Slow buckets queue behind each other: 4 s a step's bytes, the last ends at 4 s.
     assert exposed(line, lambda share: 4 * share) == pytest.approx(3.0)
-    # Nothing to calibrate by where backward hid it all: the ideal.
-    assert solve_ratio(lambda r: exposed(line, lambda share: r * share), 0.0) == 1.0
     assert solve_ratio(lambda r: exposed(line, lambda share: r * 1.2 * share), 0.6) == pytest.approx(1.0)
+    # Where backward hid it all, the least ratio that leaves anything; where the fixed costs
+    # alone leave more than was measured, 0; where nothing is played (one worker), the ideal.
+    hidden = Timeline(1.0, ((0.0, 0.5), (0.5, 0.5)))
+    assert solve_ratio(lambda r: exposed(hidden, lambda share: r * share), 0.0) == pytest.approx(1.0, rel=1e-6)
+    assert solve_ratio(lambda r: exposed(line, lambda share: 0.1 + r * share), 0.05) == 0.0
+    assert solve_ratio(lambda r: 0.0, 0.01) == 1.0
 
 
 def test_a_parameter_servers_keys_leave_no_sooner_than_backward_released_them(tmp_path):
@@ -121,10 +125,13 @@ def test_zero_plays_its_reduce_scatters_in_backward_and_its_all_gather_after(tmp
     def half(target, share, ratio):
         return (exchange("zero-1", target, share * M) * ratio + fixed_cost("zero-1", target)) / 2
 
-    ratio = solve_ratio(lambda r: exposed(timeline(run), lambda share: half(own, share, r)) + half(own, 1.0, r), 0.4)
+    def gathers(target, ratio):  # one all-gather a bucket, after the step
+        return exchange("zero-1", target, M) * ratio / 2 + 2 * fixed_cost("zero-1", target) / 2
+
+    ratio = solve_ratio(lambda r: exposed(timeline(run), lambda share: half(own, share, r)) + gathers(own, r), 0.4)
     first = 0.02 + half(faster, 0.5, ratio)
     rs_after = max(0.08, first) + half(faster, 0.5, ratio) - 0.08
-    assert rows[4]["comm_s"] == pytest.approx(rs_after + half(faster, 1.0, ratio))
+    assert rows[4]["comm_s"] == pytest.approx(rs_after + gathers(faster, ratio))
     staged = with_buckets(fake_run(tmp_path / "z3", "zero", stage=3), 0.08, [[0.08, M]])
     assert calibration(staged)[2] is None  # stage 3 gathers in forward: not played so
 
@@ -148,3 +155,15 @@ def test_on_racks_the_ratio_slows_the_uplinks_too(tmp_path):
     halved = Target(4, RATE_BITS / 16, 2, "separate", 2, RATE_BITS / 4 / 16)
     assert exposed_exchange("ps-sync", racks, M, ps, line, 2.0) == pytest.approx(
         exposed_exchange("ps-sync", halved, M, ps, line, 1.0))
+
+
+def test_an_engines_runs_are_played_one_way(tmp_path):
+    """One run with the record and one without: both are played whole, as runs without it;
+    two with the record: their median timeline."""
+    a = with_buckets(fake_run(tmp_path / "a", "allreduce", compute_s=0.1, step_s=0.5), 0.08, [[0.02, M]])
+    b = fake_run(tmp_path / "b", "allreduce", compute_s=0.1, step_s=0.6)
+    plain_a = fake_run(tmp_path / "pa", "allreduce", compute_s=0.1, step_s=0.5)
+    target = [Target(8, 10 * RATE_BITS / 8)]
+    assert predict([a, b], [LABEL], target)[0]["step_s"] == pytest.approx(predict([plain_a, b], [LABEL], target)[0]["step_s"])
+    c = with_buckets(fake_run(tmp_path / "c", "allreduce", compute_s=0.1, step_s=0.5), 0.1, [[0.04, M]])
+    assert median_timeline([timeline(a), timeline(c)]) == Timeline(0.09, ((0.03, 1.0),))
