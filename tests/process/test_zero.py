@@ -109,7 +109,7 @@ def test_stages_one_and_two_record_when_backward_released_each_reduce_scatter(po
     for stage in (1, 2):
         for r in records(f"quickstart-zero{stage}"):
             assert 9610 * 8 <= sum(size for _, size in r["buckets"]) < 9610 * 8 + 2 * 8 * len(r["buckets"])
-            assert all(0 <= at <= r["backward_s"] for at, _ in r["buckets"]), r
+            assert all(0 <= at <= r["backward_s"] + 1e-6 for at, _ in r["buckets"]), r  # rounded to 1 us
     assert not any("buckets" in r for r in records("quickstart-zero3"))
 
 
