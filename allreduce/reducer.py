@@ -111,8 +111,9 @@ class Reducer:
             self._next += 1
 
     def _start(self, bucket: Bucket) -> None:
-        self.timeline.append((time.perf_counter() - self._began, bucket.flat.numel() * bucket.flat.element_size()))
-        name = f"all-reduce bucket {self._next} ({bucket.flat.numel() * bucket.flat.element_size() / 2**20:.2f} MiB)"
+        size = bucket.flat.numel() * bucket.flat.element_size()
+        self.timeline.append((time.perf_counter() - self._began, size))
+        name = f"all-reduce bucket {self._next} ({size / 2**20:.2f} MiB)"
         if self.exchange is not None:  # it averages once the messages are in
             bucket.handle, nbytes = self.exchange.start("+".join(bucket.names), bucket.flat, self._steps, name,
                                                         params=bucket.layout)

@@ -206,8 +206,9 @@ class ZeroEngine(Units, ZeroState):
                 return
             began = time.perf_counter()
             oldest.handle.wait()
-            self._waited += (time.perf_counter() - began) * timed
-            self._stalled += (time.perf_counter() - began) * timed  # backward's times leave it out
+            waited = (time.perf_counter() - began) * timed
+            self._waited += waited
+            self._stalled += waited  # backward's times leave it out
             self._transient(-nbytes(oldest.sending))
             oldest.sending = None
             self._sending.pop(0)

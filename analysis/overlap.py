@@ -48,7 +48,8 @@ def timeline(run: Run) -> Timeline | None:
 def median_timeline(lines: list[Timeline]) -> Timeline:
     """Several runs' timelines as one: the median backward and bucket times where they have the
     same buckets, else the first run's."""
-    if any(line.buckets and [s for _, s in line.buckets] != [s for _, s in lines[0].buckets] for line in lines):
+    shares = [s for _, s in lines[0].buckets]
+    if any([s for _, s in line.buckets] != shares for line in lines):
         return lines[0]
     return Timeline(median(line.backward_s for line in lines),
                     tuple((median(line.buckets[i][0] for line in lines), share)
@@ -71,9 +72,9 @@ def solve_ratio(exposed_at: Callable[[float], float], measured: float) -> float:
     0 where even r = 0 leaves as much (the messages' fixed costs alone), the least r that
     leaves anything where the run waited nothing after backward, and 1 (the ideal) where no
     r leaves more (nothing played: one worker)."""
-    if exposed_at(0.0) >= max(measured, 1e-12):
-        return 0.0
     target = max(measured, 1e-12)
+    if exposed_at(0.0) >= target:
+        return 0.0
     low, high = 0.0, 1.0
     while exposed_at(high) < target:
         high *= 2

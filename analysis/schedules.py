@@ -139,7 +139,7 @@ def released(keys: int, buckets: Sequence[tuple[float, float]]) -> list[float]:
         while i < len(buckets) and done < (k + 1) / keys - 1e-9:
             done += buckets[i][1]
             i += 1
-        out.append(buckets[min(i, len(buckets)) - 1][0] if buckets else 0.0)
+        out.append(buckets[i - 1][0] if buckets else 0.0)
     return out
 
 
@@ -159,7 +159,7 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
     classes = _host_classes(cluster, shards)
     keys = max(1, math.ceil(nbytes / shards / key_bytes))
     key = nbytes / shards / keys
-    at = released(keys, ready) if ready else [0.0] * keys
+    leaves = released(keys, ready) if ready else [0.0] * keys  # key k no sooner than leaves[k]
     pairs = {}  # (worker class, shard class): (remote shards per worker, remote workers per shard)
     for a in (c for c in classes if c.worker):
         for b in (c for c in classes if c.shards):
@@ -197,7 +197,7 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
             return []
         blocked.discard((a, b))
         sent[a, b] += 1
-        return [push(a, b, sent[a, b] - 1, max(start, at[sent[a, b] - 1]))]
+        return [push(a, b, sent[a, b] - 1, max(start, leaves[sent[a, b] - 1]))]
 
     def then(name: str, at: float) -> list[Flow]:
         kind, a, b, k = name.split(" ")
@@ -214,5 +214,5 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
                                         by_name[b].shards * rw, rs, at))
         return started
 
-    arrived = simulate([push(a, b, 0, at[0]) for a, b in pairs], capacity, then)
+    arrived = simulate([push(a, b, 0, leaves[0]) for a, b in pairs], capacity, then)
     return max(t for name, t in arrived.items() if name.startswith("reply"))

@@ -335,10 +335,9 @@ class PSEngine(Buckets, RowTables, ScriptSteps, ScriptState):
         if self.config.backup_workers:  # a dropped push: on at the shards' step
             self._step = max(self._step, min(self.client.versions.values()))
         late, coming = self._forward.handed_over() if self._forward is not None else (nothing_late(), 0)
-        if self._released and self._backward_s:  # when backward released each bucket (psar predict plays them)
-            out_buckets = {"backward_s": self._backward_s, "buckets": self._released}
-        else:
-            out_buckets = {}
+        # When backward released each bucket (psar predict plays them).
+        recorded = self._released and self._backward_s
+        out_buckets = {"backward_s": self._backward_s, "buckets": self._released} if recorded else {}
         self._released, self._backward_s = [], 0.0
         out = {"comm_s": time.perf_counter() - start + late["forward_s"], **self._traffic(coming), **out_buckets,
                "wait_s": max([r.waited_s for r in results] + [waited, late["wait_s"]]),

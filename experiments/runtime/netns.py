@@ -280,7 +280,8 @@ class Network(Probes):
                 if self.rate:
                     self._shape_host(host, i)          # what the host sends
                     self._shape(self.bridge_ns, port)  # what it receives
-                self.congestion_in_use = congestion(host.netns, self.congestion)
+                if self.congestion or not self.hosts:  # set on every host; the machine's own read once
+                    self.congestion_in_use = congestion(host.netns, self.congestion)
                 self.hosts[name] = host
         except BaseException:
             self.down()
