@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .allocator import keep_freed_pages
 from .client import PSClient
 from .config import PSConfig
 from .layout import ParamSpec, build_layout, split_values
@@ -37,6 +38,7 @@ def _layout():
 
 
 def serve(echo_addr: str, ps_addr: str, workers: int = 1) -> None:
+    keep_freed_pages()
     layout = _layout()
     params = [torch.zeros(s.shape) for s in layout.specs]
     shard = ShardServer(0, layout, split_values(layout, params, 0),
@@ -97,6 +99,7 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 9) -> list[dict]:
     (one message each way, as the sync engine sends its pieces), interleaved: one at a time
     (latency), and streamed with WINDOW_BYTES in flight (throughput, at most 8 messages).
     ratio: the median over the rounds of each round's ZeroMQ time over its push+pull time."""
+    keep_freed_pages()
     echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     ps = PSClient([ps_addr], 0, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
     layout, _, _ = ps.join()
@@ -146,6 +149,7 @@ def load(echo_addr: str, ps_addr: str, worker: int, go_path: str, out_path: str)
     for each of LOAD_SIZES, ZeroMQ round trips during one phase and push+pulls during the
     next, at the same wall-clock times as every other worker; writes how many each phase
     completed ({"zmq": {size: n}, "ps": {size: n}}, JSON) to out_path."""
+    keep_freed_pages()
     echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     ps = PSClient([ps_addr], worker, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
     layout, _, _ = ps.join()

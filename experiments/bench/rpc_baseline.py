@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed.rpc as rpc
 
+from ps.allocator import keep_freed_pages
+
 SKIP_STEPS = 3
 """Steps left out of the throughput (connections and caches warming up), as in psar bench."""
 
@@ -109,6 +111,7 @@ def main(argv: list[str]) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     workers = world - 1
     torch.set_num_threads(1)
+    keep_freed_pages()  # as psar's own processes (ps/allocator.py)
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=120)
     if rank == 0:
         rpc.init_rpc("server", rank=0, world_size=world, rpc_backend_options=options)

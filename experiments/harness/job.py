@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ps.allocator import keep_freed_pages
 from experiments.rundir import files
 from experiments.settings.agreement import check_rendezvous_peers
 from experiments.rundir.tensorboard_log import RankBoard
@@ -62,6 +63,7 @@ class Job:
         self._restarts = env.restarts
         self._faults = Faults(cfg.fault, env.rank, env.restarts, self.run_dir)
         set_threads(cfg, env)
+        keep_freed_pages()  # every engine's workers alike (ps/allocator.py)
         self.device = pick_device(cfg, env)
         self._checkpoints = WorkerCheckpoints(self.run_dir, env.rank, cfg.checkpoint.every, resume)
         self._tracer = Tracer(self.run_dir, f"rank {env.rank}", cfg.trace)

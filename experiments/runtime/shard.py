@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ps.allocator import keep_freed_pages
 from ps.easgd import shard_optimizer
 from ps.layout import split_values
 from ps.security import load_server_keys
@@ -55,6 +56,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     torch.set_num_threads(max(1, cfg.threads))
+    keep_freed_pages()  # as the workers (ps/allocator.py)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None
 
