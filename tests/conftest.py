@@ -13,6 +13,8 @@ from experiments.settings.presets import build_config
 from experiments.runtime.launcher import launch, launch_batch, process_shape
 
 RUN_DEADLINE_S = 180
+POOL_STEPS = 20
+"""A pooled job's steps unless it says (None: the experiment's own)."""
 
 FIT_SCRIPT = """
 import sys
@@ -68,7 +70,7 @@ def _launch_jobs(root: Path, jobs: dict[str, dict], resume: bool = False,
         job = dict(job)
         job.pop("resume_steps", None)
         experiment, overrides = job.pop("experiment"), job.pop("overrides", ())
-        job.setdefault("steps", 20)  # None: the experiment's own
+        job.setdefault("steps", POOL_STEPS)
         cfg = build_config(experiment, overrides, **job)
         batches.setdefault(process_shape(cfg), []).append((name, cfg, root / name))
     summaries = {}
@@ -106,17 +108,31 @@ class Pool:
     checkpoint with steps=resume_steps (a second round, batched the same way).
 
     A job that fails fails its own module's tests alone: its batch goes on one job at a time.
+
+    A job that several modules declare alike (a reference run: local, the library's all-reduce)
+    runs once; the others' directories are links to its own, which the tests only read.
     """
 
     def __init__(self, root: Path, modules: dict[str, dict[str, dict]]):
         self.root = root
         self.errors: dict[str, Exception] = {}  # by MODULE/NAME
-        jobs = {f"{module}/{name}": job for module, own in modules.items() for name, job in own.items()}
+        declared = {f"{module}/{name}": job for module, own in modules.items() for name, job in own.items()}
+        first: dict[str, str] = {}  # the job's settings: the first MODULE/NAME declaring them
+        alike = {name: first.setdefault(_settings(job), name) for name, job in declared.items()}
+        jobs = {name: job for name, job in declared.items() if alike[name] == name}
         self.summaries = _launch_jobs(root, jobs, errors=self.errors)  # by MODULE/NAME
         again = {name: dict(job, steps=job["resume_steps"]) for name, job in jobs.items()
                  if job.get("resume_steps") and name not in self.errors}
         if again:
             self.summaries.update(_launch_jobs(root, again, resume=True, errors=self.errors))
+        for name, ran in alike.items():
+            if ran != name:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).symlink_to(root / ran, target_is_directory=True)
+                if ran in self.errors:
+                    self.errors[name] = self.errors[ran]
+                elif ran in self.summaries:
+                    self.summaries[name] = self.summaries[ran]
 
     def folder(self, module: str) -> Path:
         """The module's jobs' run directories, root/MODULE/NAME; raises if one of them failed."""
@@ -131,6 +147,13 @@ class Pool:
         folder = self.folder(module)
         own = (name.split("/") + [summary] for name, summary in self.summaries.items())
         return _with_parameters(folder, {name: summary for owner, name, summary in own if owner == module})
+
+
+def _settings(job: dict) -> str:
+    """A pooled job's settings as text, alike for two jobs that run alike."""
+    norm = {k: list(v) if isinstance(v, tuple) else v for k, v in job.items()}
+    norm.setdefault("steps", POOL_STEPS)
+    return repr(sorted(norm.items()))
 
 
 POOL_TIMEOUT_S = 900

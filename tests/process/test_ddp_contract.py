@@ -57,10 +57,16 @@ def launched(engine: str, args, run_dir: Path, **extra) -> dict:
     return state
 
 
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory) -> dict:
+    """torchrun DDP's parameters after the clipped script, which both tests below compare with."""
+    return torchrun_ddp(CLIPPED, tmp_path_factory.mktemp("torchrun-clipped"))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
-    reference = torchrun_ddp(CLIPPED, tmp_path)
+def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path, clipped_reference):
+    reference = clipped_reference
     unclipped = torchrun_ddp(SCHEDULED, tmp_path / "plain")
     assert max_param_diff(reference, unclipped) > 1e-4  # the clip acts: the runs differ
     for engine in ("allreduce", "ddp"):
@@ -89,11 +95,12 @@ def test_clip_and_schedule_end_as_under_torchrun_ddp(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_under_zero_job_clip_no_sync_and_schedule_end_as_under_torchrun_ddp_and_torchs_clip_is_stopped(tmp_path):
+def test_under_zero_job_clip_no_sync_and_schedule_end_as_under_torchrun_ddp_and_torchs_clip_is_stopped(
+        tmp_path, clipped_reference):
     """Every stage clips by the norm of its sharded gradient (job.clip_grad_norm_), accumulates
     under job.no_sync and follows the schedule as DDP does; torch's own clip on the model under
     stage 1 would act on a gradient of which each rank has averaged only its pieces."""
-    reference = torchrun_ddp(CLIPPED, tmp_path)
+    reference = clipped_reference
     for stage in (2, 3):  # stage 1 clips its pieces as stage 2 does
         state = launched("zero", CLIPPED + ["--job-clip"], tmp_path / f"zero{stage}", overrides=(f"zero.stage={stage}",))
         assert list(state) == list(reference) and max_param_diff(reference, state) < 1e-10, stage
