@@ -81,8 +81,8 @@ def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) 
     return ring_allreduce(cluster, nbytes) * (1.5 if label == "zero-3" else 1.0)
 
 
-def _own_target(run: Run) -> Target:
-    """The cluster a run ran on."""
+def _own_target(run: Run, message: float | None = None) -> Target:
+    """The cluster a run ran on (message: a message's fixed cost there, None: the default)."""
     net = run.summary.get("network") or {}
     config = run.config.get("net") or {}
     rate = float(net.get("rate_bits") or 0) / 8
@@ -91,7 +91,7 @@ def _own_target(run: Run) -> Target:
     return Target(int(run.summary["workers"]), rate, int(run.summary.get("servers") or 1),
                   config.get("placement", "colocated"), int(config.get("racks") or 1),
                   float(net["uplink_bits"]) / 8 if net.get("uplink_bits") else None,
-                  float(config.get("latency_ms") or 0) / 1e3)
+                  float(config.get("latency_ms") or 0) / 1e3, message)
 
 
 def fixed_cost(label: str, target: Target) -> float:
@@ -127,14 +127,14 @@ def bench_message(path) -> float:
     return max(fit.alpha_s, 0.0) / 2
 
 
-def calibration(run: Run, whole: bool = False) -> tuple[float, float, Timeline | None]:
+def calibration(run: Run, whole: bool = False, message: float | None = None) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its
     buckets (analysis/overlap.py) is played with them, unless whole (its exchange after
     backward, as a run without the record): the ratio is the one that gives its measured wait
-    after backward."""
+    after backward. message: a message's fixed cost on the run's machines (None: the default)."""
     compute = compute_time(run)
-    target = _own_target(run)
+    target = _own_target(run, message)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
     line = None if whole else _timeline(run)
     if line is not None:
@@ -182,11 +182,13 @@ def _timeline(run: Run) -> Timeline | None:
 
 
 def predict(runs: list[Run], labels: list[str], targets: list[Target],
-            params_bytes: float | None = None) -> list[dict]:
+            params_bytes: float | None = None, calibration_message: float | None = None) -> list[dict]:
     """One row per engine label and target: engine, workers, servers, step_s and its parts.
     params_bytes: a model of this many bytes of parameters in place of the runs' (model.
     params_mb): the exchange moves it, and the compute grows in proportion (a dense layer's
-    forward and backward cost is proportional to its weights at a fixed batch)."""
+    forward and backward cost is proportional to its weights at a fixed batch).
+    calibration_message: a message's fixed cost on the machines the runs ran on, set apart
+    from their exchange (None: the default, allreduce/auto.py's LINK_MESSAGE_S)."""
     if not runs:
         raise ValueError("predict needs at least one run")
     if params_bytes is not None and params_bytes <= 0:
@@ -202,7 +204,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     for run in runs:
         recorded[run.label] = recorded.get(run.label, True) and _timeline(run) is not None
     for run in runs:
-        by_label.setdefault(run.label, []).append(calibration(run, whole=not recorded[run.label]))
+        by_label.setdefault(run.label, []).append(calibration(run, not recorded[run.label], calibration_message))
         step = _measured_step(run)
         waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
         settings.setdefault(run.label, run.config.get("ps") or {})
@@ -292,11 +294,12 @@ def _measured_step(run: Run) -> float:
     return sum(sum(by_step[s]) / len(by_step[s]) for s in whole) / len(whole)
 
 
-def validate(runs: list[Run], link_bound: float = 0.5) -> list[dict]:
+def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = None) -> list[dict]:
     """Each run with more workers than the fewest among the runs, predicted from those with
     the fewest alone (nothing is fitted on the rows checked): engine, its cluster, measured
     and predicted median step, the error, and whether it is link-bound (communication at
-    least `link_bound` of its measured step)."""
+    least `link_bound` of its measured step). message: a message's fixed cost on the machines
+    every run ran on (`psar bench`'s, see bench_message; None: the default)."""
     if not runs:
         raise ValueError("validate needs runs")
     fewest = min(int(r.summary["workers"]) for r in runs)
@@ -306,8 +309,8 @@ def validate(runs: list[Run], link_bound: float = 0.5) -> list[dict]:
         raise ValueError(f"every run has {fewest} workers: validate predicts runs with more workers from those")
     rows = []
     for run in held_out:
-        target = _own_target(run)
-        [row] = predict(calibration_runs, [run.label], [target])
+        target = _own_target(run, message)
+        [row] = predict(calibration_runs, [run.label], [target], calibration_message=message)
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
         shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]

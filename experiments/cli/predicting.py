@@ -78,7 +78,8 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
                    "the per-step latency of its all-reduce fit (in place of --message-us).")
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "
-                   "cluster, and print the error beside its measured step.")
+                   "cluster, and print the error beside its measured step (with --bench or --message-us: "
+                   "the cost of a message on the machines the runs ran on).")
 @click.option("--published", is_flag=True,
               help="Print each encoded published scaling result beside psar's prediction of its setting "
                    "(no RUN_DIRS), and those that cannot be encoded, with why.")
@@ -117,7 +118,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         raise click.UsageError("give the RUN_DIRS to predict from (or --published)")
     runs = load_runs(run_dirs)
     if validate:
-        _print_validation(runs, as_json)
+        _print_validation(runs, as_json, message_us)
         return
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
@@ -158,11 +159,11 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
                    f"whose exchange its link bounds: at least {CALIBRATION_WAIT:.0%} of the step)")
 
 
-def _print_validation(runs, as_json: bool) -> None:
+def _print_validation(runs, as_json: bool, message_us: float | None = None) -> None:
     from analysis.predict import validate
     from analysis.validation import table
 
-    rows = validate(runs)
+    rows = validate(runs, message=None if message_us is None else message_us / 1e6)
     click.echo(json.dumps(rows, indent=1) if as_json else table(rows))
 
 

@@ -209,3 +209,20 @@ def test_a_messages_cost_is_read_off_the_targets_bench_report(tmp_path):
                                                                    {"bytes": 4096, "ps_us": 110.0}]}))
     none = CliRunner().invoke(predict_cmd, common + ["--bench", str(tmp_path / "empty.json")])
     assert none.exit_code != 0 and "has no all-reduce rows" in none.output
+
+
+def test_validate_takes_the_runs_machines_message_cost(tmp_path):
+    """--validate --message-us: the calibration sets apart, and the held-out row adds, the
+    given cost of a message (2(N-1) hops, a message sent and one received each), where it
+    ignored it before; the 2-worker run is still its measured step."""
+    small = fake_run(tmp_path / "ar2", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
+    big = fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.1, step_s=0.9)
+    own, four = Target(2, RATE_BITS / 8, message=1e-3), Target(4, RATE_BITS / 8, message=1e-3)
+    ratio = (0.4 - fixed_cost("allreduce/library", own)) / exchange("allreduce/library", own, M)
+    expected = 0.1 + ratio * exchange("allreduce/library", four, M) + fixed_cost("allreduce/library", four)
+    [row] = validate([small, big], message=1e-3)
+    assert row["step_s"] == pytest.approx(expected)
+    assert row["step_s"] != pytest.approx(validate([small, big])[0]["step_s"])  # the default's 250 us
+    out = CliRunner().invoke(predict_cmd, ["--validate", "--message-us", "1000", "--json", str(small.path), str(big.path)])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)[0]["step_s"] == pytest.approx(expected)
