@@ -13,9 +13,9 @@ Measured with `psar bench` (one worker, one shard, every size from 1 KiB to 64 M
 7.1 and 2.5 to 4.3 ms; ps/zmq 0.59 to 1.41 against 0.51 to 0.58. Sizes up to 256 KiB moved
 within the noise. Not pinned down: the counts of page faults, mappings and unmappings over
 a whole bench were the same both ways (perf stat, strace), and a loop of 4 MiB push+pulls
-alone, without the sizes before it, took the same time both ways; what the settings change
-is where in the heap a message lands after many sizes have come and gone, as they do in a
-run whose keys have many sizes.
+alone, without the sizes before it, took the same time both ways. So the sizes that came
+and went before are part of it, as they are in a run whose keys have many sizes; how the
+settings act there is not known.
 
 Every engine's processes take the same settings (experiments.harness.job, the shards, the
 benchmarks), so a comparison does not hand one of them the allocator's cost.
