@@ -7,7 +7,7 @@ from pathlib import Path
 
 from experiments.rundir.files import write_json
 
-from .predict import validate
+from .predict import bench_message, validate
 from .results import Run
 
 WITHIN = 0.15
@@ -56,7 +56,12 @@ def _drops_anew(row: dict) -> bool:
 
 
 def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
-    """`psar compare predict`'s report: the table, and its rows in out/validation.json."""
-    rows = validate(runs)
+    """`psar compare predict`'s report: the table, and its rows in out/validation.json. Where
+    out holds a bench.json (experiments/comparisons/message_cost.py measured it before the
+    grid), a message costs what it says on these runs' machine; else the default."""
+    bench = Path(out) / "bench.json"
+    message = bench_message(bench) if bench.exists() else None
+    rows = validate(runs, message=message)
     path = write_json(Path(out) / "validation.json", rows, indent=1)
-    return "psar predict on the held-out runs (calibrated on the 2-worker runs alone):\n" + table(rows), [path]
+    cost = f"; a message {1e6 * message:.0f} us, from {bench}" if message is not None else ""
+    return f"psar predict on the held-out runs (calibrated on the 2-worker runs alone{cost}):\n" + table(rows), [path]

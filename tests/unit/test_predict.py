@@ -226,3 +226,22 @@ def test_validate_takes_the_runs_machines_message_cost(tmp_path):
     out = CliRunner().invoke(predict_cmd, ["--validate", "--message-us", "1000", "--json", str(small.path), str(big.path)])
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)[0]["step_s"] == pytest.approx(expected)
+
+
+def test_the_grids_report_validates_with_the_message_cost_measured_before_it(tmp_path):
+    """`psar compare predict` measures a message's cost first (out/bench.json): its report's
+    rows are validate's with that cost, and its header says so; without the file, the default."""
+    from analysis.validation import report
+    from test_costmodel import allreduce_table
+
+    from analysis.costmodel import Fit
+
+    runs = [fake_run(tmp_path / "ar2", "allreduce", workers=2, compute_s=0.1, step_s=0.5),
+            fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.1, step_s=0.9)]
+    text, [path] = report(runs, tmp_path)
+    assert "a message" not in text.splitlines()[0]
+    assert json.loads(path.read_text())[0]["step_s"] == pytest.approx(validate(runs)[0]["step_s"])
+    (tmp_path / "bench.json").write_text(json.dumps({"allreduce_table": allreduce_table(2, {"library": Fit(2e-3, 1e-9)})}))
+    text, [path] = report(runs, tmp_path)
+    assert "a message 1000 us" in text.splitlines()[0]  # half the fitted per-step alpha
+    assert json.loads(path.read_text())[0]["step_s"] == pytest.approx(validate(runs, message=1e-3)[0]["step_s"])
