@@ -127,16 +127,20 @@ def bench_message(path) -> float:
     return max(fit.alpha_s, 0.0) / 2
 
 
-def calibration(run: Run, whole: bool = False, message: float | None = None) -> tuple[float, float, Timeline | None]:
+def calibration(run: Run, message: float | None = None) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its
-    buckets (analysis/overlap.py) is played with them, unless whole (its exchange after
-    backward, as a run without the record): the ratio is the one that gives its measured wait
-    after backward. message: a message's fixed cost on the run's machines (None: the default)."""
+    buckets (analysis/overlap.py) is played with them: the ratio is the one that gives its
+    measured wait after backward. message: a message's fixed cost on the run's machines (None:
+    the default)."""
+    return _calibrate(run, _timeline(run), message)
+
+
+def _calibrate(run: Run, line: Timeline | None, message: float | None) -> tuple[float, float, Timeline | None]:
+    """calibration, played with the buckets of line (None: its exchange after backward, whole)."""
     compute = compute_time(run)
     target = _own_target(run, message)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
-    line = None if whole else _timeline(run)
     if line is not None:
         return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
                                     _measured_step(run) - compute), line
@@ -200,11 +204,13 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
     settings: dict[str, dict] = {}
     fan_in: dict[str, int] = {}  # label: the highest of its runs' shard_fan_in
     waited: dict[str, float] = {}  # label: the largest share of a run's step it waited after backward
+    lines = [_timeline(run) for run in runs]
     recorded = {}  # label: whether every run of it recorded its buckets (else all are played whole)
-    for run in runs:
-        recorded[run.label] = recorded.get(run.label, True) and _timeline(run) is not None
-    for run in runs:
-        by_label.setdefault(run.label, []).append(calibration(run, not recorded[run.label], calibration_message))
+    for run, line in zip(runs, lines):
+        recorded[run.label] = recorded.get(run.label, True) and line is not None
+    for run, line in zip(runs, lines):
+        by_label.setdefault(run.label, []).append(_calibrate(run, line if recorded[run.label] else None,
+                                                             calibration_message))
         step = _measured_step(run)
         waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
         settings.setdefault(run.label, run.config.get("ps") or {})
