@@ -43,10 +43,14 @@ class Target:
     message: float | None = None
     """A message's fixed cost to a rank that sends or receives it, seconds (None:
     allreduce/auto.py's LINK_MESSAGE_S, measured on this project's emulated links)."""
+    fabric: float | None = None
+    """Bytes/s that all the hosts' messages together can move (analysis/schedules.Cluster;
+    None: unlimited)."""
 
     def cluster(self, engine_family: str) -> Cluster:
         separate = engine_family == "ps" and self.placement == "separate"
-        return Cluster(self.workers, self.rate, self.servers if separate else 0, self.racks, self.uplink, self.latency)
+        return Cluster(self.workers, self.rate, self.servers if separate else 0, self.racks, self.uplink, self.latency,
+                       self.fabric)
 
 
 def ps_keys(settings: dict, sync: bool, rate: float) -> tuple[float, int]:
@@ -81,8 +85,9 @@ def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) 
     return ring_allreduce(cluster, nbytes) * (1.5 if label == "zero-3" else 1.0)
 
 
-def _own_target(run: Run, message: float | None = None) -> Target:
-    """The cluster a run ran on (message: a message's fixed cost there, None: the default)."""
+def _own_target(run: Run, message: float | None = None, fabric: float | None = None) -> Target:
+    """The cluster a run ran on (message: a message's fixed cost there, None: the default;
+    fabric: what its machine's links carried at once, bytes/s, None: unlimited)."""
     net = run.summary.get("network") or {}
     config = run.config.get("net") or {}
     rate = float(net.get("rate_bits") or 0) / 8
@@ -91,7 +96,7 @@ def _own_target(run: Run, message: float | None = None) -> Target:
     return Target(int(run.summary["workers"]), rate, int(run.summary.get("servers") or 1),
                   config.get("placement", "colocated"), int(config.get("racks") or 1),
                   float(net["uplink_bits"]) / 8 if net.get("uplink_bits") else None,
-                  float(config.get("latency_ms") or 0) / 1e3, message)
+                  float(config.get("latency_ms") or 0) / 1e3, message, fabric)
 
 
 def fixed_cost(label: str, target: Target) -> float:
@@ -127,19 +132,39 @@ def bench_message(path) -> float:
     return max(fit.alpha_s, 0.0) / 2
 
 
-def calibration(run: Run, message: float | None = None) -> tuple[float, float, Timeline | None]:
+def bench_fabric(path) -> float | None:
+    """What the emulated links of the runs' machine carried at once, bytes/s, read off a
+    bench.json that holds it (experiments/comparisons/machine.py's `fabric`); None: it holds none."""
+    import json
+    from pathlib import Path
+
+    try:
+        carried = json.loads(Path(path).read_text()).get("fabric")
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"cannot read bench report {path}: {err}") from None
+    if carried is None:
+        return None
+    rate = carried.get("bytes_per_s") if isinstance(carried, dict) else None
+    if not isinstance(rate, (int, float)) or not rate > 0:
+        raise ValueError(f"{path}: fabric.bytes_per_s={rate!r}, expected bytes/s > 0")
+    return float(rate)
+
+
+def calibration(run: Run, message: float | None = None,
+                fabric: float | None = None) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its
     buckets (analysis/overlap.py) is played with them: the ratio is the one that gives its
     measured wait after backward. message: a message's fixed cost on the run's machines (None:
-    the default)."""
-    return _calibrate(run, _timeline(run), message)
+    the default); fabric: what they carried at once, bytes/s (None: unlimited)."""
+    return _calibrate(run, _timeline(run), message, fabric)
 
 
-def _calibrate(run: Run, line: Timeline | None, message: float | None) -> tuple[float, float, Timeline | None]:
+def _calibrate(run: Run, line: Timeline | None, message: float | None,
+               fabric: float | None = None) -> tuple[float, float, Timeline | None]:
     """calibration, played with the buckets of line (None: its exchange after backward, whole)."""
     compute = compute_time(run)
-    target = _own_target(run, message)
+    target = _own_target(run, message, fabric)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
     if line is not None:
         return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
@@ -165,7 +190,8 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
         key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
         cluster = target.cluster("ps")
         slow = 1 / ratio if ratio > 0 else 1e12  # every link's transfers `ratio` times as long
-        slowed = replace(cluster, rate=cluster.rate * slow, uplink=cluster.uplink * slow if cluster.uplink else None)
+        slowed = replace(cluster, rate=cluster.rate * slow, uplink=cluster.uplink * slow if cluster.uplink else None,
+                         fabric=cluster.fabric * slow if cluster.fabric else None)
         end = parameter_server_pipelined(slowed, nbytes, target.servers, key, window, line.buckets)
         return max(0.0, end - line.backward_s)
     return exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target))
@@ -185,14 +211,15 @@ def _timeline(run: Run) -> Timeline | None:
     return timeline(run)
 
 
-def predict(runs: list[Run], labels: list[str], targets: list[Target],
-            params_bytes: float | None = None, calibration_message: float | None = None) -> list[dict]:
+def predict(runs: list[Run], labels: list[str], targets: list[Target], params_bytes: float | None = None,
+            calibration_message: float | None = None, calibration_fabric: float | None = None) -> list[dict]:
     """One row per engine label and target: engine, workers, servers, step_s and its parts.
     params_bytes: a model of this many bytes of parameters in place of the runs' (model.
     params_mb): the exchange moves it, and the compute grows in proportion (a dense layer's
     forward and backward cost is proportional to its weights at a fixed batch).
     calibration_message: a message's fixed cost on the machines the runs ran on, set apart
-    from their exchange (None: the default, allreduce/auto.py's LINK_MESSAGE_S)."""
+    from their exchange (None: the default, allreduce/auto.py's LINK_MESSAGE_S);
+    calibration_fabric: what their links carried at once, bytes/s (None: unlimited)."""
     if not runs:
         raise ValueError("predict needs at least one run")
     if params_bytes is not None and params_bytes <= 0:
@@ -210,7 +237,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target],
         recorded[run.label] = recorded.get(run.label, True) and line is not None
     for run, line in zip(runs, lines):
         by_label.setdefault(run.label, []).append(_calibrate(run, line if recorded[run.label] else None,
-                                                             calibration_message))
+                                                             calibration_message, calibration_fabric))
         step = _measured_step(run)
         waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
         settings.setdefault(run.label, run.config.get("ps") or {})
@@ -300,12 +327,15 @@ def _measured_step(run: Run) -> float:
     return sum(sum(by_step[s]) / len(by_step[s]) for s in whole) / len(whole)
 
 
-def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = None) -> list[dict]:
+def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = None,
+             fabric: float | None = None) -> list[dict]:
     """Each run with more workers than the fewest among the runs, predicted from those with
     the fewest alone (nothing is fitted on the rows checked): engine, its cluster, measured
     and predicted median step, the error, and whether it is link-bound (communication at
     least `link_bound` of its measured step). message: a message's fixed cost on the machines
-    every run ran on (`psar bench`'s, see bench_message; None: the default)."""
+    every run ran on (`psar bench`'s, see bench_message; None: the default); fabric: what
+    their links carried at once, bytes/s, where one machine emulated them all (see
+    experiments/comparisons/machine.py; None: unlimited)."""
     if not runs:
         raise ValueError("validate needs runs")
     fewest = min(int(r.summary["workers"]) for r in runs)
@@ -315,8 +345,9 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
         raise ValueError(f"every run has {fewest} workers: validate predicts runs with more workers from those")
     rows = []
     for run in held_out:
-        target = _own_target(run, message)
-        [row] = predict(calibration_runs, [run.label], [target], calibration_message=message)
+        target = _own_target(run, message, fabric)
+        [row] = predict(calibration_runs, [run.label], [target], calibration_message=message,
+                        calibration_fabric=fabric)
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
         shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]

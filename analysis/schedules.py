@@ -6,7 +6,10 @@ A cluster is hosts w0.. (workers) and s0.. (separate shards), each with a link o
 bytes/s each way; with racks, a rack's hosts reach the others through its uplink (`uplink`
 bytes/s each way; None: as fast as the hosts' links together). A message from host a to host b
 crosses a's way out, and b's way in; between racks also a's rack's way up and b's rack's way
-down. Every message arrives `latency` seconds after its last byte left.
+down. Every message arrives `latency` seconds after its last byte left. With a `fabric`, every
+message crosses it too: what all the hosts' links carry at once (a switch's backplane, or the
+one machine whose kernel carries every emulated link: on 2 cores 0.6 to 1 GB/s, less than
+four 2gbit links send).
 
 - ring all-reduce: 2(N-1) hops; in each, every host sends M/N to the next host in rank order,
   and a hop starts when the one before it has arrived everywhere (the ring's chunks go on only
@@ -41,12 +44,15 @@ class Cluster:
     uplink: float | None = None
     """Each rack's uplink, bytes/s each way (None: unlimited)."""
     latency: float = 0.0
+    fabric: float | None = None
+    """Bytes/s that every host's messages together can move (None: unlimited)."""
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.rate <= 0 or self.servers < 0 or self.racks < 1 or self.latency < 0:
             raise ValueError(f"cluster {self}: workers and racks >= 1, rate > 0, servers and latency >= 0")
-        if self.uplink is not None and self.uplink <= 0:
-            raise ValueError(f"uplink={self.uplink}: must be > 0 (or None)")
+        for name in ("uplink", "fabric"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (or None)")
 
     def rack(self, host: str) -> int:
         """Hosts are spread over the racks in turn, workers and shards alike (net.worker_rack's
@@ -58,11 +64,12 @@ class Cluster:
         links = {f"{way}:{h}": self.rate for h in hosts for way in ("out", "in")}
         if self.racks > 1 and self.uplink is not None:
             links |= {f"{way}:r{r}": self.uplink for r in range(self.racks) for way in ("up", "down")}
-        return links
+        return links | ({"fabric": self.fabric} if self.fabric is not None else {})
 
     def path(self, a: str, b: str) -> tuple[str, ...]:
         crossing = self.racks > 1 and self.uplink is not None and self.rack(a) != self.rack(b)
-        return (f"out:{a}",) + ((f"up:r{self.rack(a)}", f"down:r{self.rack(b)}") if crossing else ()) + (f"in:{b}",)
+        return (f"out:{a}",) + ((f"up:r{self.rack(a)}", f"down:r{self.rack(b)}") if crossing else ()) + (f"in:{b}",) \
+            + (("fabric",) if self.fabric is not None else ())
 
 
 def _phase(cluster: Cluster, messages: list[tuple[str, str, float]]) -> float:
@@ -173,12 +180,16 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
     capacity = {f"{way}:{c.name}": cluster.rate for c in classes for way in ("out", "in")}
     if len({c.rack for c in classes}) > 1:
         capacity |= {f"{way}:r{c.rack}": cluster.uplink for c in classes for way in ("up", "down")}
+    fabric = ("fabric",) if cluster.fabric is not None else ()
+    if fabric:
+        capacity["fabric"] = cluster.fabric
 
     def flow(name: str, src: _Hosts, dst: _Hosts, per_src: float, per_dst: float, start: float) -> Flow:
-        """A class of flows: each src host sends per_src of them, each dst host takes per_dst."""
+        """A class of flows: each src host sends per_src of them, each dst host takes per_dst
+        (and the fabric carries all of them)."""
         up = (f"up:r{src.rack}", f"down:r{dst.rack}") if src.rack != dst.rack else ()
-        return Flow(name, (f"out:{src.name}",) + up + (f"in:{dst.name}",), key, start, cluster.latency,
-                    (per_src,) + (src.n * per_src,) * len(up) + (per_dst,))
+        return Flow(name, (f"out:{src.name}",) + up + (f"in:{dst.name}",) + fabric, key, start, cluster.latency,
+                    (per_src,) + (src.n * per_src,) * len(up) + (per_dst,) + (src.n * per_src,) * len(fabric))
 
     def push(a: str, b: str, k: int, start: float) -> Flow:
         rs, rw = pairs[a, b]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from experiments.rundir.files import write_json
 
-from .predict import bench_message, validate
+from .predict import bench_fabric, bench_message, validate
 from .results import Run
 
 WITHIN = 0.15
@@ -57,11 +57,15 @@ def _drops_anew(row: dict) -> bool:
 
 def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
     """`psar compare predict`'s report: the table, and its rows in out/validation.json. Where
-    out holds a bench.json (experiments/comparisons/message_cost.py measured it before the
-    grid), a message costs what it says on these runs' machine; else the default."""
+    out holds a bench.json (experiments/comparisons/machine.py measured it before the grid), a
+    message costs what it says on these runs' machine, and their links together carry what
+    it says; else the defaults (250 us, unlimited)."""
     bench = Path(out) / "bench.json"
     message = bench_message(bench) if bench.exists() else None
-    rows = validate(runs, message=message)
+    fabric = bench_fabric(bench) if bench.exists() else None
+    rows = validate(runs, message=message, fabric=fabric)
     path = write_json(Path(out) / "validation.json", rows, indent=1)
-    cost = f"; a message {1e6 * message:.0f} us, from {bench}" if message is not None else ""
+    cost = f"; a message {1e6 * message:.0f} us" if message is not None else ""
+    cost += f"; the links {fabric / 1e6:.0f} MB/s all together" if fabric is not None else ""
+    cost += f", from {bench}" if cost else ""
     return f"psar predict on the held-out runs (calibrated on the 2-worker runs alone{cost}):\n" + table(rows), [path]

@@ -9,7 +9,7 @@ import click
 
 from experiments.cli.options import friendly
 
-NET_KEYS = ("net.placement", "net.racks", "net.uplink", "net.latency_ms")
+NET_KEYS = ("net.placement", "net.racks", "net.uplink", "net.latency_ms", "net.fabric")
 MODEL_KEYS = ("model.params_mb",)
 CALIBRATION_WAIT = 0.5
 """Below this share of its step waited after backward, a calibration run's ratio is noted as
@@ -58,7 +58,19 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
     uplink = parse_rate(given["net.uplink"]) / 8 if given.get("net.uplink") else None
     message = None if message_us is None else message_us / 1e6
     return [Target(n, parse_rate(net) / 8, servers, placement, int(given.get("net.racks", 1)), uplink,
-                   float(given.get("net.latency_ms", 0)) / 1e3, message) for n in counts]
+                   float(given.get("net.latency_ms", 0)) / 1e3, message, _fabric(given)) for n in counts]
+
+
+def _fabric(given: dict[str, str]) -> float | None:
+    """net.fabric in bytes/s (None: not given)."""
+    from experiments.settings.net import parse_rate
+
+    if not given.get("net.fabric"):
+        return None
+    try:
+        return parse_rate(given["net.fabric"]) / 8
+    except ValueError as err:
+        raise click.BadParameter(f"net.fabric={given['net.fabric']!r}: {err}", param_hint="--set") from None
 
 
 @click.command("predict")
@@ -68,14 +80,16 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
 @click.option("--servers", type=int, default=1, show_default=True, help="Parameter-server shards.")
 @click.option("--engines", default="", help="Comma-separated engines or labels (default: the runs').")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms; "
+              help="The cluster: net.placement=colocated|separate, net.racks, net.uplink, net.latency_ms, "
+                   "net.fabric=RATE (what all its links carry at once; with --validate, the runs' machine's); "
                    "model.params_mb=MB: a model of that many MB of parameters (compute grows in proportion).")
 @click.option("--message-us", type=click.FloatRange(min=0), default=None,
               help="A message's fixed cost to a rank that sends or receives it, in us, on the target "
                    "(default: 250, measured on this project's emulated links on 2 cores).")
 @click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="psar bench's bench.json, run on the target's machines: a message's fixed cost is half "
-                   "the per-step latency of its all-reduce fit (in place of --message-us).")
+                   "the per-step latency of its all-reduce fit (in place of --message-us); with --validate, "
+                   "the fabric it measured too (psar compare predict's, in place of net.fabric).")
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "
                    "cluster, and print the error beside its measured step (with --bench or --message-us: "
@@ -99,17 +113,23 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         psar predict --validate runs/grid/*
         psar predict --published
     """
-    from analysis.predict import bench_message, predict
+    from analysis.predict import bench_fabric, bench_message, predict
     from analysis.results import load_runs
     from experiments.engines import label_info
 
+    given = _given(settings)
     if bench_path is not None:
         if message_us is not None:
             raise click.UsageError("give a message's cost by --message-us or read it from --bench, not both")
         try:
             message_us = bench_message(bench_path) * 1e6
+            fabric = bench_fabric(bench_path)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--bench") from None
+        if validate and fabric is not None:
+            if given.get("net.fabric"):
+                raise click.UsageError("give the runs' fabric by --set net.fabric or read it from --bench, not both")
+            given["net.fabric"] = f"{fabric * 8:.0f}bit"
 
     if published:
         _print_published(as_json)
@@ -118,11 +138,10 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         raise click.UsageError("give the RUN_DIRS to predict from (or --published)")
     runs = load_runs(run_dirs)
     if validate:
-        _print_validation(runs, as_json, message_us)
+        _print_validation(runs, as_json, message_us, _fabric(given))
         return
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
-    given = _given(settings)
     if map_path is not None:
         _draw_map(runs, labels, map_path, workers, net, servers, given, message_us)
         return
@@ -159,11 +178,11 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
                    f"whose exchange its link bounds: at least {CALIBRATION_WAIT:.0%} of the step)")
 
 
-def _print_validation(runs, as_json: bool, message_us: float | None = None) -> None:
+def _print_validation(runs, as_json: bool, message_us: float | None = None, fabric: float | None = None) -> None:
     from analysis.predict import validate
     from analysis.validation import table
 
-    rows = validate(runs, message=None if message_us is None else message_us / 1e6)
+    rows = validate(runs, message=None if message_us is None else message_us / 1e6, fabric=fabric)
     click.echo(json.dumps(rows, indent=1) if as_json else table(rows))
 
 

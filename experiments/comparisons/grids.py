@@ -55,7 +55,7 @@ class Comparison:
     prelude: str = ""
     """Measurements before the grid, the module of experiments.comparisons whose measure(out,
     echo) makes them in the output directory (the report reads them): "collectives",
-    "message_cost"."""
+    "machine"."""
     max_restarts: int | None = None
     """Every run's --max-restarts (None: a failure fails the run)."""
 
@@ -177,7 +177,7 @@ COMPARISONS: dict[str, Comparison] = {c.name: c for c in [
               "distance); DiLoCo's outer step on local SGD communicates 8 times less."),
     Comparison(
         "predict", "mlp-mid", tuple(v.engine for v in PREDICT_ENGINES), (2, 4, 8), steps=30, net="200mbit",
-        overrides=("model.hidden=[256,256]",), variants=_predict_variants(), prelude="message_cost",
+        overrides=("model.hidden=[256,256]",), variants=_predict_variants(), prelude="machine",
         report="validation",
         claim="psar predict, checked on runs it was not calibrated on: from each engine's 2-worker run "
               "at 200mbit, its 4-worker runs at 100mbit, 1gbit and 2gbit, on two racks and with 10 ms "

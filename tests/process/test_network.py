@@ -258,3 +258,19 @@ def test_a_failed_shaped_run_leaves_no_host_behind(tmp_path):
     with pytest.raises(LaunchError, match="rank [01]"):
         launch(cfg, tmp_path / "run", deadline_s=100, quiet=True)
     assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_the_predict_grids_fabric_probe_measures_what_the_links_carry_at_once():
+    """psar compare predict's probe of its machine (experiments/comparisons/machine.py): all
+    the bytes its hosts sent each other over the seconds each round took, never more than
+    their links carry."""
+    from experiments.comparisons.machine import fabric, fastest_rate
+
+    assert fastest_rate() == "2gbit"
+    carried = fabric("100mbit", hosts=3, nbytes=300_000, rounds=1)
+    assert carried["hosts"] == 3 and len(carried["seconds"]) == 1
+    assert carried["bytes_per_s"] == pytest.approx(3 * 2 * 300_000 / carried["seconds"][0])
+    print(f"3 hosts on 100mbit move {carried['bytes_per_s'] / 1e6:.1f} MB/s all together")
+    assert 0.5 * 3 * 100e6 / 8 < carried["bytes_per_s"] <= 1.02 * 3 * 100e6 / 8

@@ -245,3 +245,48 @@ def test_the_grids_report_validates_with_the_message_cost_measured_before_it(tmp
     text, [path] = report(runs, tmp_path)
     assert "a message 1000 us" in text.splitlines()[0]  # half the fitted per-step alpha
     assert json.loads(path.read_text())[0]["step_s"] == pytest.approx(validate(runs, message=1e-3)[0]["step_s"])
+
+
+def test_validate_plays_the_runs_machines_fabric_and_the_grids_report_reads_it(tmp_path):
+    """One machine's kernel carries every emulated link: given what they carry at once
+    (fabric), the calibration and each held-out row are played with it, so that a 4-worker
+    ring whose links would move more than it does is predicted longer; the grid's report
+    reads it off bench.json (machine.py's `fabric`) and names it; --validate takes it by
+    --set net.fabric or from --bench, not both."""
+    from analysis.predict import bench_fabric, calibration
+    from analysis.validation import report
+    from test_costmodel import allreduce_table
+
+    from analysis.costmodel import Fit
+
+    small = fake_run(tmp_path / "ar2", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
+    big = fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.1, step_s=0.9)
+    fabric = 2 * RATE_BITS / 8  # the 2 hosts' links together; 4 hosts would send twice that
+    [unlimited], [carried] = validate([small, big]), validate([small, big], fabric=fabric)
+    _, ratio, _ = calibration(small, fabric=fabric)
+    four = Target(4, RATE_BITS / 8, fabric=fabric)
+    expected = 0.1 + ratio * exchange("allreduce/library", four, M) + fixed_cost("allreduce/library", four)
+    assert carried["step_s"] == pytest.approx(expected)
+    assert carried["comm_s"] > 1.5 * unlimited["comm_s"]
+    bench = {"allreduce_table": allreduce_table(2, {"library": Fit(2e-3, 1e-9)}),
+             "fabric": {"hosts": 4, "rate": "2gbit", "bytes_per_s": fabric}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert bench_fabric(tmp_path / "bench.json") == fabric
+    text, [path] = report([small, big], tmp_path)
+    assert f"the links {fabric / 1e6:.0f} MB/s all together" in text.splitlines()[0]
+    assert json.loads(path.read_text())[0]["step_s"] == pytest.approx(
+        validate([small, big], message=1e-3, fabric=fabric)[0]["step_s"])
+    runs = [str(small.path), str(big.path)]
+    by_set = CliRunner().invoke(predict_cmd, ["--validate", "--json", "--message-us", "1000",
+                                              "--set", f"net.fabric={fabric * 8:.0f}bit", *runs])
+    by_bench = CliRunner().invoke(predict_cmd, ["--validate", "--json", "--bench", str(tmp_path / "bench.json"), *runs])
+    assert by_set.exit_code == 0 and by_bench.exit_code == 0, by_set.output + by_bench.output
+    assert json.loads(by_set.output)[0]["step_s"] == pytest.approx(json.loads(by_bench.output)[0]["step_s"])
+    both = CliRunner().invoke(predict_cmd, ["--validate", "--bench", str(tmp_path / "bench.json"),
+                                            "--set", "net.fabric=1gbit", *runs])
+    assert both.exit_code != 0 and "not both" in both.output
+    bad = CliRunner().invoke(predict_cmd, ["--validate", "--set", "net.fabric=fast", *runs])
+    assert bad.exit_code != 0 and "net.fabric='fast'" in bad.output
+    (tmp_path / "bad.json").write_text(json.dumps({**bench, "fabric": {"bytes_per_s": -1}}))
+    with pytest.raises(ValueError, match="fabric.bytes_per_s"):
+        bench_fabric(tmp_path / "bad.json")

@@ -73,15 +73,32 @@ def test_gossip_sends_each_out_neighbour_the_model_at_once():
     assert gossip(racks, M, "one-peer-exponential") == pytest.approx((4 + 1 + 1) / 3 * one)
 
 
-@pytest.mark.parametrize("workers,servers,shards,racks,uplink", [
-    (4, 4, 4, 1, None), (4, 0, 4, 1, None), (6, 2, 2, 1, None), (6, 0, 6, 1, None), (4, 0, 2, 1, None),
-    (8, 4, 4, 2, 1e6), (8, 0, 8, 2, 5e5), (1, 1, 1, 1, None)])
-def test_the_pipelined_exchange_in_one_key_per_shard_is_the_phased_one(workers, servers, shards, racks, uplink):
+@pytest.mark.parametrize("workers,servers,shards,racks,uplink,fabric", [
+    (4, 4, 4, 1, None, None), (4, 0, 4, 1, None, None), (6, 2, 2, 1, None, None), (6, 0, 6, 1, None, None),
+    (4, 0, 2, 1, None, None), (8, 4, 4, 2, 1e6, None), (8, 0, 8, 2, 5e5, None), (1, 1, 1, 1, None, None),
+    (4, 4, 4, 1, None, 2.5e6), (6, 2, 2, 1, None, 1.5e6), (8, 0, 8, 2, 1e6, 3e6)])
+def test_the_pipelined_exchange_in_one_key_per_shard_is_the_phased_one(workers, servers, shards, racks, uplink,
+                                                                      fabric):
     """With one key a shard's answer waits for its whole push: the two phases, however the
-    hosts are grouped into classes of flows (checked against every host's own flows)."""
-    cluster = Cluster(workers, 1e6, servers, racks, uplink, latency=0.003)
+    hosts are grouped into classes of flows (checked against every host's own flows), a
+    fabric counting every flow of a class."""
+    cluster = Cluster(workers, 1e6, servers, racks, uplink, latency=0.003, fabric=fabric)
     phased = parameter_server(cluster, 4e6, shards)
     assert parameter_server_pipelined(cluster, 4e6, shards, key_bytes=1e9) == pytest.approx(phased, rel=1e-9)
+
+
+def test_a_fabric_slower_than_the_links_together_shares_itself_among_every_flow():
+    """4 hosts whose links would move 4 RATE at once, on a fabric of 2 RATE: every hop of the
+    ring takes twice as long; one of 4 RATE or more changes nothing. 4 workers pushing to 4
+    shards of their own and pulling back, pipelined in keys, move 2 N M through it: no sooner
+    than 2 N M over the fabric, and (every link busy at its share) not much later."""
+    assert ring_allreduce(Cluster(4, RATE, fabric=2 * RATE), M) == pytest.approx(2 * ring_allreduce(Cluster(4, RATE), M))
+    assert ring_allreduce(Cluster(4, RATE, fabric=4 * RATE), M) == pytest.approx(ring_allreduce(Cluster(4, RATE), M))
+    fabric = 1.5 * RATE
+    played = parameter_server_pipelined(Cluster(4, RATE, 4, fabric=fabric), M, 4, key_bytes=M / 64)
+    assert 2 * 4 * M / fabric <= played < 1.05 * 2 * 4 * M / fabric
+    with pytest.raises(ValueError, match="fabric"):
+        Cluster(4, RATE, fabric=0)
 
 
 def test_keys_let_a_shards_answers_overlap_the_pushes_still_coming():
