@@ -125,10 +125,11 @@ class Zygote:
     def alive(self) -> bool:
         return self._proc.poll() is None and self._sock.fileno() != -1
 
-    def fork(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> int:
-        """Start argv in a child with env and these stdout and stderr; return its pid."""
+    def fork(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str | None = None) -> int:
+        """Start argv in a child with env and these stdout and stderr, in directory cwd (None:
+        this process's); return its pid."""
         netns, argv = unwrap(list(argv))
-        line = json.dumps({"argv": argv, "env": dict(env), "cwd": os.getcwd(), "netns": netns}).encode() + b"\n"
+        line = json.dumps({"argv": argv, "env": dict(env), "cwd": cwd or os.getcwd(), "netns": netns}).encode() + b"\n"
         with self._lock:
             self._await_ready()
             socket.send_fds(self._sock, [line], [stdout, stderr])

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked
 from conftest import max_param_diff
 from experiments.runtime.netns import Network, NetworkError, unavailable
 
@@ -89,14 +89,13 @@ class Job:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.procs: list[tuple[str, forked.Forked, Path]] = []
         self.killed: set[int] = set()
 
     def start(self, name: str, host, args: list, env: dict[str, str]) -> None:
         log = self.log_dir / f"{name}.log"
         with open(log, "w") as f:
-            proc = subprocess.Popen(host.argv(sys.executable, "-m", "experiments.cli", *map(str, args)),
-                                    cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            proc = forked.psar(*args, env=env, wrap=tuple(host.argv()), output=f)
         self.procs.append((f"{name} on {host.netns} ({host.addr})", proc, log))
 
     def outputs(self) -> str:

@@ -5,31 +5,27 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import forked
 from conftest import wait_for_steps
 from experiments.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_workers(tmp_path: Path, engine: str, world: int = 2) -> list[subprocess.Popen]:
+def start_workers(tmp_path: Path, engine: str, world: int = 2) -> list[forked.Forked]:
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "experiments.cli", "worker", "cnn", "--engine", engine,
-             "--steps", "100000", "--out", str(tmp_path / "run"), "--set", "timeout_s=20"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(forked.psar("worker", "cnn", "--engine", engine, "--steps", "100000",
+                                 "--out", tmp_path / "run", "--set", "timeout_s=20", env=env))
     return procs
 
 

@@ -7,32 +7,28 @@ import json
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from experiments.rundir import checkpoint
 from ps.config import PSConfig
 from experiments.engines import get_engine
+import forked
 from conftest import started, wait_for_steps
 from experiments.runtime.launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 
-ROOT = Path(__file__).resolve().parents[2]
 # Heartbeats and liveness fast; the join window (ps.timeout_s) long enough for every process
 # to start under load (round 3 of a loaded `make stress` saw a worker join after more than 6 s).
 FAST_LIVENESS = ["--set", "ps.timeout_s=30", "--set", "ps.heartbeat_s=0.2", "--set", "ps.worker_timeout_s=3"]
 
 
-def psar(*args, env=None) -> subprocess.Popen:
-    return started(subprocess.Popen([sys.executable, "-m", "experiments.cli", *map(str, args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))))
+def psar(*args, env=None) -> forked.Forked:
+    return started(forked.psar(*args, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))))
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+def finish(proc, timeout: float) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
