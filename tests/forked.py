@@ -10,7 +10,6 @@ signal), so what the tests check of the command is unchanged."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import subprocess
 import sys
@@ -22,37 +21,25 @@ from typing import IO
 from experiments.runtime import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
-_zygote: zygote.Zygote | None = None
-_lock = threading.Lock()  # the one zygote of the session
 
 
-def _shared() -> zygote.Zygote:
-    global _zygote
-    with _lock:
-        if _zygote is None or not _zygote.alive():
-            _zygote = zygote.Zygote.start(dict(os.environ, OMP_NUM_THREADS="1"), wait=False)
-            atexit.register(_zygote.close)
-        return _zygote
-
-
-class Forked:
+class Forked(zygote.Forked):
     """A forked command, with the parts of subprocess.Popen(text=True, stdout=PIPE,
     stderr=STDOUT) that the tests use: poll, wait, communicate, send_signal, kill."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, output: IO | None = None) -> None:
         """output: a file that takes its stdout and stderr (None: read, for communicate)."""
         self.args = argv
-        self._zygote = _shared()
-        self.returncode: int | None = None
+        z = zygote.shared()  # the launcher's too, for the runs the tests launch in this process
         self._out: list[bytes] = []
+        self._reader: threading.Thread | None = None
         env = dict(os.environ if env is None else env)
         if output is not None:
-            self.pid = self._zygote.fork(argv, env, output.fileno(), output.fileno(), str(ROOT))
-            self._reader = None
+            super().__init__(z, z.fork(argv, env, output.fileno(), output.fileno(), str(ROOT)))
             return
         read, write = os.pipe()
         try:
-            self.pid = self._zygote.fork(argv, env, write, write, str(ROOT))
+            super().__init__(z, z.fork(argv, env, write, write, str(ROOT)))
         except BaseException:
             os.close(read)
             raise
@@ -66,19 +53,11 @@ class Forked:
             while chunk := pipe.read1(1 << 16):
                 self._out.append(chunk)
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._zygote.poll()
-            self.returncode = self._zygote.codes.get(self.pid)
-        return self.returncode
-
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
+        try:
+            return super().wait(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         """Wait for the command to end (subprocess.TimeoutExpired after timeout s) and its
@@ -89,18 +68,6 @@ class Forked:
         if self._reader is not None:
             self._reader.join(left)  # a child of the command may still hold the pipe: no longer
         return b"".join(self._out).decode(errors="replace"), None
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
 
 
 def psar(*args, env: dict[str, str] | None = None, wrap: tuple[str, ...] = (), output: IO | None = None) -> Forked:
