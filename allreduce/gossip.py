@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,14 @@ class GossipEngine:
     def __init__(self, rank: int, world: int, device: torch.device, config: GossipConfig,
                  timeout_s: float = 60.0, trace=None, delay_s: float = 0.0) -> None:
         """delay_s: an injected one-way link latency (fault.delay_ms, net.latency_ms without
-        netem): a step's models arrive no sooner than delay_s after they were sent."""
+        netem): a step's models leave delay_s after the step that made them ended, from a
+        thread of their own while the next step computes, so that they arrive when a link
+        with that delay would deliver them (netem's: every byte delay_s late, so that a model
+        arrives its transfer plus the delay after it was sent)."""
         self.rank, self.world, self.device, self.config, self.trace = rank, world, device, config, trace
         self.delay_s, self._timeout_s = delay_s, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psar-delay") if delay_s else None
+        self._sending: Future | None = None  # the delayed sends' works
         self.shards = [rank]
         init_process_group(device, rank, world, timeout_s)
         self._liveness = Liveness(rank, world)
@@ -101,17 +107,23 @@ class GossipEngine:
         while len(self._inbox) < len(sources):
             self._inbox.append(torch.empty_like(self._flat))
         self._sent = len(to) * nbytes(self._flat)
-        self._sent_at = time.perf_counter()
         self._works = [dist.irecv(self._inbox[i], src=j) for i, j in enumerate(sources)]
-        self._works += [dist.isend(self._flat, dst=j) for j in to]
+        if self._pool is None:
+            self._works += [dist.isend(self._flat, dst=j) for j in to]
+            return
+
+        def delayed() -> list:  # nothing else of the group runs until step() has these
+            time.sleep(self.delay_s)
+            return [dist.isend(self._flat, dst=j) for j in to]
+        self._sending = self._pool.submit(delayed)
 
     def _finish_exchange(self) -> None:
+        if self._sending is not None:
+            sending, self._sending = self._sending, None
+            self._works += sending.result(timeout=self.delay_s + self._timeout_s)
         for work in self._works:
             work.wait()
         self._works = []
-        late = self._sent_at + self.delay_s - time.perf_counter()  # one hop: every message at once
-        if self.delay_s and late > 0:
-            time.sleep(late)
 
     # -- backward and step ---------------------------------------------------------------------
 
@@ -181,6 +193,8 @@ class GossipEngine:
                         dist.all_reduce(buffer)
                         buffer.div_(self.world)
         self._liveness.stop_stamping()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         with self._liveness.naming_lost_ranks():
             shutdown(self._backward_states)
         self._liveness.close()

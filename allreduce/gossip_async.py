@@ -121,13 +121,14 @@ class AsyncGossipEngine(GossipEngine):
         if self.active:
             partner = self._partners[self._steps % len(self._partners)]
             began = time.perf_counter()
+            if self.delay_s:  # an injected latency: the model's way there, as every byte of it would be late
+                time.sleep(self.delay_s)
             with self._liveness.naming_lost_ranks():
                 dist.send(torch.tensor([AVERAGE, self._steps], dtype=torch.int64), dst=partner, group=self._group)
                 dist.send(self._x, dst=partner, group=self._group)
                 dist.recv(self._x, src=partner, group=self._group)
-            late = began + 2 * self.delay_s - time.perf_counter()  # there and back
-            if self.delay_s and late > 0:
-                time.sleep(late)
+            if self.delay_s:  # and the average's way back
+                time.sleep(self.delay_s)
             comm_s, sent = time.perf_counter() - began, nbytes(self._x)
             self._version += 1
             stats["partner"] = partner

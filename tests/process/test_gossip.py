@@ -185,3 +185,40 @@ def test_a_ddp_script_runs_under_both_modes_and_its_checkpoint_holds_worker_zero
         saved = torch.load(ckpt, weights_only=True)
         assert saved["step"] == 3 and all(float(s["step"]) == 3 for s in saved["optimizer"]["state"].values())
     launched("gossip", args + ["--resume", str(ckpt)], tmp_path / "resumed", overrides=("gossip.mode=async",))
+
+
+def _first_exchange_under_a_delay(rank: int, world: int, delay_s: float) -> dict:
+    """attach() sends this worker's model (its own: as restored, seeded by its rank) to its
+    neighbour; half the delay later, whether the neighbour's has come in, and when it was."""
+    import time
+
+    from allreduce.gossip import GossipEngine
+    from allreduce.gossip_config import GossipConfig
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Linear(64, 1).double()
+
+    engine = GossipEngine(rank, world, torch.device("cpu"), GossipConfig(), timeout_s=30, delay_s=delay_s)
+    engine.keep_restored(0)
+    peer = parameters_to_vector(model(1 - rank).parameters()).detach()
+    began = time.perf_counter()
+    engine.attach(model(rank), lambda params: torch.optim.SGD(params, lr=0.1))
+    time.sleep(delay_s / 2)
+    early = torch.equal(engine._inbox[0], peer)
+    engine._finish_exchange()
+    arrived = time.perf_counter() - began
+    assert torch.equal(engine._inbox[0], peer)
+    engine.close()
+    return {"early": early, "arrived": arrived}
+
+
+@pytest.mark.timeout(120)
+def test_an_injected_delay_holds_the_models_back_as_a_link_with_it_would():
+    """net.latency_ms without netem: a model leaves the delay after its step ended, so that it
+    arrives its transfer plus the delay after it was sent, as over a link whose every byte is
+    that late (netem), not at whichever of the two is later."""
+    from spawn import run_ranks
+
+    for got in run_ranks(_first_exchange_under_a_delay, 2, 0.6, group=False, timeout_s=90):
+        assert not got["early"] and got["arrived"] >= 0.6, got
