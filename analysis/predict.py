@@ -46,6 +46,15 @@ class Target:
     fabric: float | None = None
     """Bytes/s that all the hosts' messages together can move (analysis/schedules.Cluster;
     None: unlimited)."""
+    own_message: float | None = None
+    """A message's fixed cost in psar's own collectives (an allreduce.algorithm other than the
+    library's, zero.algorithm=ring: a hop is Python's work as well as the backend's), seconds
+    (None: `message`)."""
+
+    def costed(self, own: bool) -> "Target":
+        """This target with a message costing what it does in psar's own collectives (own) or
+        in the backend's."""
+        return replace(self, message=self.own_message) if own and self.own_message is not None else self
 
     def cluster(self, engine_family: str) -> Cluster:
         separate = engine_family == "ps" and self.placement == "separate"
@@ -85,9 +94,12 @@ def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) 
     return ring_allreduce(cluster, nbytes) * (1.5 if label == "zero-3" else 1.0)
 
 
-def _own_target(run: Run, message: float | None = None, fabric: float | None = None) -> Target:
+def _own_target(run: Run, message: float | None = None, fabric: float | None = None,
+                own_message: float | None = None) -> Target:
     """The cluster a run ran on (message: a message's fixed cost there, None: the default;
-    fabric: what its machine's links carried at once, bytes/s, None: unlimited)."""
+    fabric: what its machine's links carried at once, bytes/s, None: unlimited; own_message:
+    a message's cost in psar's own collectives there, None: message), its message's cost the
+    one of the collectives the run used."""
     net = run.summary.get("network") or {}
     config = run.config.get("net") or {}
     rate = float(net.get("rate_bits") or 0) / 8
@@ -96,7 +108,15 @@ def _own_target(run: Run, message: float | None = None, fabric: float | None = N
     return Target(int(run.summary["workers"]), rate, int(run.summary.get("servers") or 1),
                   config.get("placement", "colocated"), int(config.get("racks") or 1),
                   float(net["uplink_bits"]) / 8 if net.get("uplink_bits") else None,
-                  float(config.get("latency_ms") or 0) / 1e3, message, fabric)
+                  float(config.get("latency_ms") or 0) / 1e3, message, fabric, own_message).costed(own_collectives(run))
+
+
+def own_collectives(run: Run) -> bool:
+    """Whether the run's collectives are psar's own (an allreduce.algorithm other than the
+    library's, zero.algorithm other than library) rather than the backend's."""
+    if run.engine == "zero":
+        return (run.config.get("zero") or {}).get("algorithm", "library") != "library"
+    return family(run.label) == "ring" and run.label != "allreduce/library"
 
 
 def fixed_cost(label: str, target: Target) -> float:
@@ -119,14 +139,15 @@ def fixed_cost(label: str, target: Target) -> float:
     return rounds * 2 * (LINK_MESSAGE_S if target.message is None else target.message)
 
 
-def bench_message(path) -> float:
+def bench_message(path, own: bool = False) -> float:
     """A message's fixed cost, seconds, read off `psar bench`'s report (bench.json) from the
     target's machines: half the fitted latency of one step of its all-reduce (a step is a
-    message sent and one received), the backend's own, else psar's ring's."""
+    message sent and one received), the backend's own, else psar's ring's; own: psar's ring's
+    (psar's own collectives), else the backend's."""
     from .costmodel import CostModel
 
     model = CostModel.from_bench(path)
-    fit = model.library or model.ring
+    fit = (model.ring or model.library) if own else (model.library or model.ring)
     if fit is None:
         raise ValueError(f"{path} has no all-reduce rows to read a message's cost from")
     return max(fit.alpha_s, 0.0) / 2
@@ -150,21 +171,22 @@ def bench_fabric(path) -> float | None:
     return float(rate)
 
 
-def calibration(run: Run, message: float | None = None,
-                fabric: float | None = None) -> tuple[float, float, Timeline | None]:
+def calibration(run: Run, message: float | None = None, fabric: float | None = None,
+                own_message: float | None = None) -> tuple[float, float, Timeline | None]:
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its
     buckets (analysis/overlap.py) is played with them: the ratio is the one that gives its
     measured wait after backward. message: a message's fixed cost on the run's machines (None:
-    the default); fabric: what they carried at once, bytes/s (None: unlimited)."""
-    return _calibrate(run, _timeline(run), message, fabric)
+    the default); fabric: what they carried at once, bytes/s (None: unlimited); own_message:
+    a message's cost in psar's own collectives there (None: message)."""
+    return _calibrate(run, _timeline(run), message, fabric, own_message)
 
 
-def _calibrate(run: Run, line: Timeline | None, message: float | None,
-               fabric: float | None = None) -> tuple[float, float, Timeline | None]:
+def _calibrate(run: Run, line: Timeline | None, message: float | None, fabric: float | None = None,
+               own_message: float | None = None) -> tuple[float, float, Timeline | None]:
     """calibration, played with the buckets of line (None: its exchange after backward, whole)."""
     compute = compute_time(run)
-    target = _own_target(run, message, fabric)
+    target = _own_target(run, message, fabric, own_message)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
     if line is not None:
         return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
@@ -212,14 +234,18 @@ def _timeline(run: Run) -> Timeline | None:
 
 
 def predict(runs: list[Run], labels: list[str], targets: list[Target], params_bytes: float | None = None,
-            calibration_message: float | None = None, calibration_fabric: float | None = None) -> list[dict]:
+            calibration_message: float | None = None, calibration_fabric: float | None = None,
+            calibration_own_message: float | None = None) -> list[dict]:
     """One row per engine label and target: engine, workers, servers, step_s and its parts.
     params_bytes: a model of this many bytes of parameters in place of the runs' (model.
     params_mb): the exchange moves it, and the compute grows in proportion (a dense layer's
     forward and backward cost is proportional to its weights at a fixed batch).
     calibration_message: a message's fixed cost on the machines the runs ran on, set apart
     from their exchange (None: the default, allreduce/auto.py's LINK_MESSAGE_S);
-    calibration_fabric: what their links carried at once, bytes/s (None: unlimited)."""
+    calibration_fabric: what their links carried at once, bytes/s (None: unlimited);
+    calibration_own_message: a message's cost in psar's own collectives there (None: the
+    calibration_message). Each label's messages cost what they do in its runs' collectives
+    (Target.costed; a label without runs: the backend's)."""
     if not runs:
         raise ValueError("predict needs at least one run")
     if params_bytes is not None and params_bytes <= 0:
@@ -230,6 +256,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
     by_label: dict[str, list[tuple[float, float, Timeline | None]]] = {}
     settings: dict[str, dict] = {}
     fan_in: dict[str, int] = {}  # label: the highest of its runs' shard_fan_in
+    own: dict[str, bool] = {}  # label: whether its runs' collectives are psar's own
     waited: dict[str, float] = {}  # label: the largest share of a run's step it waited after backward
     lines = [_timeline(run) for run in runs]
     recorded = {}  # label: whether every run of it recorded its buckets (else all are played whole)
@@ -237,7 +264,9 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
         recorded[run.label] = recorded.get(run.label, True) and line is not None
     for run, line in zip(runs, lines):
         by_label.setdefault(run.label, []).append(_calibrate(run, line if recorded[run.label] else None,
-                                                             calibration_message, calibration_fabric))
+                                                             calibration_message, calibration_fabric,
+                                                             calibration_own_message))
+        own[run.label] = own_collectives(run)
         step = _measured_step(run)
         waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
         settings.setdefault(run.label, run.config.get("ps") or {})
@@ -252,7 +281,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
         line = median_timeline([line for _, _, line in measured or ()]) if measured and recorded[label] else None
         if line is not None and grow != 1.0:  # backward grows with the compute
             line = Timeline(line.backward_s * grow, tuple((at * grow, share) for at, share in line.buckets))
-        for target in targets:
+        for target in (t.costed(own.get(label, False)) for t in targets):
             if line is not None:
                 comm = exposed_exchange(label, target, nbytes, settings.get(label), line, ratio)
             else:
@@ -328,14 +357,15 @@ def _measured_step(run: Run) -> float:
 
 
 def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = None,
-             fabric: float | None = None) -> list[dict]:
+             fabric: float | None = None, own_message: float | None = None) -> list[dict]:
     """Each run with more workers than the fewest among the runs, predicted from those with
     the fewest alone (nothing is fitted on the rows checked): engine, its cluster, measured
     and predicted median step, the error, and whether it is link-bound (communication at
     least `link_bound` of its measured step). message: a message's fixed cost on the machines
     every run ran on (`psar bench`'s, see bench_message; None: the default); fabric: what
     their links carried at once, bytes/s, where one machine emulated them all (see
-    experiments/comparisons/machine.py; None: unlimited)."""
+    experiments/comparisons/machine.py; None: unlimited); own_message: a message's cost in
+    psar's own collectives there (bench_message(own=True); None: message)."""
     if not runs:
         raise ValueError("validate needs runs")
     fewest = min(int(r.summary["workers"]) for r in runs)
@@ -345,9 +375,9 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
         raise ValueError(f"every run has {fewest} workers: validate predicts runs with more workers from those")
     rows = []
     for run in held_out:
-        target = _own_target(run, message, fabric)
+        target = _own_target(run, message, fabric, own_message)
         [row] = predict(calibration_runs, [run.label], [target], calibration_message=message,
-                        calibration_fabric=fabric)
+                        calibration_fabric=fabric, calibration_own_message=own_message)
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
         shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]

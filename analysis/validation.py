@@ -58,14 +58,16 @@ def _drops_anew(row: dict) -> bool:
 def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
     """`psar compare predict`'s report: the table, and its rows in out/validation.json. Where
     out holds a bench.json (experiments/comparisons/machine.py measured it before the grid), a
-    message costs what it says on these runs' machine, and their links together carry what
-    it says; else the defaults (250 us, unlimited)."""
+    message costs what it says on these runs' machine (its ring's in psar's own collectives),
+    and their links together carry what it says; else the defaults (250 us, unlimited)."""
     bench = Path(out) / "bench.json"
     message = bench_message(bench) if bench.exists() else None
+    own = bench_message(bench, own=True) if bench.exists() else None
     fabric = bench_fabric(bench) if bench.exists() else None
-    rows = validate(runs, message=message, fabric=fabric)
+    rows = validate(runs, message=message, fabric=fabric, own_message=own)
     path = write_json(Path(out) / "validation.json", rows, indent=1)
     cost = f"; a message {1e6 * message:.0f} us" if message is not None else ""
+    cost += f" ({1e6 * own:.0f} in psar's own collectives)" if own is not None and own != message else ""
     cost += f"; the links {fabric / 1e6:.0f} MB/s all together" if fabric is not None else ""
     cost += f", from {bench}" if cost else ""
     return f"psar predict on the held-out runs (calibrated on the 2-worker runs alone{cost}):\n" + table(rows), [path]

@@ -42,7 +42,8 @@ def _params_bytes(given: dict[str, str]) -> float | None:
     return mb * 1e6
 
 
-def _targets(workers: str, net: str, servers: int, given: dict[str, str], message_us: float | None = None):
+def _targets(workers: str, net: str, servers: int, given: dict[str, str], message_us: float | None = None,
+             own_message_us: float | None = None):
     from analysis.predict import Target
     from experiments.settings.net import parse_rate
 
@@ -58,7 +59,8 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
     uplink = parse_rate(given["net.uplink"]) / 8 if given.get("net.uplink") else None
     message = None if message_us is None else message_us / 1e6
     return [Target(n, parse_rate(net) / 8, servers, placement, int(given.get("net.racks", 1)), uplink,
-                   float(given.get("net.latency_ms", 0)) / 1e3, message, _fabric(given)) for n in counts]
+                   float(given.get("net.latency_ms", 0)) / 1e3, message, _fabric(given),
+                   None if own_message_us is None else own_message_us / 1e6) for n in counts]
 
 
 def _fabric(given: dict[str, str]) -> float | None:
@@ -88,8 +90,9 @@ def _fabric(given: dict[str, str]) -> float | None:
                    "(default: 250, measured on this project's emulated links on 2 cores).")
 @click.option("--bench", "bench_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="psar bench's bench.json, run on the target's machines: a message's fixed cost is half "
-                   "the per-step latency of its all-reduce fit (in place of --message-us); with --validate, "
-                   "the fabric it measured too (psar compare predict's, in place of net.fabric).")
+                   "the per-step latency of its all-reduce fit (in place of --message-us), the library's, and "
+                   "its ring's for psar's own collectives; with --validate, the fabric it measured too (psar "
+                   "compare predict's, in place of net.fabric).")
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "
                    "cluster, and print the error beside its measured step (with --bench or --message-us: "
@@ -118,11 +121,13 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
     from experiments.engines import label_info
 
     given = _given(settings)
+    own_message_us = None  # psar's own collectives': as message_us
     if bench_path is not None:
         if message_us is not None:
             raise click.UsageError("give a message's cost by --message-us or read it from --bench, not both")
         try:
             message_us = bench_message(bench_path) * 1e6
+            own_message_us = bench_message(bench_path, own=True) * 1e6
             fabric = bench_fabric(bench_path)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--bench") from None
@@ -138,16 +143,17 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         raise click.UsageError("give the RUN_DIRS to predict from (or --published)")
     runs = load_runs(run_dirs)
     if validate:
-        _print_validation(runs, as_json, message_us, _fabric(given))
+        _print_validation(runs, as_json, message_us, _fabric(given), own_message_us)
         return
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
     if map_path is not None:
-        _draw_map(runs, labels, map_path, workers, net, servers, given, message_us)
+        _draw_map(runs, labels, map_path, workers, net, servers, given, message_us, own_message_us)
         return
     if not workers or not net:
         raise click.UsageError("--workers and --net name the cluster to predict (or give --validate or --map)")
-    rows = predict(runs, labels, _targets(workers, net, servers, given, message_us), _params_bytes(given))
+    rows = predict(runs, labels, _targets(workers, net, servers, given, message_us, own_message_us),
+                   _params_bytes(given))
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
@@ -178,11 +184,13 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
                    f"whose exchange its link bounds: at least {CALIBRATION_WAIT:.0%} of the step)")
 
 
-def _print_validation(runs, as_json: bool, message_us: float | None = None, fabric: float | None = None) -> None:
+def _print_validation(runs, as_json: bool, message_us: float | None = None, fabric: float | None = None,
+                      own_message_us: float | None = None) -> None:
     from analysis.predict import validate
     from analysis.validation import table
 
-    rows = validate(runs, message=None if message_us is None else message_us / 1e6, fabric=fabric)
+    rows = validate(runs, message=None if message_us is None else message_us / 1e6, fabric=fabric,
+                    own_message=None if own_message_us is None else own_message_us / 1e6)
     click.echo(json.dumps(rows, indent=1) if as_json else table(rows))
 
 
@@ -208,13 +216,14 @@ def _print_published(as_json: bool) -> None:
         click.echo(f"  {n.name} ({n.source}): {n.why}")
 
 
-def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, given, message_us) -> None:
+def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, given, message_us,
+              own_message_us=None) -> None:
     from analysis import predict_map
 
     rate = net or runs[0].summary.get("network", {}).get("rate") or ""
     if not rate:
         raise click.UsageError("--map needs --net, or runs on an emulated network")
-    [like] = _targets("2", rate, servers, given, message_us)
+    [like] = _targets("2", rate, servers, given, message_us, own_message_us)
     counts = tuple(t.workers for t in _targets(workers, rate, servers, given)) if workers else predict_map.WORKERS
     written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts, params_bytes=_params_bytes(given))
     click.echo(f"wrote {written}")

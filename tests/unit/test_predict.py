@@ -290,3 +290,38 @@ def test_validate_plays_the_runs_machines_fabric_and_the_grids_report_reads_it(t
     (tmp_path / "bad.json").write_text(json.dumps({**bench, "fabric": {"bytes_per_s": -1}}))
     with pytest.raises(ValueError, match="fabric.bytes_per_s"):
         bench_fabric(tmp_path / "bad.json")
+
+
+def test_psar_own_collectives_take_the_cost_of_a_message_on_its_ring(tmp_path):
+    """psar's own all-reduce algorithms and ZeRO on psar's ring cost a message what the bench's
+    ring fit says, the backend's collectives what its library fit says: each run is calibrated
+    and predicted as if that were the one cost given. The report names both."""
+    from analysis.costmodel import Fit
+    from analysis.predict import bench_message
+    from analysis.validation import report
+    from test_costmodel import allreduce_table
+
+    def zero_on_ring(path, workers, step_s):
+        run = fake_run(path, "zero", workers=workers, compute_s=0.1, step_s=step_s)
+        config = json.loads((path / "config.json").read_text())
+        config["zero"]["algorithm"] = "ring"
+        (path / "config.json").write_text(json.dumps(config))
+        return load_run(path)
+
+    cases = {"allreduce/library": ([fake_run(tmp_path / f"lib{n}", "allreduce", workers=n, compute_s=0.1, step_s=s)
+                                    for n, s in ((2, 0.5), (4, 0.9))], 1e-4),
+             "allreduce/ring": ([fake_run(tmp_path / f"ring{n}", "allreduce", algorithm="ring", workers=n,
+                                          compute_s=0.1, step_s=s) for n, s in ((2, 0.5), (4, 0.9))], 1e-3),
+             "zero-1": ([zero_on_ring(tmp_path / f"zero{n}", n, s) for n, s in ((2, 0.5), (4, 0.9))], 1e-3)}
+    for label, (runs, cost) in cases.items():
+        [row] = validate(runs, message=1e-4, own_message=1e-3)
+        [alone] = validate(runs, message=cost)
+        assert row["engine"] == label and row["step_s"] == pytest.approx(alone["step_s"]), label
+    assert validate(cases["allreduce/ring"][0], message=1e-4)[0]["step_s"] != \
+        pytest.approx(validate(cases["allreduce/ring"][0], message=1e-3)[0]["step_s"])
+    fits = {"library": Fit(2e-3, 1e-9), "ring": Fit(4e-3, 1e-9)}
+    (tmp_path / "bench.json").write_text(json.dumps({"allreduce_table": allreduce_table(2, fits)}))
+    assert bench_message(tmp_path / "bench.json") == pytest.approx(1e-3)
+    assert bench_message(tmp_path / "bench.json", own=True) == pytest.approx(2e-3)
+    text, _ = report(cases["zero-1"][0], tmp_path)
+    assert "a message 1000 us (2000 in psar's own collectives)" in text.splitlines()[0]
