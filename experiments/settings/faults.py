@@ -16,7 +16,8 @@ class FaultConfig:
     delay_ms: float = 0.0
     """One-way latency added to every message: each step of our ring (zero's too, with
     zero.algorithm=ring: N-1 a reduce-scatter or all-gather), 2(N-1) of them before each
-    library all-reduce, and two (request and reply) on every parameter-server round trip."""
+    library all-reduce, two (request and reply) on every parameter-server round trip, one on
+    each of gossip's models (they leave that late) and two on each of AD-PSGD's averages."""
 
     kill_rank: int = -1
     """Rank that dies (SIGKILL, no goodbye) before the compute of step kill_step (-1: none);
