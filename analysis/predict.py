@@ -8,7 +8,10 @@ model.pt's; and the exchange is scaled by the runs' own ratio of measured commun
 the same schedule played on the cluster they ran on (their rate, workers and shards), so that
 what psar's implementation adds to the ideal (copies, a shard's work) is carried along rather
 than fitted anew. A collective's messages' fixed cost (fixed_cost) is added apart, since it
-grows with the hops, not the bytes. A run that recorded when its backward released each
+grows with the hops, not the bytes (the backend's collectives' own, or psar's, Target.costed).
+Where one machine emulated every host of the runs, all their links together carry no more than
+its kernel moves: a cluster's fabric (analysis/schedules.py), which `psar compare predict`
+measures before its grid. A run that recorded when its backward released each
 gradient bucket (all-reduce, parameter server) plays its buckets from those times
 (analysis/overlap.py): the step waits only for what ends after backward, on the target as on
 its own cluster. A
