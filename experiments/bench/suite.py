@@ -16,6 +16,7 @@ from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
 from experiments.bench.startup import format_startup, startup
+from experiments.comparisons.machine import fabric_if_possible
 from experiments.rundir import files
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
 from experiments.rundir.metrics import read_metrics, throughput
@@ -270,6 +271,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo(format_ps_table(ps_rows))
     load_rows = ps_load(out)
     echo(format_ps_load_table(load_rows))
+    carried = fabric_if_possible(echo)
     echo("")
     variants = {"ddp": ("ddp", ()), "allreduce": ("allreduce", ()),
                 "allreduce-ring": ("allreduce", ("allreduce.algorithm=ring",)),
@@ -310,5 +312,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "ps_load": load_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "sparse": sparse, "compression": compression}
+    if carried is not None:
+        report["fabric"] = carried
     files.write_json(out / "bench.json", report)
     return report

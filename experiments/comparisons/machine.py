@@ -12,6 +12,7 @@ validates with the costs of the machine the grid runs on that day, not defaults:
   other at once over bare TCP on links at the grid's fastest rate, a few rounds
   (experiments/runtime/netprobes.py's all_to_all); the median of the bytes/s all of them
   moved. Without it the grid's 2gbit rows were predicted 22 to 30% short (docs/cost-model.md).
+  `psar bench` measures it too, as root (fabric_if_possible).
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def fabric(rate: str, hosts: int = FABRIC_HOSTS, nbytes: int = FABRIC_BYTES, rou
         seconds = [max(net.all_to_all(nbytes, port).values()) for _ in range(rounds)]
     return {"hosts": hosts, "rate": rate, "bytes_per_pair": nbytes, "seconds": seconds,
             "bytes_per_s": median(total / s for s in seconds)}
+
+
+def fabric_if_possible(echo: Callable[[str], None] = print) -> dict | None:
+    """fabric(fastest_rate()) where emulated hosts can be made here (`psar bench` as root),
+    said in one line; else None, with why."""
+    from experiments.runtime.iproute import unavailable
+
+    why = unavailable()
+    if why is not None:
+        echo(f"fabric: not measured ({why})")
+        return None
+    carried = fabric(fastest_rate())
+    echo(f"fabric: {carried['hosts']} emulated hosts on {carried['rate']} links moved "
+         f"{carried['bytes_per_s'] / 1e6:.0f} MB/s all together (median of {len(carried['seconds'])} rounds; "
+         f"psar predict --validate --bench reads it)")
+    return carried
 
 
 def measure(out: Path, echo: Callable[[str], None] = print) -> Path:

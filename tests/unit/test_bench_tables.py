@@ -79,3 +79,22 @@ def test_the_many_worker_rows_add_every_workers_bytes_each_way():
     assert [r["bytes"] for r in rows] == list(LOAD_SIZES)
     assert rows[0]["zmq_gbs"] == 400 * 2 * small / 2.0 / 1e9 and rows[0]["ratio"] == 0.5
     assert rows[1]["ps_gbs"] == 40 * 2 * large / 2.0 / 1e9 and rows[1]["ratio"] == 1.0
+
+
+def test_the_bench_measures_the_fabric_where_it_can_make_hosts_and_says_why_not_elsewhere(monkeypatch):
+    """`psar bench` (as root) measures what its machine's emulated links carry at once, at the
+    held-out grid's fastest rate, for `psar predict --validate --bench`; elsewhere it says why
+    it did not."""
+    from experiments.comparisons import machine
+    from experiments.runtime import iproute
+
+    said = []
+    monkeypatch.setattr(iproute, "unavailable", lambda: "emulated networks need root")
+    assert machine.fabric_if_possible(said.append) is None
+    assert said == ["fabric: not measured (emulated networks need root)"]
+    measured = {"hosts": 4, "rate": "2gbit", "seconds": [0.07, 0.08, 0.09], "bytes_per_s": 6.0e8}
+    asked = []
+    monkeypatch.setattr(iproute, "unavailable", lambda: None)
+    monkeypatch.setattr(machine, "fabric", lambda rate: asked.append(rate) or measured)
+    assert machine.fabric_if_possible(said.append) is measured and asked == ["2gbit"]
+    assert said[-1].startswith("fabric: 4 emulated hosts on 2gbit links moved 600 MB/s all together")
