@@ -158,7 +158,8 @@ def bench_message(path, own: bool = False) -> float:
 
 def bench_fabric(path) -> float | None:
     """What the emulated links of the runs' machine carried at once, bytes/s, read off a
-    bench.json that holds it (experiments/comparisons/machine.py's `fabric`); None: it holds none."""
+    bench.json that holds it (`fabric`, experiments/bench/fabric.py: psar bench's as root, psar
+    compare predict's); None: it holds none."""
     import json
     from pathlib import Path
 
@@ -367,7 +368,7 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
     least `link_bound` of its measured step). message: a message's fixed cost on the machines
     every run ran on (`psar bench`'s, see bench_message; None: the default); fabric: what
     their links carried at once, bytes/s, where one machine emulated them all (see
-    experiments/comparisons/machine.py; None: unlimited); own_message: a message's cost in
+    experiments/bench/fabric.py; None: unlimited); own_message: a message's cost in
     psar's own collectives there (bench_message(own=True); None: message)."""
     if not runs:
         raise ValueError("validate needs runs")

@@ -16,7 +16,7 @@ from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
 from experiments.bench.startup import format_startup, startup
-from experiments.comparisons.machine import fabric_if_possible
+from experiments.bench.fabric import fabric_if_possible
 from experiments.rundir import files
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
 from experiments.rundir.metrics import read_metrics, throughput

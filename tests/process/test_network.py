@@ -263,10 +263,10 @@ def test_a_failed_shaped_run_leaves_no_host_behind(tmp_path):
 @needs_netns
 @pytest.mark.timeout(120)
 def test_the_predict_grids_fabric_probe_measures_what_the_links_carry_at_once():
-    """psar compare predict's probe of its machine (experiments/comparisons/machine.py): all
-    the bytes its hosts sent each other over the seconds each round took, never more than
-    their links carry."""
-    from experiments.comparisons.machine import fabric, fastest_rate
+    """The probe of what a machine's emulated links carry at once (experiments/bench/fabric.py,
+    psar bench's and psar compare predict's): all the bytes its hosts sent each other over
+    the seconds each round took, never more than their links carry."""
+    from experiments.bench.fabric import fabric, fastest_rate
 
     assert fastest_rate() == "2gbit"
     carried = fabric("100mbit", hosts=3, nbytes=300_000, rounds=1)

@@ -85,7 +85,7 @@ def test_the_bench_measures_the_fabric_where_it_can_make_hosts_and_says_why_not_
     """`psar bench` (as root) measures what its machine's emulated links carry at once, at the
     held-out grid's fastest rate, for `psar predict --validate --bench`; elsewhere it says why
     it did not."""
-    from experiments.comparisons import machine
+    from experiments.bench import fabric as machine
     from experiments.runtime import iproute
 
     said = []
