@@ -97,12 +97,20 @@ def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) 
     return ring_allreduce(cluster, nbytes) * (1.5 if label == "zero-3" else 1.0)
 
 
-def _own_target(run: Run, message: float | None = None, fabric: float | None = None,
-                own_message: float | None = None) -> Target:
-    """The cluster a run ran on (message: a message's fixed cost there, None: the default;
-    fabric: what its machine's links carried at once, bytes/s, None: unlimited; own_message:
-    a message's cost in psar's own collectives there, None: message), its message's cost the
-    one of the collectives the run used."""
+@dataclass(frozen=True)
+class Machine:
+    """What the machines that runs ran on cost, where measured (None: the default): a
+    message's fixed cost in the backend's collectives and in psar's own, seconds
+    (bench_message), and what all their links carried at once where one machine emulated
+    them, bytes/s (bench_fabric)."""
+    message: float | None = None
+    own_message: float | None = None
+    fabric: float | None = None
+
+
+def _own_target(run: Run, machine: Machine = Machine()) -> Target:
+    """The cluster a run ran on, on `machine`, its message's cost the one of the collectives
+    the run used."""
     net = run.summary.get("network") or {}
     config = run.config.get("net") or {}
     rate = float(net.get("rate_bits") or 0) / 8
@@ -111,7 +119,8 @@ def _own_target(run: Run, message: float | None = None, fabric: float | None = N
     return Target(int(run.summary["workers"]), rate, int(run.summary.get("servers") or 1),
                   config.get("placement", "colocated"), int(config.get("racks") or 1),
                   float(net["uplink_bits"]) / 8 if net.get("uplink_bits") else None,
-                  float(config.get("latency_ms") or 0) / 1e3, message, fabric, own_message).costed(own_collectives(run))
+                  float(config.get("latency_ms") or 0) / 1e3, machine.message, machine.fabric,
+                  machine.own_message).costed(own_collectives(run))
 
 
 def own_collectives(run: Run) -> bool:
@@ -180,17 +189,15 @@ def calibration(run: Run, message: float | None = None, fabric: float | None = N
     """(compute seconds, measured over played communication, its buckets' timeline) of one
     run, its messages' fixed cost set apart. A run that recorded when backward released its
     buckets (analysis/overlap.py) is played with them: the ratio is the one that gives its
-    measured wait after backward. message: a message's fixed cost on the run's machines (None:
-    the default); fabric: what they carried at once, bytes/s (None: unlimited); own_message:
-    a message's cost in psar's own collectives there (None: message)."""
-    return _calibrate(run, _timeline(run), message, fabric, own_message)
+    measured wait after backward. message, fabric, own_message: the run's Machine."""
+    return _calibrate(run, _timeline(run), Machine(message, own_message, fabric))
 
 
-def _calibrate(run: Run, line: Timeline | None, message: float | None, fabric: float | None = None,
-               own_message: float | None = None) -> tuple[float, float, Timeline | None]:
-    """calibration, played with the buckets of line (None: its exchange after backward, whole)."""
+def _calibrate(run: Run, line: Timeline | None, machine: Machine) -> tuple[float, float, Timeline | None]:
+    """calibration on machine, played with the buckets of line (None: its exchange after
+    backward, whole)."""
     compute = compute_time(run)
-    target = _own_target(run, message, fabric, own_message)
+    target = _own_target(run, machine)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
     if line is not None:
         return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
@@ -238,18 +245,15 @@ def _timeline(run: Run) -> Timeline | None:
 
 
 def predict(runs: list[Run], labels: list[str], targets: list[Target], params_bytes: float | None = None,
-            calibration_message: float | None = None, calibration_fabric: float | None = None,
-            calibration_own_message: float | None = None) -> list[dict]:
+            ran_on: Machine = Machine()) -> list[dict]:
     """One row per engine label and target: engine, workers, servers, step_s and its parts.
     params_bytes: a model of this many bytes of parameters in place of the runs' (model.
     params_mb): the exchange moves it, and the compute grows in proportion (a dense layer's
     forward and backward cost is proportional to its weights at a fixed batch).
-    calibration_message: a message's fixed cost on the machines the runs ran on, set apart
-    from their exchange (None: the default, allreduce/auto.py's LINK_MESSAGE_S);
-    calibration_fabric: what their links carried at once, bytes/s (None: unlimited);
-    calibration_own_message: a message's cost in psar's own collectives there (None: the
-    calibration_message). Each label's messages cost what they do in its runs' collectives
-    (Target.costed; a label without runs: the backend's)."""
+    ran_on: the machines the runs ran on, whose messages' fixed cost is set apart from their
+    exchange (by default allreduce/auto.py's LINK_MESSAGE_S) and whose fabric they were played
+    on. Each label's messages cost what they do in its runs' collectives (Target.costed; a
+    label without runs: the backend's)."""
     if not runs:
         raise ValueError("predict needs at least one run")
     if params_bytes is not None and params_bytes <= 0:
@@ -267,9 +271,7 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
     for run, line in zip(runs, lines):
         recorded[run.label] = recorded.get(run.label, True) and line is not None
     for run, line in zip(runs, lines):
-        by_label.setdefault(run.label, []).append(_calibrate(run, line if recorded[run.label] else None,
-                                                             calibration_message, calibration_fabric,
-                                                             calibration_own_message))
+        by_label.setdefault(run.label, []).append(_calibrate(run, line if recorded[run.label] else None, ran_on))
         own[run.label] = own_collectives(run)
         step = _measured_step(run)
         waited[run.label] = max(waited.get(run.label, 0.0), (step - by_label[run.label][-1][0]) / step if step > 0 else 0.0)
@@ -372,6 +374,7 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
     psar's own collectives there (bench_message(own=True); None: message)."""
     if not runs:
         raise ValueError("validate needs runs")
+    machine = Machine(message, own_message, fabric)
     fewest = min(int(r.summary["workers"]) for r in runs)
     calibration_runs = [r for r in runs if int(r.summary["workers"]) == fewest]
     held_out = [r for r in runs if int(r.summary["workers"]) > fewest]
@@ -379,9 +382,8 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
         raise ValueError(f"every run has {fewest} workers: validate predicts runs with more workers from those")
     rows = []
     for run in held_out:
-        target = _own_target(run, message, fabric, own_message)
-        [row] = predict(calibration_runs, [run.label], [target], calibration_message=message,
-                        calibration_fabric=fabric, calibration_own_message=own_message)
+        target = _own_target(run, machine)
+        [row] = predict(calibration_runs, [run.label], [target], ran_on=machine)
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
         shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]

@@ -61,9 +61,9 @@ def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
     message costs what it says on these runs' machine (its ring's in psar's own collectives),
     and their links together carry what it says; else the defaults (250 us, unlimited)."""
     bench = Path(out) / "bench.json"
-    message = bench_message(bench) if bench.exists() else None
-    own = bench_message(bench, own=True) if bench.exists() else None
-    fabric = bench_fabric(bench) if bench.exists() else None
+    message = own = fabric = None
+    if bench.exists():
+        message, own, fabric = bench_message(bench), bench_message(bench, own=True), bench_fabric(bench)
     rows = validate(runs, message=message, fabric=fabric, own_message=own)
     path = write_json(Path(out) / "validation.json", rows, indent=1)
     cost = f"; a message {1e6 * message:.0f} us" if message is not None else ""

@@ -34,19 +34,19 @@ class Forked(zygote.Forked):
         self._out: list[bytes] = []
         self._reader: threading.Thread | None = None
         env = dict(os.environ if env is None else env)
-        if output is not None:
-            super().__init__(z, z.fork(argv, env, output.fileno(), output.fileno(), str(ROOT)))
-            return
-        read, write = os.pipe()
+        read, write = os.pipe() if output is None else (None, output.fileno())
         try:
             super().__init__(z, z.fork(argv, env, write, write, str(ROOT)))
         except BaseException:
-            os.close(read)
+            if read is not None:
+                os.close(read)
             raise
         finally:
-            os.close(write)
-        self._reader = threading.Thread(target=self._read, args=(read,), daemon=True)
-        self._reader.start()
+            if read is not None:
+                os.close(write)  # the child has its own copy
+        if read is not None:
+            self._reader = threading.Thread(target=self._read, args=(read,), daemon=True)
+            self._reader.start()
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:

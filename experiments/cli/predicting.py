@@ -57,10 +57,13 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
     if placement not in ("colocated", "separate"):
         raise click.BadParameter(f"net.placement={placement!r}: expected colocated or separate", param_hint="--set")
     uplink = parse_rate(given["net.uplink"]) / 8 if given.get("net.uplink") else None
-    message = None if message_us is None else message_us / 1e6
     return [Target(n, parse_rate(net) / 8, servers, placement, int(given.get("net.racks", 1)), uplink,
-                   float(given.get("net.latency_ms", 0)) / 1e3, message, _fabric(given),
-                   None if own_message_us is None else own_message_us / 1e6) for n in counts]
+                   float(given.get("net.latency_ms", 0)) / 1e3, _seconds(message_us), _fabric(given),
+                   _seconds(own_message_us)) for n in counts]
+
+
+def _seconds(us: float | None) -> float | None:
+    return None if us is None else us / 1e6
 
 
 def _fabric(given: dict[str, str]) -> float | None:
@@ -122,6 +125,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
 
     given = _given(settings)
     own_message_us = None  # psar's own collectives': as message_us
+    runs_fabric = _fabric(given)  # with --validate, what the runs' machine's links carried at once
     if bench_path is not None:
         if message_us is not None:
             raise click.UsageError("give a message's cost by --message-us or read it from --bench, not both")
@@ -132,9 +136,9 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--bench") from None
         if validate and fabric is not None:
-            if given.get("net.fabric"):
+            if runs_fabric is not None:
                 raise click.UsageError("give the runs' fabric by --set net.fabric or read it from --bench, not both")
-            given["net.fabric"] = f"{fabric * 8:.0f}bit"
+            runs_fabric = fabric
 
     if published:
         _print_published(as_json)
@@ -143,7 +147,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         raise click.UsageError("give the RUN_DIRS to predict from (or --published)")
     runs = load_runs(run_dirs)
     if validate:
-        _print_validation(runs, as_json, message_us, _fabric(given), own_message_us)
+        _print_validation(runs, as_json, message_us, runs_fabric, own_message_us)
         return
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
@@ -189,8 +193,7 @@ def _print_validation(runs, as_json: bool, message_us: float | None = None, fabr
     from analysis.predict import validate
     from analysis.validation import table
 
-    rows = validate(runs, message=None if message_us is None else message_us / 1e6, fabric=fabric,
-                    own_message=None if own_message_us is None else own_message_us / 1e6)
+    rows = validate(runs, message=_seconds(message_us), fabric=fabric, own_message=_seconds(own_message_us))
     click.echo(json.dumps(rows, indent=1) if as_json else table(rows))
 
 
