@@ -4,7 +4,8 @@ that many workers move through one or several shards on one host, next to what t
 through as many echo sockets.
 
 The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR
-[WORKERS]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
+[WORKERS]` (with PSAR_LOCAL_PROCESSES, how many of the bench's processes share the host: it
+takes its share of the cores, as a run's shard does) hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
 shard whose parameters are one tensor per message size, updated by SGD on every push. Each
 of many workers is a process too: `python -m ps.benchmark load ...` (see load).
 """
@@ -23,10 +24,11 @@ import torch
 
 from .allocator import keep_freed_pages
 from .client import PSClient
+from .cores import core_share, io_threads, local_processes
 from .config import PSConfig
 from .layout import ParamSpec, build_layout, split_values
 from .shard import ShardServer
-from .transport import ClientTransport, ServerTransport
+from .transport import ClientTransport, ServerTransport, use_io_threads
 
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
 CONFIG = PSConfig(async_scale="sum", chunk_mb=1024.0, timeout_s=120.0, worker_timeout_s=600.0)
@@ -39,6 +41,9 @@ def _layout():
 
 def serve(echo_addr: str, ps_addr: str, workers: int = 1) -> None:
     keep_freed_pages()
+    threads = core_share(local_processes())
+    torch.set_num_threads(threads)
+    use_io_threads(io_threads(threads, workers))  # the echo's too: the yardstick has what the shard has
     layout = _layout()
     params = [torch.zeros(s.shape) for s in layout.specs]
     shard = ShardServer(0, layout, split_values(layout, params, 0),
@@ -204,7 +209,7 @@ def aggregate(counts: list[dict], phase_s: float = LOAD_PHASE_S) -> list[dict]:
 if __name__ == "__main__":
     usage = ("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR [WORKERS] | "
              "load ECHO_ADDR PS_ADDR WORKER GO_FILE OUT_JSON")
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # a load; serve takes its share (ps/cores.py), as a run's shards do
     if len(sys.argv) in (4, 5) and sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else 1)
     elif len(sys.argv) == 7 and sys.argv[1] == "load":

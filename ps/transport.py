@@ -55,6 +55,15 @@ def default_context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+def use_io_threads(count: int) -> None:
+    """Run the process-wide context's connections on `count` I/O threads (ps/cores.py says how
+    many a shard takes). ZeroMQ starts them with the context's first socket: called later, it
+    changes nothing."""
+    if count < 1:
+        raise ValueError(f"a context needs at least 1 I/O thread, not {count}")
+    default_context().set(zmq.IO_THREADS, count)
+
+
 def _configure(sock: zmq.Socket, max_message_bytes: int | None, timeout_s: float, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.RCVHWM, hwm)

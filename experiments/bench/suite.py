@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from allreduce.benchmark import BUDGET_S, ROUNDS
+from ps.cores import LOCAL_PROCESSES
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
@@ -69,7 +71,7 @@ def ps_bandwidth(out: Path) -> list[dict]:
     echo, shard = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     with open(out / "ps-bench-server.log", "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard],
-                                  stdout=log, stderr=log)
+                                  stdout=log, stderr=log, env=dict(os.environ, **{LOCAL_PROCESSES: "2"}))
     try:
         return measure(echo, shard)
     finally:
@@ -93,7 +95,8 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
         addrs = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(shards)]
         with open(where / "servers.log", "w") as log:
             servers = [subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard,
-                                         str(len(range(s, workers, shards)))], stdout=log, stderr=log)
+                                         str(len(range(s, workers, shards)))], stdout=log, stderr=log,
+                                        env=dict(os.environ, **{LOCAL_PROCESSES: str(workers + shards)}))
                        for s, (echo, shard) in enumerate(addrs)]
             go = where / "go"
             outs = [where / f"worker{w}.json" for w in range(workers)]

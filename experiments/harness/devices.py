@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ps.cores import core_share
 
 from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
@@ -22,5 +22,4 @@ def pick_device(cfg: RunConfig, env: DistEnv) -> torch.device:
 
 def set_threads(cfg: RunConfig, env: DistEnv) -> None:
     # Workers on one host share its cores; oversubscribing them slows every engine alike.
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(core_share(max(1, env.local_world), cfg.threads))

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ps.cores import LOCAL_PROCESSES
+
 from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from experiments.settings.config import RunConfig
@@ -102,7 +104,8 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
         dirs = [str(d) for d in run_dirs]
         again = ["--resume"] if resume else []
         servers = [(f"server {s}", sites.server(s).wrap([sys.executable, "-m", "experiments.runtime.shard",
-                                                          *again, str(s), *dirs]), _job_env(sites, nprocs))
+                                                          *again, str(s), *dirs]),
+                    dict(_job_env(sites, nprocs), **{LOCAL_PROCESSES: str(nprocs + nservers)}))
                    for s in range(nservers)]
         restarts = Restarts(run_dirs[0], nprocs, max_restarts) if max_restarts is not None else None
         started, attempt = time.monotonic(), 0

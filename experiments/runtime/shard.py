@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from ps.allocator import keep_freed_pages
+from ps.cores import core_share, io_threads, local_processes
 from ps.easgd import shard_optimizer
 from ps.layout import split_values
 from ps.security import load_server_keys
 from ps.protocol import Limits
 from ps.shard import ShardServer, await_init
-from ps.transport import ServerTransport
+from ps.transport import ServerTransport, use_io_threads
 
 from experiments.settings import agreement
 from experiments.settings import config as config_mod
@@ -55,7 +56,10 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
         raise ValueError(f"engine {cfg.engine!r} has no servers; expected one of {', '.join(served)}")
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
-    torch.set_num_threads(max(1, cfg.threads))
+    threads = core_share(local_processes(), cfg.threads)  # ps/cores.py: the update's cores
+    torch.set_num_threads(threads)
+    io = io_threads(threads, cfg.workers)
+    use_io_threads(io)  # and the connections', before any socket
     keep_freed_pages()  # as the workers (ps/allocator.py)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None
@@ -104,7 +108,8 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
             shard_board.close()
     if run_dir is not None:
         (Path(run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
-        write_json(Path(run_dir) / "metrics" / f"server{shard}.json", {"result": result, **server.stats()})
+        write_json(Path(run_dir) / "metrics" / f"server{shard}.json",
+                   {"result": result, **server.stats(), "threads": threads, "io_threads": io})
     if server.aborted:
         if path is not None and cfg.checkpoint.every:  # stop cleanly: keep what was learnt
             save_atomic(server.state_dict(), path)

@@ -99,7 +99,10 @@ class RunConfig:
     device: str = "cpu"
     """'cpu' (Gloo) or 'cuda' (NCCL)."""
     threads: int = 0
-    """Torch intra-op threads per process; 0 shares the machine's cores among the local processes."""
+    """Torch intra-op threads per process; 0: each takes its share of its host's cores, a worker
+    among the ranks on its host, a shard among the ranks and shards launched there (alone on its
+    host, as `psar server` runs it, all of them, and as many ZeroMQ I/O threads as it has
+    workers, at most 4: ps/cores.py)."""
     timeout_s: float = 30.0
     """Longest wait on any peer (rendezvous, collective) before the run fails."""
     eval_batch_size: int = 512

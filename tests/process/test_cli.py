@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ps.cores import core_share, io_threads
 import torch
 from click.testing import CliRunner
 
@@ -140,6 +142,9 @@ def test_curve_keys_and_an_encrypted_run(tmp_path):
     saved = json.loads((tmp_path / "run/config.json").read_text())
     assert saved["ps"]["curve_dir"] == str((tmp_path / "keys").resolve())
     _check_run_dir(tmp_path / "run", "quickstart", "ps-sync", 2, 5)
+    server = json.loads((tmp_path / "run/metrics/server0.json").read_text())
+    share = core_share(saved["workers"] + saved["servers"])  # the launcher's processes share the cores
+    assert (server["threads"], server["io_threads"]) == (share, io_threads(share, 2)), server
 
 
 @pytest.mark.multiprocess

@@ -12,6 +12,7 @@ import pytest
 
 from experiments.rundir import checkpoint
 from ps.config import PSConfig
+from ps.cores import host_cores, io_threads
 from experiments.engines import get_engine
 import forked
 from conftest import started, wait_for_steps
@@ -60,8 +61,10 @@ def test_servers_and_workers_over_tcp(tmp_path):
         assert code == 0, out
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["engine"] == "ps-sync" and summary["workers"] == 2 and summary["servers"] == 2
-    assert {json.loads((tmp_path / f"run/metrics/server{i}.json").read_text())["result"]
-            for i in range(2)} == {"finished"}
+    shards = [json.loads((tmp_path / f"run/metrics/server{i}.json").read_text()) for i in range(2)]
+    assert {s["result"] for s in shards} == {"finished"}
+    # psar server alone on its host: every core of it for the updates, a connection a worker
+    assert {(s["threads"], s["io_threads"]) for s in shards} == {(host_cores(), io_threads(host_cores(), 2))}
     assert summary["eval"]["accuracy"] > 0.5
 
 
