@@ -68,14 +68,12 @@ class Target:
 def ps_keys(settings: dict, sync: bool, rate: float) -> tuple[float, int]:
     """(key bytes, window in keys; 0: none) of a parameter server's pipelined exchange with
     the ps settings given, on links of `rate` bytes/s, as its workers cut and hold them
-    (ps.config.key_mb and forward_window)."""
-    from ps.config import PSConfig, forward_window, key_mb
+    (ps.config.key_mb and sync_window)."""
+    from ps.config import PSConfig, key_mb, sync_window
 
     ps = {**PSConfig().__dict__, **settings}
     key = key_mb(float(ps["chunk_mb"]), rate * 8)
-    window = float(ps["window_mb"]) if sync else 0.0
-    if sync and ps["order"] == "forward":
-        window = forward_window(window, float(ps["bucket_kb"]), rate * 8, key)[0]
+    window = sync_window(float(ps["window_mb"]), float(ps["bucket_kb"]), key, rate * 8, ps["order"])[0] if sync else 0.0
     return key * (1 << 20), max(1, int(window // key)) if window else 0
 
 

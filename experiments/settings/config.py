@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from allreduce.config import AllReduceConfig
 from allreduce.gossip_config import GossipConfig
 from allreduce.zero_config import ZeroConfig
-from ps.config import PSConfig, forward_window, key_mb
+from ps.config import PSConfig, key_mb, sync_window
 
 from experiments.workloads import data
 
@@ -269,11 +269,12 @@ class RunConfig:
         return tables
 
     def worker_ps(self) -> PSConfig:
-        """ps as a worker runs it: under ps-sync with ps.order=forward on links of known rate
-        (net.rate), with the window and buckets of ps.config.forward_window for its keys."""
-        if not (self.net.rate and self.ps.order == "forward" and get_engine(self.engine).consistency == "sync"):
+        """ps as a worker runs it: under ps-sync, with the window and buckets of
+        ps.config.sync_window for its keys and links (net.rate)."""
+        if get_engine(self.engine).consistency != "sync":
             return self.ps
-        window, bucket = forward_window(self.ps.window_mb, self.ps.bucket_kb, parse_rate(self.net.rate), self.key_mb())
+        window, bucket = sync_window(self.ps.window_mb, self.ps.bucket_kb, self.key_mb(),
+                                     parse_rate(self.net.rate) if self.net.rate else None, self.ps.order)
         return replace(self.ps, window_mb=window, bucket_kb=bucket)
 
     def key_mb(self) -> float:

@@ -11,10 +11,11 @@ import time
 import pytest
 import torch
 
-from ps.config import PSConfig, forward_window
+from ps.config import PSConfig, forward_window, sync_window
 from ps.engine import PSEngine
 from ps.layout import ParamSpec, build_layout
 from ps.local import LocalCluster
+from experiments.settings.presets import build_config
 
 from tests.unit.test_ps_bucketing import FAST, batch, chain
 
@@ -163,3 +164,16 @@ def test_the_window_holds_at_least_four_keys():
     assert forward_window(3.0, 512.0, 100e6, key=0.125) == (0.5, 128.0)
     window, _ = forward_window(3.0, 512.0, 1e9, key=0.5)  # 20 ms of 1gbit: 2.38 MiB, over 4 keys
     assert window == pytest.approx(1e9 / 8 * 0.02 / (1 << 20))
+
+
+def test_a_sync_worker_never_stops_and_waits_on_its_keys():
+    """Where the rate is unknown, or fast, keys are 4 MiB: the 3 MiB default held one at a time."""
+    assert sync_window(3.0, 512.0, 4.0) == (16.0, 512.0)  # loopback: 4 keys of 4 MiB
+    assert sync_window(3.0, 512.0, 4.0, 10e9) == (16.0, 512.0)  # 10gbit: forward_window's 3 MiB, then 4 keys
+    assert sync_window(3.0, 512.0, 0.125, 100e6) == forward_window(3.0, 512.0, 100e6, key=0.125)
+    assert sync_window(0.0, 512.0, 4.0) == (0.0, 512.0)  # no window stays none
+    assert sync_window(3.0, 512.0, 0.5, 200e6, order="arrival") == (3.0, 512.0)  # arrival: as given, 6 keys
+    for net in ((), ("net.rate=10gbit",)):
+        cfg = build_config("mlp-wide", net, engine="ps-sync", workers=2)
+        assert cfg.key_mb() == 4.0 and cfg.worker_ps().window_mb == 16.0, net
+    assert build_config("mlp-wide", (), engine="ps-async", workers=2).worker_ps().window_mb == 3.0  # sync only
