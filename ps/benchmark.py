@@ -4,10 +4,11 @@ that many workers move through one or several shards on one host, next to what t
 through as many echo sockets.
 
 The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR
-[WORKERS]` (with PSAR_LOCAL_PROCESSES, how many of the bench's processes share the host: it
-takes its share of the cores, as a run's shard does) hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
-shard whose parameters are one tensor per message size, updated by SGD on every push. Each
-of many workers is a process too: `python -m ps.benchmark load ...` (see load).
+[WORKERS]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
+shard whose parameters are one tensor per message size, updated by SGD on every push; it
+takes its share of the host's cores as a run's shard does (ps/cores.py; PSAR_LOCAL_PROCESSES:
+how many of the bench's processes share the host), the echo the same I/O threads. Each of
+many workers is a process too: `python -m ps.benchmark load ...` (see load).
 """
 
 from __future__ import annotations
