@@ -40,9 +40,10 @@ def _layout():
     return build_layout(specs, 1, 2**30)
 
 
-def serve(echo_addr: str, ps_addr: str, workers: int = 1) -> None:
+def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0) -> None:
+    """threads: the shard's torch threads (0: its share of the host's cores, ps/cores.py)."""
     keep_freed_pages()
-    threads = core_share(local_processes())
+    threads = core_share(local_processes(), threads)
     torch.set_num_threads(threads)
     use_io_threads(io_threads(threads, workers))  # the echo's too: the yardstick has what the shard has
     layout = _layout()
@@ -208,11 +209,11 @@ def aggregate(counts: list[dict], phase_s: float = LOAD_PHASE_S) -> list[dict]:
 
 
 if __name__ == "__main__":
-    usage = ("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR [WORKERS] | "
+    usage = ("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR [WORKERS [THREADS]] | "
              "load ECHO_ADDR PS_ADDR WORKER GO_FILE OUT_JSON")
     torch.set_num_threads(1)  # a load; serve takes its share (ps/cores.py), as a run's shards do
-    if len(sys.argv) in (4, 5) and sys.argv[1] == "serve":
-        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else 1)
+    if len(sys.argv) in (4, 5, 6) and sys.argv[1] == "serve":
+        serve(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
     elif len(sys.argv) == 7 and sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
     else:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from allreduce.benchmark import BUDGET_S, ROUNDS
-from ps.cores import LOCAL_PROCESSES
+from ps.cores import LOCAL_PROCESSES, host_cores
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
@@ -84,7 +84,8 @@ def ps_bandwidth(out: Path) -> list[dict]:
 def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4)) -> list[dict]:
     """`workers` worker processes against 1 and 4 shards on this host (worker w on shard
     w mod shards), each shard with an echo socket beside it: the bytes/s all of them move
-    through the shards, against what they move through the echoes; see ps/benchmark.py."""
+    through the shards, against what they move through the echoes; see ps/benchmark.py.
+    The shards share the cores the workers leave (at least one thread each)."""
     from ps.benchmark import LOAD_GAP_S, LOAD_PHASE_S, LOAD_SIZES, aggregate
     from ps.transport import ClientTransport
 
@@ -94,9 +95,10 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
         where.mkdir(parents=True, exist_ok=True)
         addrs = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(shards)]
         with open(where / "servers.log", "w") as log:
+            # each load is one busy thread: the shards share the cores the loads leave
+            threads = max(1, (host_cores() - workers) // shards)
             servers = [subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard,
-                                         str(len(range(s, workers, shards)))], stdout=log, stderr=log,
-                                        env=dict(os.environ, **{LOCAL_PROCESSES: str(workers + shards)}))
+                                         str(len(range(s, workers, shards))), str(threads)], stdout=log, stderr=log)
                        for s, (echo, shard) in enumerate(addrs)]
             go = where / "go"
             outs = [where / f"worker{w}.json" for w in range(workers)]
