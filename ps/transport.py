@@ -55,13 +55,31 @@ def default_context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def use_io_threads(count: int) -> None:
+_started_io: int | None = None
+"""The I/O threads the process-wide context started with its first socket here (None: none yet)."""
+
+
+def _context_for(context: Any) -> zmq.Context:
+    """context, or the process-wide one, noting that a socket of it now starts its I/O threads."""
+    global _started_io
+    if context is not None:
+        return context
+    ctx = default_context()
+    if _started_io is None:
+        _started_io = ctx.get(zmq.IO_THREADS)
+    return ctx
+
+
+def use_io_threads(count: int) -> int:
     """Run the process-wide context's connections on `count` I/O threads (ps/cores.py says how
-    many a shard takes). ZeroMQ starts them with the context's first socket: called later, it
-    changes nothing."""
+    many a shard takes); the number it runs. ZeroMQ starts them with the context's first
+    socket: after one, the number it started with stays."""
     if count < 1:
         raise ValueError(f"a context needs at least 1 I/O thread, not {count}")
+    if _started_io is not None:
+        return _started_io
     default_context().set(zmq.IO_THREADS, count)
+    return count
 
 
 def _configure(sock: zmq.Socket, max_message_bytes: int | None, timeout_s: float, hwm: int) -> None:
@@ -217,7 +235,7 @@ class ServerTransport:
 
     def __init__(self, bind: str, max_message_bytes: int | None = None, send_timeout_s: float = 60.0,
                  context: Any = None, hwm: int = DEFAULT_HWM, curve: ServerKeys | None = None):
-        self._context = context or default_context()
+        self._context = _context_for(context)
         self._curve = curve
         self._sock = self._context.socket(zmq.ROUTER)
         _configure(self._sock, max_message_bytes, send_timeout_s, hwm)
@@ -310,7 +328,7 @@ class ClientTransport:
     def __init__(self, connect: str, max_message_bytes: int | None = None, send_timeout_s: float = 60.0,
                  context: Any = None, hwm: int = DEFAULT_HWM, curve: ClientKeys | None = None):
         self.address = connect
-        self._sock = (context or default_context()).socket(zmq.DEALER)
+        self._sock = _context_for(context).socket(zmq.DEALER)
         _configure(self._sock, max_message_bytes, send_timeout_s, hwm)
         self._handshake_error: str | None = None
         self._drained = float("-inf")  # when the monitor was last read

@@ -58,8 +58,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     threads = core_share(local_processes(), cfg.threads)  # ps/cores.py: the update's cores
     torch.set_num_threads(threads)
-    io = io_threads(threads, cfg.workers)
-    use_io_threads(io)  # and the connections', before any socket
+    io = use_io_threads(io_threads(threads, cfg.workers))  # the connections': before any socket
     keep_freed_pages()  # as the workers (ps/allocator.py)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None

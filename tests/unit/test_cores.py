@@ -38,23 +38,23 @@ def test_io_threads_follow_the_connections_up_to_the_share_and_the_cap():
 
 
 @pytest.mark.timeout(60)
-def test_a_context_takes_its_io_threads_before_its_first_socket_and_still_carries_messages():
+def test_a_context_takes_its_io_threads_before_its_first_socket_and_keeps_them_after():
     code = textwrap.dedent("""
         import zmq
         from ps.transport import ClientTransport, ServerTransport, default_context, use_io_threads
-        use_io_threads(3)
+        assert use_io_threads(3) == 3
         server = ServerTransport("tcp://127.0.0.1:0", None, 10.0)
         client = ClientTransport(server.address, None, 10.0)
         client.send([b"x", b"y" * 100000])
         peer, frames = server.recv(10.0)
         server.send(peer, frames)
         assert bytes(client.recv(10.0, "echo")[1]) == b"y" * 100000
-        print(default_context().get(zmq.IO_THREADS))
+        print(default_context().get(zmq.IO_THREADS), use_io_threads(5))  # started: it stays at 3
         client.close(); server.close()
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["3"]
+    assert out.stdout.split() == ["3", "3"]
     with pytest.raises(ValueError, match="at least 1 I/O thread"):
         from ps.transport import use_io_threads
         use_io_threads(0)
