@@ -105,6 +105,12 @@ class Machine:
     own_message: float | None = None
     fabric: float | None = None
 
+    @classmethod
+    def from_bench(cls, path) -> "Machine":
+        """What `psar bench`'s report (bench.json) says of its machines: both messages' costs
+        and, where it measured one, the fabric."""
+        return cls(bench_message(path), bench_message(path, own=True), bench_fabric(path))
+
 
 def _own_target(run: Run, machine: Machine = Machine()) -> Target:
     """The cluster a run ran on, on `machine`, its message's cost the one of the collectives

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from experiments.rundir.files import write_json
 
-from .predict import bench_fabric, bench_message, validate
+from .predict import Machine, validate
 from .results import Run
 
 WITHIN = 0.15
@@ -61,9 +61,8 @@ def report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
     message costs what it says on these runs' machine (its ring's in psar's own collectives),
     and their links together carry what it says; else the defaults (250 us, unlimited)."""
     bench = Path(out) / "bench.json"
-    message = own = fabric = None
-    if bench.exists():
-        message, own, fabric = bench_message(bench), bench_message(bench, own=True), bench_fabric(bench)
+    machine = Machine.from_bench(bench) if bench.exists() else Machine()
+    message, own, fabric = machine.message, machine.own_message, machine.fabric
     rows = validate(runs, message=message, fabric=fabric, own_message=own)
     path = write_json(Path(out) / "validation.json", rows, indent=1)
     cost = f"; a message {1e6 * message:.0f} us" if message is not None else ""

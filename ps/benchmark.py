@@ -5,10 +5,10 @@ through as many echo sockets.
 
 The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR
 [WORKERS]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
-shard whose parameters are one tensor per message size, updated by SGD on every push; it
-takes its share of the host's cores as a run's shard does (ps/cores.py; PSAR_LOCAL_PROCESSES:
-how many of the bench's processes share the host), the echo the same I/O threads. Each of
-many workers is a process too: `python -m ps.benchmark load ...` (see load).
+shard whose parameters are one tensor per message size, updated by SGD on every push: on
+THREADS torch threads (psar bench gives it its part of the host's cores; 0: its share, as a
+run's shard takes, ps/cores.py), the echo on the shard's I/O threads. Each of many workers is
+a process too: `python -m ps.benchmark load ...` (see load).
 """
 
 from __future__ import annotations

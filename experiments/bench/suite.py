@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from allreduce.benchmark import BUDGET_S, ROUNDS
-from ps.cores import LOCAL_PROCESSES, host_cores
+from ps.cores import core_share, host_cores
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
@@ -70,8 +69,8 @@ def ps_bandwidth(out: Path) -> list[dict]:
 
     echo, shard = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     with open(out / "ps-bench-server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard],
-                                  stdout=log, stderr=log, env=dict(os.environ, **{LOCAL_PROCESSES: "2"}))
+        server = subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard, "1",
+                                   str(core_share(2))], stdout=log, stderr=log)  # half the host: it and the worker
     try:
         return measure(echo, shard)
     finally:

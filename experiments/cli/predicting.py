@@ -119,7 +119,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         psar predict --validate runs/grid/*
         psar predict --published
     """
-    from analysis.predict import bench_fabric, bench_message, predict
+    from analysis.predict import Machine, predict
     from analysis.results import load_runs
     from experiments.engines import label_info
 
@@ -130,15 +130,14 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         if message_us is not None:
             raise click.UsageError("give a message's cost by --message-us or read it from --bench, not both")
         try:
-            message_us = bench_message(bench_path) * 1e6
-            own_message_us = bench_message(bench_path, own=True) * 1e6
-            fabric = bench_fabric(bench_path)
+            machine = Machine.from_bench(bench_path)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--bench") from None
-        if validate and fabric is not None:
+        message_us, own_message_us = machine.message * 1e6, machine.own_message * 1e6
+        if validate and machine.fabric is not None:
             if runs_fabric is not None:
                 raise click.UsageError("give the runs' fabric by --set net.fabric or read it from --bench, not both")
-            runs_fabric = fabric
+            runs_fabric = machine.fabric
 
     if published:
         _print_published(as_json)

@@ -17,7 +17,6 @@ from experiments.runtime.launcher import free_port
 pytestmark = [pytest.mark.multiprocess]
 
 
-
 def start_workers(tmp_path: Path, engine: str, world: int = 2) -> list[forked.Forked]:
     port = free_port()
     procs = []
