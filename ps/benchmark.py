@@ -4,11 +4,13 @@ that many workers move through one or several shards on one host, next to what t
 through as many echo sockets.
 
 The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR
-[WORKERS]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
+[WORKERS [THREADS [LEGS_JSON MIN_BYTES]]]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
 shard whose parameters are one tensor per message size, updated by SGD on every push: on
 THREADS torch threads (psar bench gives it its part of the host's cores; 0: its share, as a
-run's shard takes, ps/cores.py), the echo on the shard's I/O threads. Each of many workers is
-a process too: `python -m ps.benchmark load ...` (see load).
+run's shard takes, ps/cores.py), the echo on the shard's I/O threads; with LEGS_JSON, it
+writes there when each message of at least MIN_BYTES came out of its receive and went into
+its send (TimedTransport; experiments/bench/legs.py). Each of many workers is a process too:
+`python -m ps.benchmark load ...` (see load).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,8 +43,33 @@ def _layout():
     return build_layout(specs, 1, 2**30)
 
 
-def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0) -> None:
-    """threads: the shard's torch threads (0: its share of the host's cores, ps/cores.py)."""
+class TimedTransport(ServerTransport):
+    """A ServerTransport that notes when each message of at least min_bytes came out of recv
+    ("r") and went into send ("s"), in ns of the host's monotonic clock, which every process
+    of the host reads alike: experiments/bench/legs.py lines them up with a worker's."""
+
+    def __init__(self, bind: str, max_message_bytes: int | None, send_timeout_s: float, min_bytes: int) -> None:
+        super().__init__(bind, max_message_bytes, send_timeout_s)
+        self.min_bytes = min_bytes
+        self.marks: list[tuple[str, int]] = []
+
+    def recv(self, timeout_s: float):
+        item = super().recv(timeout_s)
+        if item is not None and sum(memoryview(f).nbytes for f in item[1]) >= self.min_bytes:
+            self.marks.append(("r", time.monotonic_ns()))
+        return item
+
+    def send(self, peer: bytes, frames) -> bool:
+        if sum(memoryview(f).nbytes for f in frames) >= self.min_bytes:
+            self.marks.append(("s", time.monotonic_ns()))
+        return super().send(peer, frames)
+
+
+def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0, legs: str = "",
+          min_bytes: int = 0) -> None:
+    """threads: the shard's torch threads (0: its share of the host's cores, ps/cores.py).
+    legs: a JSON file for each socket's marks ({"echo": [...], "ps": [...]}, TimedTransport's,
+    of messages of at least min_bytes), written once stopped; "": none kept."""
     keep_freed_pages()
     threads = core_share(local_processes(), threads)
     torch.set_num_threads(threads)
@@ -50,8 +78,12 @@ def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0) -> N
     params = [torch.zeros(s.shape) for s in layout.specs]
     shard = ShardServer(0, layout, split_values(layout, params, 0),
                         lambda ps: torch.optim.SGD(ps, lr=1e-6), "async", workers, CONFIG)
-    echo = ServerTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
-    ps_transport = ServerTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
+    if legs:
+        echo = TimedTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes)
+        ps_transport = TimedTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes)
+    else:
+        echo = ServerTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
+        ps_transport = ServerTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
     stop = threading.Event()
 
     def echo_loop():
@@ -67,6 +99,10 @@ def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0) -> N
     thread.start()
     shard.serve(ps_transport, stop)
     thread.join(5)
+    if legs:
+        tmp = Path(f"{legs}.{os.getpid()}.tmp")  # whole or not at all: the worker reads it
+        tmp.write_text(json.dumps({"echo": echo.marks, "ps": ps_transport.marks}))
+        os.replace(tmp, legs)
 
 
 WINDOW_BYTES = int(PSConfig.window_mb * (1 << 20))
@@ -106,13 +142,9 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 9) -> list[dict]:
     (one message each way, as the sync engine sends its pieces), interleaved: one at a time
     (latency), and streamed with WINDOW_BYTES in flight (throughput, at most 8 messages).
     ratio: the median over the rounds of each round's ZeroMQ time over its push+pull time."""
-    keep_freed_pages()
-    echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
-    ps = PSClient([ps_addr], 0, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
-    layout, _, _ = ps.join()
     rows = []
     step = 0  # every push is a new step: the server refuses a key pushed twice for one step
-    try:
+    with one_worker(echo_addr, ps_addr) as (echo, ps, layout):
         for index, nbytes in enumerate(SIZES):
             key = layout.param_keys(index)[0].id
             payload = torch.ones(nbytes // 4)
@@ -134,12 +166,24 @@ def measure(echo_addr: str, ps_addr: str, rounds: int = 9) -> list[dict]:
                 row.update({f"{name}zmq_us": z * 1e6, f"{name}ps_us": p * 1e6, f"{name}zmq_gbs": 2 * nbytes / z / 1e9,
                             f"{name}ps_gbs": 2 * nbytes / p / 1e9, f"{name}ratio": paired, f"{name}depth": depth})
             rows.append(row)
+    return rows
+
+
+@contextmanager
+def one_worker(echo_addr: str, ps_addr: str):
+    """(echo client, joined PSClient, its layout) of the one-at-a-time server (serve); the
+    server is told to stop once the block has run through, and both clients closed."""
+    keep_freed_pages()
+    echo = ClientTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
+    ps = PSClient([ps_addr], 0, timeout_s=CONFIG.timeout_s, heartbeat_s=CONFIG.heartbeat_s)
+    try:
+        layout, _, _ = ps.join()
+        yield echo, ps, layout
         echo.send([b"stop"])
-        echo.recv(CONFIG.timeout_s, "echo stop")
+        echo.recv(CONFIG.timeout_s, "the echo's stop")
     finally:
         ps.close()
         echo.close()
-    return rows
 
 
 LOAD_SIZES = (64 << 10, 1 << 20)
@@ -209,11 +253,13 @@ def aggregate(counts: list[dict], phase_s: float = LOAD_PHASE_S) -> list[dict]:
 
 
 if __name__ == "__main__":
-    usage = ("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR [WORKERS [THREADS]] | "
+    usage = ("usage: python -m ps.benchmark serve ECHO_ADDR PS_ADDR [WORKERS [THREADS [LEGS_JSON MIN_BYTES]]] | "
              "load ECHO_ADDR PS_ADDR WORKER GO_FILE OUT_JSON")
     torch.set_num_threads(1)  # a load; serve takes its share (ps/cores.py), as a run's shards do
     if len(sys.argv) in (4, 5, 6) and sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
+    elif len(sys.argv) == 8 and sys.argv[1] == "serve":
+        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], int(sys.argv[7]))
     elif len(sys.argv) == 7 and sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
     else:

@@ -18,6 +18,7 @@ from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
 from experiments.bench.startup import format_startup, startup
 from experiments.bench.fabric import fabric_if_possible
+from experiments.bench.legs import format_legs_table, push_pull_legs
 from experiments.rundir import files
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
 from experiments.rundir.metrics import read_metrics, throughput
@@ -273,6 +274,8 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo("")
     ps_rows = ps_bandwidth(out)
     echo(format_ps_table(ps_rows))
+    legs = push_pull_legs(out)
+    echo(format_legs_table(legs))
     load_rows = ps_load(out)
     echo(format_ps_load_table(load_rows))
     carried = fabric_if_possible(echo)
@@ -313,7 +316,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     collectives = collectives_goals(out, echo)
     echo("")
     fault_report = faults_goals(out, echo)
-    report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "ps_load": load_rows, "throughput": tput, "median": med,
+    report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "ps_legs": legs, "ps_load": load_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "sparse": sparse, "compression": compression}
     if carried is not None:
