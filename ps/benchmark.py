@@ -46,12 +46,14 @@ def _layout():
 class TimedTransport(ServerTransport):
     """A ServerTransport that notes when each message of at least min_bytes came out of recv
     ("r") and went into send ("s"), in ns of the host's monotonic clock, which every process
-    of the host reads alike: experiments/bench/legs.py lines them up with a worker's."""
+    of the host reads alike: experiments/bench/legs.py lines them up with a worker's. A send's
+    mark also holds what count() says then (the shard's keys moved before an update)."""
 
-    def __init__(self, bind: str, max_message_bytes: int | None, send_timeout_s: float, min_bytes: int) -> None:
+    def __init__(self, bind: str, max_message_bytes: int | None, send_timeout_s: float, min_bytes: int,
+                 count=lambda: 0) -> None:
         super().__init__(bind, max_message_bytes, send_timeout_s)
-        self.min_bytes = min_bytes
-        self.marks: list[tuple[str, int]] = []
+        self.min_bytes, self.count = min_bytes, count
+        self.marks: list[tuple] = []
 
     def recv(self, timeout_s: float):
         item = super().recv(timeout_s)
@@ -61,7 +63,7 @@ class TimedTransport(ServerTransport):
 
     def send(self, peer: bytes, frames) -> bool:
         if sum(memoryview(f).nbytes for f in frames) >= self.min_bytes:
-            self.marks.append(("s", time.monotonic_ns()))
+            self.marks.append(("s", time.monotonic_ns(), self.count()))
         return super().send(peer, frames)
 
 
@@ -80,7 +82,8 @@ def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0, legs
                         lambda ps: torch.optim.SGD(ps, lr=1e-6), "async", workers, CONFIG)
     if legs:
         echo = TimedTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes)
-        ps_transport = TimedTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes)
+        ps_transport = TimedTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes,
+                                      lambda: shard.counters["moved_keys"])
     else:
         echo = ServerTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
         ps_transport = ServerTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)

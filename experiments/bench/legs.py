@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.bench import size_label
+
 LEG_SIZES = (1 << 10, 1 << 20, 4 << 20)
 ITERS = 160
 """Round trips and push+pulls timed at each size, after WARMUP of each."""
@@ -78,21 +80,24 @@ def _drive(echo_addr: str, ps_addr: str, sizes: tuple[int, ...], n: int) -> list
     return times
 
 
-def _pairs(marks: list, what: str) -> list[tuple[int, int]]:
-    """(received, sent) of each message a socket answered; sends before the first receive
-    (the join's reply) are not answers."""
+def _pairs(marks: list, what: str) -> list[tuple[int, int, int]]:
+    """(received, sent, keys moved so far) of each message a socket answered; sends before
+    the first receive (the join's reply) are not answers."""
     while marks and marks[0][0] == "s":
         marks = marks[1:]
     if len(marks) % 2 or any(m[0] != k for m, k in zip(marks, "rs" * (len(marks) // 2))):
         raise ValueError(f"the shard's {what} marks do not alternate receive and send")
-    return [(marks[i][1], marks[i + 1][1]) for i in range(0, len(marks), 2)]
+    return [(marks[i][1], marks[i + 1][1], marks[i + 1][2] if len(marks[i + 1]) > 2 else 0)
+            for i in range(0, len(marks), 2)]
 
 
 def legs_rows(times: list[tuple[int, int, int, int]], marks: dict, sizes: tuple[int, ...], warmup: int) -> list[dict]:
     """Rows of the table from the worker's marks (_drive's) and the shard's ({"echo": [...],
     "ps": [...]}, [kind, ns] each): per size the median, over the pairs after `warmup`, of
     each leg of the echo (zmq_to_us, zmq_server_us, zmq_back_us, zmq_total_us) and of the
-    push+pull (ps_...), and of the worker's push() call (push_call_us)."""
+    push+pull (ps_...), and of the worker's push() call (push_call_us); moved: the share of the
+    push+pulls whose update first moved the key, because the reply before still pointed at
+    it (ps.shard.snapshots.SnapshotPool.own)."""
     echo, ps = _pairs(marks["echo"], "echo's"), _pairs(marks["ps"], "push+pulls'")
     if not len(echo) == len(ps) == len(times) or len(times) % len(sizes):
         raise ValueError(f"{len(times)} pairs timed by the worker, {len(echo)} echoes and {len(ps)} push+pulls "
@@ -100,27 +105,30 @@ def legs_rows(times: list[tuple[int, int, int, int]], marks: dict, sizes: tuple[
     n, rows = len(times) // len(sizes), []
     for i, nbytes in enumerate(sizes):
         legs: dict[str, list[float]] = {}
+        moved = 0
         for j in range(i * n + warmup, (i + 1) * n):
-            (a, b, c, d), (er, es), (pr, ps_sent) = times[j], echo[j], ps[j]
+            (a, b, c, d), (er, es, _), (pr, ps_sent, count) = times[j], echo[j], ps[j]
+            moved += count > (ps[j - 1][2] if j else 0)
             for name, value in (("zmq_to", er - a), ("zmq_server", es - er), ("zmq_back", b - es), ("zmq_total", b - a),
                                 ("ps_to", pr - b), ("ps_server", ps_sent - pr), ("ps_back", d - ps_sent),
                                 ("ps_total", d - b), ("push_call", c - b)):
                 legs.setdefault(name, []).append(value / 1e3)
         if not legs:
             raise ValueError(f"no pairs after the {warmup} of warm-up at {nbytes} bytes")
-        rows.append({"bytes": nbytes, "pairs": n - warmup, **{f"{k}_us": statistics.median(v) for k, v in legs.items()}})
+        rows.append({"bytes": nbytes, "pairs": n - warmup, "moved": moved / (n - warmup),
+                     **{f"{k}_us": statistics.median(v) for k, v in legs.items()}})
     return rows
 
 
 def format_legs_table(rows: list[dict]) -> str:
-    from experiments.bench.suite import _size
-
     lines = [f"where a push+pull's time goes, against a ZeroMQ round trip of the same bytes (one worker, one shard; "
              f"medians of {rows[0]['pairs'] if rows else 0}, us): to the server (the worker's call to the server's "
-             f"receive), the server's (its receive to its send), back (its send to the worker's result)",
+             f"receive), the server's (its receive to its send), back (its send to the worker's result); "
+             f"moved: the push+pulls whose update first copied the key, its reply before not yet sent",
              f"{'size':>10} {'zmq to':>8} {'server':>7} {'back':>7} {'total':>7}   {'ps to':>7} {'server':>7} "
-             f"{'back':>7} {'total':>7} {'push()':>7}"]
+             f"{'back':>7} {'total':>7} {'push()':>7} {'moved':>6}"]
     for r in rows:
-        lines.append(f"{_size(r['bytes']):>10} " + " ".join(f"{r[f'zmq_{k}_us']:>{8 if k == 'to' else 7}.0f}" for k in LEGS)
-                     + "   " + " ".join(f"{r[f'ps_{k}_us']:>7.0f}" for k in LEGS) + f" {r['push_call_us']:>7.0f}")
+        lines.append(f"{size_label(r['bytes']):>10} " + " ".join(f"{r[f'zmq_{k}_us']:>{8 if k == 'to' else 7}.0f}" for k in LEGS)
+                     + "   " + " ".join(f"{r[f'ps_{k}_us']:>7.0f}" for k in LEGS) + f" {r['push_call_us']:>7.0f}"
+                     + f" {r['moved']:>5.0%}")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from typing import Callable
 
 from allreduce.benchmark import BUDGET_S, ROUNDS
 from ps.cores import core_share, host_cores
+from experiments.bench import size_label
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
@@ -138,7 +139,7 @@ def format_ps_load_table(rows: list[dict]) -> str:
              "ZeroMQ echoes (all bytes/s through them, each way)",
              f"{'workers':>8} {'shards':>7} {'size':>8} {'zmq(GB/s)':>10} {'ps(GB/s)':>9} {'ps/zmq':>7}"]
     for r in rows:
-        lines.append(f"{r['workers']:>8} {r['shards']:>7} {_size(r['bytes']):>8} {r['zmq_gbs']:>10.3f} "
+        lines.append(f"{r['workers']:>8} {r['shards']:>7} {size_label(r['bytes']):>8} {r['zmq_gbs']:>10.3f} "
                      f"{r['ps_gbs']:>9.3f} {r['ratio']:>6.2f}x")
     return "\n".join(lines)
 
@@ -152,13 +153,13 @@ def format_ps_table(rows: list[dict]) -> str:
     for r in rows:
         streamed = (f" {r['stream_zmq_gbs']:>19.3f} {r['stream_ps_gbs']:>9.3f} {r['stream_ratio']:>6.2f}x"
                     if "stream_ratio" in r else "")
-        lines.append(f"{_size(r['bytes']):>10} {r['zmq_us']:>10.1f} {r['zmq_gbs']:>10.3f} "
+        lines.append(f"{size_label(r['bytes']):>10} {r['zmq_us']:>10.1f} {r['zmq_gbs']:>10.3f} "
                      f"{r['ps_us']:>10.1f} {r['ps_gbs']:>10.3f} {r['ratio']:>6.2f}x{streamed}")
     goals = []
     for (low, high), goal in PS_GOALS.items():
         ratios = [r["ratio"] for r in rows if low <= r["bytes"] <= high]
         if ratios:
-            goals.append(f"{_size(low)} to {_size(high)} at least {min(ratios):.2f} (goal: {goal})")
+            goals.append(f"{size_label(low)} to {size_label(high)} at least {min(ratios):.2f} (goal: {goal})")
     if goals:
         lines.append("push+pull / ZeroMQ, one at a time: " + "; ".join(goals))
     return "\n".join(lines)
@@ -183,7 +184,7 @@ def format_allreduce_table(table: dict) -> str:
              f" {'busbw / library':>16}"]
     for row in table["rows"]:
         ratio = row.get("vs_library") if row["algorithm"] != "library" else None
-        lines.append(f"{_size(row['bytes']):>10} {row['algorithm']:>16} {row['time_us']:>10.1f} "
+        lines.append(f"{size_label(row['bytes']):>10} {row['algorithm']:>16} {row['time_us']:>10.1f} "
                      f"{row['algbw_gbs']:>12.3f} {row['busbw_gbs']:>12.3f} "
                      f"{'' if ratio is None else f'{ratio:.2f}x':>16}")
     ring = [r for r in table["rows"] if r["algorithm"] == "ring" and "vs_library" in r]
@@ -202,7 +203,7 @@ def latency_table(ranks: int, out: Path) -> str:
               out / f"logs-allreduce-latency-{ranks}")
     rows = {r["algorithm"]: r for r in json.loads(path.read_text())["rows"]}
     ring, hd, tree = rows["ring"], rows["halving-doubling"], rows["tree"]
-    return (f"{_size(ring['bytes'])} on {ranks} ranks, {ring['delay_ms']:g} ms per message: ring "
+    return (f"{size_label(ring['bytes'])} on {ranks} ranks, {ring['delay_ms']:g} ms per message: ring "
             f"{ring['time_us'] / 1e3:.1f} ms, halving-doubling {hd['time_us'] / 1e3:.1f} ms = "
             f"{hd['time_us'] / ring['time_us']:.2f}x, tree {tree['time_us'] / 1e3:.1f} ms = "
             f"{tree['time_us'] / ring['time_us']:.2f}x (goal: one of them <= 0.7)")
@@ -251,13 +252,6 @@ def _median_bytes(out: Path, name: str, rounds: int) -> float:
     """A variant's bytes per worker per step (summary.json), median over its rounds."""
     return statistics.median(files.read_json(out / f"{name}-round{r}" / "summary.json")["bytes_per_worker_per_step"]
                              for r in range(rounds))
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,

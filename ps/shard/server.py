@@ -101,7 +101,7 @@ class ShardServer(ShardState):
         self.workers = Workers(num_workers, len(self.keys))
         self.counters = dict(updates=0, pushes=0, pulls=0, joins=0, bytes_in=0, bytes_out=0, malformed=0, rejected=0,
                              rows_pushed=0, rows_pulled=0, row_collisions=0, codec_us=0,
-                             dropped_keys=0)
+                             dropped_keys=0, moved_keys=0)
         self.rule = rule(self)
         self.mode = self.rule.name
         self.checkpoint_every = checkpoint_every * self.rule.versions_per_step
@@ -410,7 +410,8 @@ class ShardServer(ShardState):
                 chunk.grad = self.pulls.compress(k, chunk.grad.reshape(-1), self.version + 1).view_as(chunk)
             self.counters["codec_us"] += int(1e6 * (time.perf_counter() - began))
         for k in keys:
-            self.snapshots.own(k)
+            if self.snapshots.own(k):  # a reply still pointed at it: copied first
+                self.counters["moved_keys"] += 1
         if self.sparse_keys.isdisjoint(keys):
             self.optimizer.step(keys, lr)
         else:

@@ -77,16 +77,16 @@ class SnapshotPool:
             array = self._arrays[k] = as_array(flat if flat.dim() == 1 else flat.reshape(-1))
         return memoryview(array).cast("B")
 
-    def own(self, k: int) -> None:
+    def own(self, k: int) -> bool:
         """Make chunk k's memory the shard's alone before it is written: if a reply still
         points at it (ZeroMQ has not sent it yet), the chunk moves to a copy (in a spare
-        buffer) and the reply keeps the former memory. Under sync the next update of a key
-        comes only after every worker has its values, so this copies only when a reply is
-        late (async, ssp, a slow link)."""
+        buffer) and the reply keeps the former memory; whether it moved. Under sync the next
+        update of a key comes only after every worker has its values, so this copies only
+        when a reply is late (async, ssp, a slow link)."""
         chunk, array = self.chunks[k], self._arrays.get(k)
         replied = array is not None and sys.getrefcount(array) > 3  # beyond the dict's, this name's, the call's
         if not replied and not in_use(chunk, kept=array is not None):
-            return
+            return False
         self._arrays.pop(k, None)  # a reply keeps the array, and through it the former memory
         spare = self._take((k, None))
         moved = spare.copy_(chunk.detach()) if spare is not None else chunk.detach().clone()
@@ -94,6 +94,7 @@ class SnapshotPool:
         chunk.data = moved  # the same tensor to the optimizer (its state is keyed by it)
         del moved
         self._keep((k, None), former)
+        return True
 
     def updated(self, k: int) -> None:
         """Chunk k was written: its snapshots are out of date, their buffers become spares."""

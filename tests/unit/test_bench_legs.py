@@ -18,9 +18,12 @@ def test_the_marks_line_up_into_legs_per_size():
              (2000, 2200, 2230, 2900), (3000, 3300, 3340, 4100)]
     echo = [(40, 50), (1030, 1045), (2080, 2090), (3100, 3120)]
     ps = [(150, 300), (1200, 1350), (2400, 2600), (3500, 3800)]
-    marks = {"echo": marks_of(echo), "ps": [["s", -5], *marks_of(ps)]}  # the join's reply comes first
+    ps_marks = marks_of(ps)
+    ps_marks[-1].append(1)  # the last update moved its key first: the reply before still pointed at it
+    marks = {"echo": marks_of(echo), "ps": [["s", -5], *ps_marks]}  # the join's reply comes first
     small, large = legs_rows(times, marks, (1024, 1 << 20), warmup=1)
     assert small["pairs"] == 1 and small["bytes"] == 1024
+    assert (small["moved"], large["moved"]) == (0.0, 1.0)
     # the second pair of the first size: echo 1000 -> 1030 -> 1045 -> 1100; ps 1100 -> 1200 -> 1350 -> 1500
     assert (small["zmq_to_us"], small["zmq_server_us"], small["zmq_back_us"], small["zmq_total_us"]) == (0.03, 0.015, 0.055, 0.1)
     assert (small["ps_to_us"], small["ps_server_us"], small["ps_back_us"], small["ps_total_us"]) == (0.1, 0.15, 0.15, 0.4)
