@@ -43,6 +43,7 @@ every shard answered its wait never has a pull's reply compete with a push for a
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, Collection, Sequence
 
 import msgpack
@@ -138,8 +139,17 @@ def encode_whole(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> lis
 
 def pack_header(header: dict[str, Any]) -> bytes:
     """A message's header frame (the protocol version first): encode_whole's, and a shard's
-    reply whose frames are its keys' bytes (ps.shard.snapshots.SnapshotPool.reply_bytes)."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True)
+    reply whose frames are its keys' bytes (ps.shard.snapshots.SnapshotPool.reply_bytes).
+    msgpack.packb makes a Packer, and its buffer, every call (2.6 us against 1.1 for a
+    push's header in a loop): each thread keeps one."""
+    try:
+        pack = _packers.pack
+    except AttributeError:  # this thread's first header
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack({"v": PROTOCOL_VERSION, **header})
+
+
+_packers = threading.local()
 
 
 def pull_of(h: dict[str, Any]) -> Message:
