@@ -223,7 +223,11 @@ def load(echo_addr: str, ps_addr: str, worker: int, go_path: str, out_path: str)
             frames = [b"x", memoryview(payload.numpy()).cast("B")]
             begin = start_at + i * 2 * (LOAD_PHASE_S + LOAD_GAP_S)
             for name, phase_at in (("zmq", begin), ("ps", begin + LOAD_PHASE_S + LOAD_GAP_S)):
-                time.sleep(max(0.0, phase_at - time.time()))
+                late = time.time() - phase_at
+                if late > LOAD_GAP_S:  # its phase would be short, and the others' crowded less
+                    raise RuntimeError(f"worker {worker}: reached the {name} phase at {nbytes} bytes {late:.2f} s "
+                                       f"after it began (a start in {go_path} that was already past?)")
+                time.sleep(max(0.0, -late))
                 n, end = 0, phase_at + LOAD_PHASE_S
                 while time.time() < end:
                     if name == "zmq":

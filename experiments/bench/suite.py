@@ -94,6 +94,8 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
     for shards in shard_counts:
         where = out / f"ps-load-{shards}"
         where.mkdir(parents=True, exist_ok=True)
+        for stale in [where / "go", *where.glob("worker*.json*")]:  # an earlier bench's: its start is past
+            stale.unlink()
         addrs = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(shards)]
         with open(where / "servers.log", "w") as log:
             # each load is one busy thread: the shards share the cores the loads leave
