@@ -37,13 +37,15 @@ REPLY_COPY_BYTES = (1 << 20) + 1
 default, 64 KiB, leaves larger ones to zero-copy). A zero-copy frame keeps what it points at
 until pyzmq's collector thread, which needs the GIL, lets it go: a shard's reply points at its
 key, and a key still held when the next push updates it must first move to a copy
-(ps.shard.snapshots.SnapshotPool.own). With 8 workers against one shard (psar bench's rows,
-async) 91 to 94% of the push+pulls moved their key first; copying every reply up to 1 MiB,
-none did, and the shard moved 0.35 to 0.42 GB/s at 64 KiB where it moved 0.27 to 0.30, 1.93
-to 2.13 GB/s at 1 MiB where 1.74 to 1.80 (2 cores, two pairs). mlp-mid on 4 workers with 4
-shards of their own at 1gbit (0.5 MiB keys), three pairs, median step: ps-sync 0.381, 0.375,
-0.373 s against 0.377, 0.401, 0.378 lent; ps-async 0.397, 0.368, 0.402 against 0.367, 0.429,
-0.418, where 6 to 16 of its 384 pushes moved their key."""
+(ps.shard.snapshots.SnapshotPool.own). 8 workers against one shard (psar bench's rows, async),
+three rounds on 2 cores, GB/s through the shard: lent above 64 KiB (90 to 93% of the
+push+pulls moved their key) 0.24, 0.28, 0.26 at 64 KiB and 1.78, 1.92, 2.08 at 1 MiB; copied
+up to 256 KiB (23 to 25% moved) 0.27, 0.34, 0.34 and 1.53, 1.65, 1.90; copied up to 1 MiB
+(none moved) 0.32, 0.34, 0.42 and 1.90, 2.04, 2.07. One worker's 1 MiB push+pull one at a
+time, four pairs: ps/zmq 0.62, 0.62, 0.56, 0.67 lent against 0.56, 0.63, 0.68, 0.60 copied.
+mlp-mid on 4 workers with 4 shards of their own at 1gbit (0.5 MiB keys), three pairs, median
+step: ps-sync 0.381, 0.375, 0.373 s copied against 0.377, 0.401, 0.378 lent; ps-async 0.397,
+0.368, 0.402 against 0.367, 0.429, 0.418, where 6 to 16 of its 384 pushes moved their key."""
 MONITOR_DRAIN_S = 0.05
 """A client reads its socket monitor (handshake events) on a send at most this often: a few
 events per connection attempt, so the monitor never fills, and no poll on every send."""
