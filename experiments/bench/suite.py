@@ -82,6 +82,13 @@ def ps_bandwidth(out: Path) -> list[dict]:
             server.kill()
 
 
+def clear_load_files(where: Path) -> None:
+    """Remove an earlier many-worker row's start file and counts from its folder: loads that
+    found its start (long past) would count nothing."""
+    for stale in [where / "go", *where.glob("worker*.json*")]:
+        stale.unlink(missing_ok=True)
+
+
 def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4)) -> list[dict]:
     """`workers` worker processes against 1 and 4 shards on this host (worker w on shard
     w mod shards), each shard with an echo socket beside it: the bytes/s all of them move
@@ -94,8 +101,7 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
     for shards in shard_counts:
         where = out / f"ps-load-{shards}"
         where.mkdir(parents=True, exist_ok=True)
-        for stale in [where / "go", *where.glob("worker*.json*")]:  # an earlier bench's: its start is past
-            stale.unlink()
+        clear_load_files(where)
         addrs = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(shards)]
         with open(where / "servers.log", "w") as log:
             # each load is one busy thread: the shards share the cores the loads leave

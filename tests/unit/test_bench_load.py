@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from experiments.bench.suite import clear_load_files
 from experiments.runtime.launcher import free_port
 from ps.benchmark import load
 from ps.transport import ClientTransport
@@ -33,3 +34,11 @@ def test_a_load_whose_start_is_past_says_so(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_rows_folder_is_cleared_of_an_earlier_runs_start_and_counts(tmp_path):
+    clear_load_files(tmp_path)  # a fresh folder: nothing to clear
+    for name in ("go", "worker0.json", "worker0.json.ready", "worker7.json.123.tmp", "servers.log"):
+        (tmp_path / name).write_text("x")
+    clear_load_files(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["servers.log"]
