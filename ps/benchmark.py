@@ -80,13 +80,13 @@ def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0, legs
     params = [torch.zeros(s.shape) for s in layout.specs]
     shard = ShardServer(0, layout, split_values(layout, params, 0),
                         lambda ps: torch.optim.SGD(ps, lr=1e-6), "async", workers, CONFIG)
-    if legs:
-        echo = TimedTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes)
-        ps_transport = TimedTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes,
-                                      lambda: shard.counters["moved_keys"])
-    else:
-        echo = ServerTransport(echo_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
-        ps_transport = ServerTransport(ps_addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
+    def transport(addr: str, count=lambda: 0) -> ServerTransport:
+        if legs:
+            return TimedTransport(addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes, count)
+        return ServerTransport(addr, CONFIG.max_message_bytes, CONFIG.timeout_s)
+
+    echo = transport(echo_addr)
+    ps_transport = transport(ps_addr, lambda: shard.counters["moved_keys"])
     stop = threading.Event()
 
     def echo_loop():

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from experiments.bench import size_label
+from experiments.bench import bench_server, size_label
 
 LEG_SIZES = (1 << 10, 1 << 20, 4 << 20)
 ITERS = 160
@@ -31,25 +29,12 @@ def push_pull_legs(out: Path, sizes: tuple[int, ...] = LEG_SIZES, iters: int = I
     """One row per size: the median of each leg over `iters` echoes and push+pulls, taken in
     turns after `warmup` of each (see legs_rows), from a shard in its own process given half
     the host, as psar bench's one-at-a-time table gives it."""
-    from experiments.runtime.launcher import free_port
-    from ps.cores import core_share
-
     out.mkdir(parents=True, exist_ok=True)
     marks_path = out / "ps-legs-marks.json"
     marks_path.unlink(missing_ok=True)
-    echo, shard = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    with open(out / "ps-legs-server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard, "1",
-                                   str(core_share(2)), str(marks_path), str(min(sizes))], stdout=log, stderr=log)
-    try:
+    with bench_server(out / "ps-legs-server.log", str(marks_path), str(min(sizes))) as (echo, shard):
         times = _drive(echo, shard, sizes, warmup + iters)
-    finally:
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise RuntimeError(f"the legs' shard did not stop within 30 s; see {out / 'ps-legs-server.log'}")
-    if not marks_path.exists():
+    if not marks_path.exists():  # it did not stop (and was killed), or failed
         raise RuntimeError(f"the legs' shard wrote no marks; see {out / 'ps-legs-server.log'}")
     return legs_rows(times, json.loads(marks_path.read_text()), sizes, warmup)
 
@@ -87,8 +72,7 @@ def _pairs(marks: list, what: str) -> list[tuple[int, int, int]]:
         marks = marks[1:]
     if len(marks) % 2 or any(m[0] != k for m, k in zip(marks, "rs" * (len(marks) // 2))):
         raise ValueError(f"the shard's {what} marks do not alternate receive and send")
-    return [(marks[i][1], marks[i + 1][1], marks[i + 1][2] if len(marks[i + 1]) > 2 else 0)
-            for i in range(0, len(marks), 2)]
+    return [(marks[i][1], marks[i + 1][1], marks[i + 1][2]) for i in range(0, len(marks), 2)]
 
 
 def legs_rows(times: list[tuple[int, int, int, int]], marks: dict, sizes: tuple[int, ...], warmup: int) -> list[dict]:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from allreduce.benchmark import BUDGET_S, ROUNDS
-from ps.cores import core_share, host_cores
-from experiments.bench import size_label
+from ps.cores import host_cores
+from experiments.bench import bench_server, size_label
 from experiments.bench.collectives import collectives_goals
 from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
@@ -69,17 +69,8 @@ def ps_bandwidth(out: Path) -> list[dict]:
     """One worker against one shard in another process; see ps/benchmark.py."""
     from ps.benchmark import measure
 
-    echo, shard = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    with open(out / "ps-bench-server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "ps.benchmark", "serve", echo, shard, "1",
-                                   str(core_share(2))], stdout=log, stderr=log)  # half the host: it and the worker
-    try:
+    with bench_server(out / "ps-bench-server.log") as (echo, shard):
         return measure(echo, shard)
-    finally:
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def clear_load_files(where: Path) -> None:

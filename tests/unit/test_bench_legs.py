@@ -9,7 +9,7 @@ from experiments.bench.legs import format_legs_table, legs_rows, push_pull_legs
 
 
 def marks_of(pairs):
-    return [m for r, s in pairs for m in (["r", r], ["s", s])]
+    return [m for r, s in pairs for m in (["r", r], ["s", s, 0])]
 
 
 def test_the_marks_line_up_into_legs_per_size():
@@ -19,8 +19,8 @@ def test_the_marks_line_up_into_legs_per_size():
     echo = [(40, 50), (1030, 1045), (2080, 2090), (3100, 3120)]
     ps = [(150, 300), (1200, 1350), (2400, 2600), (3500, 3800)]
     ps_marks = marks_of(ps)
-    ps_marks[-1].append(1)  # the last update moved its key first: the reply before still pointed at it
-    marks = {"echo": marks_of(echo), "ps": [["s", -5], *ps_marks]}  # the join's reply comes first
+    ps_marks[-1][2] = 1  # the last update moved its key first: the reply before still pointed at it
+    marks = {"echo": marks_of(echo), "ps": [["s", -5, 0], *ps_marks]}  # the join's reply comes first
     small, large = legs_rows(times, marks, (1024, 1 << 20), warmup=1)
     assert small["pairs"] == 1 and small["bytes"] == 1024
     assert (small["moved"], large["moved"]) == (0.0, 1.0)
