@@ -371,11 +371,14 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
     """Each run with more workers than the fewest among the runs, predicted from those with
     the fewest alone (nothing is fitted on the rows checked): engine, its cluster, measured
     and predicted median step, the error, and whether it is link-bound (communication at
-    least `link_bound` of its measured step). message: a message's fixed cost on the machines
-    every run ran on (`psar bench`'s, see bench_message; None: the default); fabric: what
-    their links carried at once, bytes/s, where one machine emulated them all (see
-    experiments/bench/fabric.py; None: unlimited); own_message: a message's cost in
-    psar's own collectives there (bench_message(own=True); None: message)."""
+    least `link_bound` of its measured step); and the played exchange against the run's step
+    less its own compute (exchange_error: the error with the compute's set apart, which on one
+    machine grows with the workers that share its cores, where a cluster's would not).
+    message: a message's fixed cost on the machines every run ran on (`psar bench`'s, see
+    bench_message; None: the default); fabric: what their links carried at once, bytes/s,
+    where one machine emulated them all (see experiments/bench/fabric.py; None: unlimited);
+    own_message: a message's cost in psar's own collectives there (bench_message(own=True);
+    None: message)."""
     if not runs:
         raise ValueError("validate needs runs")
     machine = Machine(message, own_message, fabric)
@@ -390,11 +393,14 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
         [row] = predict(calibration_runs, [run.label], [target], ran_on=machine)
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
+        waited = measured - compute_time(run)  # the run's exchange, less its own compute
         shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]
         known = [x for x in shares if x is not None]
         rows.append({**row, "run": str(run.path), "rate_bits": target.rate * 8, "racks": target.racks,
                      "latency_s": target.latency, "placement": target.placement if family(run.label) == "ps" else None,
                      "measured_s": measured, "error": row["step_s"] / measured - 1,
+                     "measured_exchange_s": waited,
+                     "exchange_error": row["comm_s"] / waited - 1 if waited > 0 else None,
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
                      "calibration_retransmitted": max(known) if known else None})
     return rows

@@ -20,20 +20,29 @@ calibration's, below a fifth of it, did not: `psar predict` plays links that nev
 
 def table(rows: list[dict]) -> str:
     """Each held-out run: its cluster, measured and predicted median step, the error, the
-    share of its TCP segments sent again beside its calibration's (retx %: packets the links
+    error of the played exchange alone (against the run's step less its own compute: on one
+    machine a larger run's workers share its cores, and its compute grows with them, which a
+    prediction for a cluster leaves out; so an exchange played too long can hide behind
+    it), the share of its TCP segments sent again beside its calibration's (retx %: packets the links
     dropped); then how many link-bound rows are within WITHIN, and which of those outside
     it dropped packets their calibration did not."""
     lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
-             f"{'predicted ms':>13}{'error':>8}  link-bound  retx % (calibration)"]
+             f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  retx % (calibration)"]
     for r in rows:
         lines.append(f"{r['engine']:<36}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
                      f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
-                     f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%  {'yes' if r['link_bound'] else 'no ':<10}"
+                     f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%{_percent(r.get('exchange_error')):>10}"
+                     f"  {'yes' if r['link_bound'] else 'no ':<10}"
                      f"  {_share(r.get('retransmitted'))} ({_share(r.get('calibration_retransmitted'))})")
     bound = [abs(r["error"]) for r in rows if r["link_bound"]]
     if bound:
         lines.append(f"link-bound rows: {sum(e <= WITHIN for e in bound)} of {len(bound)} within "
                      f"{100 * WITHIN:.0f}%, largest error {100 * max(bound):.1f}%")
+    exchanges = [abs(r["exchange_error"]) for r in rows if r["link_bound"] and r.get("exchange_error") is not None]
+    if exchanges:
+        lines.append(f"their exchange alone (the played exchange against each run's step less its own compute): "
+                     f"{sum(e <= WITHIN for e in exchanges)} of {len(exchanges)} within {100 * WITHIN:.0f}%, "
+                     f"largest error {100 * max(exchanges):.1f}%")
     dropping = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and _drops_anew(r)]
     if dropping:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "
@@ -42,6 +51,10 @@ def table(rows: list[dict]) -> str:
                      "that waits on every flow (ps-sync's answer to a key waits for every worker's push) loses most; "
                      "runs with deep-buffered ports (--set net.queue_ms=300) queue what these dropped")
     return "\n".join(lines)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _share(x: float | None) -> str:

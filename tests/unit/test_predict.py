@@ -91,6 +91,26 @@ def test_validate_predicts_the_larger_runs_from_the_smallest_alone(tmp_path):
         validate([small])
 
 
+def test_validate_sets_a_held_out_runs_own_compute_apart_in_its_exchange_error(tmp_path):
+    """A 4-worker run whose workers shared the cores (its compute 0.3 s, the calibration's
+    0.1) and whose exchange took 0.2 s less than the played one: its step is predicted right,
+    its exchange 0.2 s too long, which exchange_error says and the table counts."""
+    small = fake_run(tmp_path / "ar2", "allreduce", workers=2, compute_s=0.1, step_s=0.5)
+    own, four = Target(2, RATE_BITS / 8), Target(4, RATE_BITS / 8)
+    ratio = (0.4 - fixed_cost("allreduce/library", own)) / exchange("allreduce/library", own, M)
+    played = ratio * exchange("allreduce/library", four, M) + fixed_cost("allreduce/library", four)
+    crowded = fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.3, step_s=0.1 + played)
+    [row] = validate([small, crowded])
+    assert row["error"] == pytest.approx(0, abs=1e-9)
+    assert row["measured_exchange_s"] == pytest.approx(played - 0.2)
+    assert row["exchange_error"] == pytest.approx(played / (played - 0.2) - 1)
+    out = CliRunner().invoke(predict_cmd, ["--validate", str(small.path), str(crowded.path)])
+    assert out.exit_code == 0, out.output
+    assert f"{100 * row['exchange_error']:.1f}%" in out.output.splitlines()[1]
+    assert "their exchange alone (the played exchange against each run's step less its own compute): 0 of 1 " \
+           "within 15%" in out.output, out.output
+
+
 def test_validate_says_which_rows_dropped_packets_their_calibration_did_not(tmp_path):
     """The held-out run's share of segments sent again stands beside its calibration's; a
     link-bound row outside 15% whose run dropped (1% or more) where its calibration did not is

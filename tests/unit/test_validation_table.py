@@ -22,3 +22,13 @@ def test_rows_outside_that_dropped_anew_are_named_with_what_queues_their_drops()
 def test_no_note_where_no_row_outside_dropped_anew():
     text = table([_row(-0.25, 0.03, 0.02), _row(0.1, 0.05, 0.0)])
     assert "link-bound rows: 1 of 2 within 15%" in text and "dropped" not in text
+
+
+def test_the_exchange_alone_is_its_own_column_and_count():
+    rows = [{**_row(-0.01, 0.0, 0.0), "exchange_error": 0.35}, {**_row(0.05, 0.0, 0.0), "exchange_error": -0.1},
+            _row(0.02, 0.0, 0.0)]  # a row from before the column: "-"
+    lines = table(rows).splitlines()
+    assert lines[0].split()[-6:-4] == ["error", "exchange"]
+    assert lines[1].split()[-5:-3] == ["-1.0%", "35.0%"] and lines[3].split()[-5:-3] == ["2.0%", "-"]
+    assert "link-bound rows: 3 of 3 within 15%" in lines[-2]
+    assert lines[-1].endswith("1 of 2 within 15%, largest error 35.0%")
