@@ -43,6 +43,9 @@ class Flow:
     fan: tuple[float, ...] = ()
     """For a flow that stands for a class of identical flows, how many of them cross one of
     each of its links (in the order of `links`); (): one each."""
+    priority: float = 0.0
+    """Where links serve their flows first come, first served (priority_rates): the lower,
+    the sooner."""
 
     def __post_init__(self) -> None:
         if self.nbytes < 0 or self.start < 0 or self.latency < 0:
@@ -82,6 +85,22 @@ def fair_rates(flows: Iterable[Flow], capacity: Mapping[str, float]) -> dict[str
     return rates
 
 
+def priority_rates(flows: Iterable[Flow], capacity: Mapping[str, float]) -> dict[str, float]:
+    """Each flow's rate when every link serves its flows in order of priority (ties: as
+    given): a flow takes what its links have left, the next ones what it leaves (a host's
+    queue, first in first out, whose first message held back elsewhere lets the next ones
+    use the link)."""
+    remaining: dict[str, float] = {}
+    rates = {}
+    for f in sorted(flows, key=lambda f: f.priority):
+        loads = list(f.load())
+        rate = min((remaining.get(link, capacity[link]) / fan for link, fan in loads), default=float("inf"))
+        rates[f.name] = max(0.0, rate)
+        for link, fan in loads:
+            remaining[link] = remaining.get(link, capacity[link]) - rates[f.name] * fan
+    return rates
+
+
 def _checked(flows: list[Flow], capacity: Mapping[str, float], known: set[str]) -> list[Flow]:
     unknown = sorted({link for f in flows for link in f.links} - set(capacity))
     if unknown:
@@ -96,10 +115,11 @@ def _checked(flows: list[Flow], capacity: Mapping[str, float], known: set[str]) 
 
 
 def simulate(flows: Iterable[Flow], capacity: Mapping[str, float],
-             then: Callable[[str, float], Iterable[Flow]] | None = None) -> dict[str, float]:
-    """The second each flow arrives, every flow's bytes moving at their max-min fair rate
-    from its start to its end; then(name, at): the flows that flow name's arrival at `at`
-    starts (none before its last byte left)."""
+             then: Callable[[str, float], Iterable[Flow]] | None = None,
+             share: Callable[[Iterable[Flow], Mapping[str, float]], dict[str, float]] = fair_rates) -> dict[str, float]:
+    """The second each flow arrives, every flow's bytes moving at the rate `share` gives it
+    (max-min fair by default; priority_rates) from its start to its end; then(name, at): the
+    flows that flow name's arrival at `at` starts (none before its last byte left)."""
     known: set[str] = set()
     pending = sorted(_checked(list(flows), capacity, known), key=lambda f: f.start)
     left: dict[str, float] = {}
@@ -123,7 +143,7 @@ def simulate(flows: Iterable[Flow], capacity: Mapping[str, float],
             if pending:
                 now = pending[0].start
             continue
-        rates = fair_rates(active.values(), capacity)
+        rates = share(active.values(), capacity)
         finish = min(left[n] / rates[n] for n in active if rates[n] > 0)
         step = min(finish, pending[0].start - now) if pending else finish
         for name in active:

@@ -16,13 +16,16 @@ gradient bucket (all-reduce, parameter server) plays its buckets from those time
 (analysis/overlap.py): the step waits only for what ends after backward, on the target as on
 its own cluster. A
 parameter server's exchange is played as its runs' settings run it: pipelined by keys with
-the workers' window (ps-sync's default), or phased.
+the workers' window (ps-sync's default), or phased; under ps-async and ps-ssp, whose shards
+answer each push at once, with the workers drifting apart (analysis/schedules_async.py), at
+the pace their step sets (drifting; a run's own measured step in its calibration).
 An engine with no run of its own takes the compute of the runs' first engine and a ratio of
 1 (the ideal).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from statistics import median
 
@@ -30,6 +33,7 @@ from .costmodel import compute_time
 from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
 from .results import Run, family
 from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
+from .schedules_async import parameter_server_async
 from .traffic import gradient_bytes
 
 
@@ -77,9 +81,26 @@ def ps_keys(settings: dict, sync: bool, rate: float) -> tuple[float, int]:
     return key * (1 << 20), max(1, int(window // key)) if window else 0
 
 
-def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) -> float:
+ASYNC = ("ps-async", "ps-ssp")
+"""The parameter-server engines whose shards answer each push at once: played with the
+workers drifting apart (analysis/schedules_async.py) where their step's pace is known."""
+
+
+def async_message(ps: dict | None, nbytes: float, target: Target, key: float) -> float:
+    """Bytes of an async worker's message to one shard: its keys in one of the step's buckets
+    (ps.bucket_kb; a shard answers the message once it has applied all of them), never less
+    than a key."""
+    from ps.config import PSConfig
+
+    bucket = float({**PSConfig().__dict__, **(ps or {})}["bucket_kb"]) * 1024
+    buckets = max(1, math.ceil(nbytes / bucket)) if bucket > 0 else max(1, math.ceil(nbytes / key))
+    return max(key, nbytes / target.servers / buckets)
+
+
+def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None, period: float | None = None) -> float:
     """Seconds of engine label's exchange of a step on the target cluster; ps: the engine's
-    ps settings (None: the defaults)."""
+    ps settings (None: the defaults); period: the step's seconds, by which an async engine's
+    workers drift apart (None: played in lockstep)."""
     kind = family(label)
     cluster = target.cluster(kind)
     if kind == "local":
@@ -89,6 +110,8 @@ def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None) 
         if sync and (ps or {}).get("exchange") == "phased":
             return parameter_server(cluster, nbytes, target.servers)
         key, window = ps_keys(ps or {}, sync, target.rate)
+        if label in ASYNC and period is not None:
+            return parameter_server_async(cluster, nbytes, target.servers, async_message(ps, nbytes, target, key), period)
         return parameter_server_pipelined(cluster, nbytes, target.servers, key, window)
     if kind == "gossip":
         return gossip(cluster, nbytes, label.split("/", 1)[1])
@@ -203,16 +226,17 @@ def _calibrate(run: Run, line: Timeline | None, machine: Machine) -> tuple[float
     compute = compute_time(run)
     target = _own_target(run, machine)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
+    period = _measured_step(run) if run.label in ASYNC else None  # the pace its workers drifted at
     if line is not None:
-        return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r),
+        return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r, period),
                                     _measured_step(run) - compute), line
     measured = _measured_step(run) - compute - fixed_cost(run.label, target)
-    played = exchange(run.label, target, nbytes, ps)
+    played = exchange(run.label, target, nbytes, ps, period)
     return compute, (measured / played if played > 0 else 1.0), None
 
 
 def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None, line: Timeline,
-                     ratio: float) -> float:
+                     ratio: float, period: float | None = None) -> float:
     """Seconds of label's exchange on the target left after backward, its buckets released as
     line says, every transfer `ratio` times its played time: an all-reduce's buckets one after
     the other (each with its messages' fixed cost); ZeRO stage 1 and 2's reduce-scatters so
@@ -229,7 +253,11 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
         slow = 1 / ratio if ratio > 0 else 1e12  # every link's transfers `ratio` times as long
         slowed = replace(cluster, rate=cluster.rate * slow, uplink=cluster.uplink * slow if cluster.uplink else None,
                          fabric=cluster.fabric * slow if cluster.fabric else None)
-        end = parameter_server_pipelined(slowed, nbytes, target.servers, key, window, line.buckets)
+        if label in ASYNC and period is not None:
+            end = parameter_server_async(slowed, nbytes, target.servers, async_message(ps, nbytes, target, key), period,
+                                         line.buckets)
+        else:
+            end = parameter_server_pipelined(slowed, nbytes, target.servers, key, window, line.buckets)
         return max(0.0, end - line.backward_s)
     return exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target))
 
@@ -292,10 +320,14 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
         if line is not None and grow != 1.0:  # backward grows with the compute
             line = Timeline(line.backward_s * grow, tuple((at * grow, share) for at, share in line.buckets))
         for target in (t.costed(own.get(label, False)) for t in targets):
-            if line is not None:
-                comm = exposed_exchange(label, target, nbytes, settings.get(label), line, ratio)
-            else:
-                comm = exchange(label, target, nbytes, settings.get(label)) * ratio + fixed_cost(label, target)
+            def comm_at(period: float | None) -> float:
+                if line is not None:
+                    return exposed_exchange(label, target, nbytes, settings.get(label), line, ratio, period)
+                return exchange(label, target, nbytes, settings.get(label), period) * ratio + fixed_cost(label, target)
+
+            comm = comm_at(None)
+            if label in ASYNC and comm > 0:
+                comm = drifting(compute, comm, comm_at)
             step = compute + comm
             rows.append({"engine": label, "workers": target.workers,
                          "servers": target.servers if family(label) == "ps" else None,
@@ -310,6 +342,20 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
         for r in here:
             r["fastest"] = r["step_s"] == best
     return rows
+
+
+def drifting(compute: float, lockstep: float, comm_at, tolerance: float = 1e-3) -> float:
+    """The exchange of an async engine's step at its own pace: the period p with p = compute +
+    comm_at(p), comm_at(p) the exchange of workers whose steps take p (the less the others'
+    load on every link, the longer p: one root), found by halving between the pace of the
+    exchange in lockstep (`lockstep`) and the compute alone, to `tolerance` of the period."""
+    low, high = compute, compute + lockstep
+    while compute + comm_at(high) > high:  # busier than in lockstep: a longer pace
+        low, high = high, 2 * high
+    while high - low > tolerance * high:
+        mid = (low + high) / 2
+        low, high = (mid, high) if compute + comm_at(mid) > mid else (low, mid)
+    return (low + high) / 2 - compute
 
 
 def shard_fan_in(label: str, target: Target) -> int:

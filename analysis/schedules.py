@@ -137,6 +137,19 @@ def _host_classes(cluster: Cluster, shards: int) -> list[_Hosts]:
             for (rack, worker, k), n in sorted(count.items())]
 
 
+def remote_pairs(classes: list[_Hosts]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(worker class, shard class): (shards of that class remote to one such worker, workers
+    of that class remote to one such shard host), where both are some."""
+    pairs = {}
+    for a in (c for c in classes if c.worker):
+        for b in (c for c in classes if c.shards):
+            same = a is b
+            remote = (b.n * b.shards - (b.shards if same else 0), a.n - (1 if same else 0))
+            if remote[0] and remote[1]:
+                pairs[a.name, b.name] = remote
+    return pairs
+
+
 def released(keys: int, buckets: Sequence[tuple[float, float]]) -> list[float]:
     """When each of a shard's `keys` keys (in the order they leave) is released, from buckets
     [(seconds, share of the bytes)] in the order backward released them: key k once the
@@ -167,13 +180,7 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
     keys = max(1, math.ceil(nbytes / shards / key_bytes))
     key = nbytes / shards / keys
     leaves = released(keys, ready) if ready else [0.0] * keys  # key k no sooner than leaves[k]
-    pairs = {}  # (worker class, shard class): (remote shards per worker, remote workers per shard)
-    for a in (c for c in classes if c.worker):
-        for b in (c for c in classes if c.shards):
-            same = a is b
-            remote = (b.n * b.shards - (b.shards if same else 0), a.n - (1 if same else 0))
-            if remote[0] and remote[1]:
-                pairs[a.name, b.name] = remote
+    pairs = remote_pairs(classes)
     if not pairs:
         return 0.0
     by_name = {c.name: c for c in classes}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.fairshare import Flow, fair_rates, simulate
+from analysis.fairshare import Flow, fair_rates, priority_rates, simulate
 
 
 def test_one_flow_takes_its_bytes_over_the_link_and_its_latency():
@@ -81,3 +81,19 @@ def test_an_arrival_starts_the_flows_that_wait_for_it():
     assert arrived == {"push": pytest.approx(1.5), "reply": pytest.approx(2.5), "push2": pytest.approx(2.0)}
     with pytest.raises(ValueError, match="last byte"):
         simulate([Flow("a", ("out",), 100)], {"out": 100}, lambda name, at: [Flow("b", ("out",), 1, start=0.0)])
+
+
+def test_first_come_first_served_links_give_the_earlier_flow_what_it_can_take():
+    """Served by priority, a flow takes what its links have left and the next ones the rest:
+    the first of two into one link has it all and ends first; one held back by a slower link
+    elsewhere leaves the rest to the next (a host's queue, first in first out)."""
+    one = {"out": 10.0, "slow": 4.0, "fast": 100.0}
+    first, second = Flow("a", ("out", "fast"), 10.0, priority=0), Flow("b", ("out", "fast"), 10.0, priority=1)
+    assert priority_rates([second, first], one) == {"a": 10.0, "b": 0.0}
+    assert simulate([first, second], one, share=priority_rates) == pytest.approx({"a": 1.0, "b": 2.0})
+    assert simulate([first, second], one) == pytest.approx({"a": 2.0, "b": 2.0})  # fair: together
+    held = Flow("a", ("out", "slow"), 8.0, priority=0)
+    assert priority_rates([held, second], one) == {"a": 4.0, "b": 6.0}
+    # a class of three alike flows takes three times its rate from the links it shares
+    many = Flow("c", ("out", "fast"), 1.0, fan=(3.0, 1.0), priority=0)
+    assert priority_rates([many, second], one) == pytest.approx({"c": 10.0 / 3, "b": 0.0})

@@ -1,0 +1,169 @@
+"""The parameter server's exchange where no step waits for every worker (ps-async, ps-ssp),
+played over the cluster's links (analysis/fairshare.py).
+
+Under sync every worker's push of a key must be in before a shard answers it, so the workers
+go in lockstep and analysis/schedules.py plays them so. Under async a shard answers each
+push as soon as it has applied it, and the workers drift apart: at any moment some push
+while others are answered, so a shard's link carries both ways at once. Played in lockstep,
+shards that hold one key of each worker answer only once every push is in: 2 M/B for M bytes
+on links of B, where 16 workers measured about 1.2 M/B, and a shard's key in one message
+1.93, 1.75 and 1.35 M/B at 2, 4 and 8 workers (docs/cost-model.md).
+
+So one worker of each kind is played, against the others' load on average:
+
+- every link's capacity, to it, is what the other workers' exchanges leave of it over a
+  step of `period` seconds (a link shared by processor sharing gives a flow its capacity
+  less the others' load; the caller finds the period, the step being its compute and this
+  exchange), never less than its share of the link's bytes;
+- its messages leave its host first come, first served, in the order it sends them (key by
+  key, each to every remote shard), and a message held back by a shard's busy link leaves
+  the rest of its own link to the next ones; each is answered as soon as it is in, and its
+  answer comes back while later ones still leave.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .fairshare import Flow, priority_rates, simulate
+from .schedules import Cluster, _host_classes, _Hosts, released, remote_pairs
+
+BATCHES = 64
+"""A worker's messages of one key to many shards are played in at most this many batches:
+beyond, the last batch's answer, which is what the batching changes, is under 2% of the
+exchange."""
+
+
+def _loads(cluster: Cluster, classes: list[_Hosts], pairs: dict, per: float) -> dict[str, float]:
+    """Bytes a step puts on each link (one host of each class; each rack's uplink; the
+    fabric), every worker's exchange together: `per` bytes each way between a worker and each
+    remote shard."""
+    by_name = {c.name: c for c in classes}
+    load: dict[str, float] = {}
+
+    def add(link: str, nbytes: float) -> None:
+        load[link] = load.get(link, 0.0) + nbytes
+
+    for (a, b), (rs, rw) in pairs.items():
+        wa, sb = by_name[a], by_name[b]
+        for way in ("out", "in"):
+            add(f"{way}:{a}", rs * per)  # its pushes out, their answers in
+            add(f"{way}:{b}", sb.shards * rw * per)  # the pushes in, the answers out
+        moved = wa.n * rs * per  # every worker of class a to every shard of class b, one way
+        if cluster.racks > 1 and cluster.uplink is not None and wa.rack != sb.rack:
+            for rack in (wa.rack, sb.rack):
+                add(f"up:r{rack}", moved)
+                add(f"down:r{rack}", moved)
+        if cluster.fabric is not None:
+            add("fabric", 2 * moved)
+    return load
+
+
+def _own(cluster: Cluster, a: _Hosts, classes: list[_Hosts], pairs: dict, per: float) -> tuple[dict, dict]:
+    """Bytes a step of one worker of class a puts on links: ({its own host's ways, the rack
+    uplinks, the fabric: bytes}, {shard class: bytes each way to and from one remote host of it})."""
+    by_name = {c.name: c for c in classes}
+    own: dict[str, float] = {}
+    remote: dict[str, float] = {}
+
+    def add(link: str, nbytes: float) -> None:
+        own[link] = own.get(link, 0.0) + nbytes
+
+    for (wa, b), (rs, _) in pairs.items():
+        if wa != a.name:
+            continue
+        sb = by_name[b]
+        add(f"out:{a.name}", rs * per)
+        add(f"in:{a.name}", rs * per)
+        remote[b] = sb.shards * per
+        if cluster.racks > 1 and cluster.uplink is not None and a.rack != sb.rack:
+            for link in (f"up:r{a.rack}", f"down:r{a.rack}", f"up:r{sb.rack}", f"down:r{sb.rack}"):
+                add(link, rs * per)
+        if cluster.fabric is not None:
+            add("fabric", 2 * rs * per)
+    return own, remote
+
+
+def _left(capacity: float, own: float, total: float, period: float) -> float:
+    """What a link of `capacity` leaves to a worker that moves `own` of the `total` bytes it
+    carries a step of `period` seconds: what the others' bytes leave of it on average, never
+    less than its share of the bytes."""
+    others = max(0.0, total - own)
+    return max(capacity - others / period, capacity * own / (own + others) if own + others > 0 else capacity)
+
+
+def _capacity(cluster: Cluster, link: str) -> float:
+    if link == "fabric":
+        return float(cluster.fabric)
+    if link.startswith(("up:", "down:")):
+        return float(cluster.uplink)
+    return cluster.rate
+
+
+def parameter_server_async(cluster: Cluster, nbytes: float, shards: int, key_bytes: float, period: float,
+                           ready: Sequence[tuple[float, float]] = ()) -> float:
+    """Seconds of one worker's exchange of nbytes over `shards` shards in keys of about
+    key_bytes, under async, its steps taking `period` seconds (see the module's text; the
+    mean over the kinds of worker, by their numbers). ready: the buckets [(seconds, share of
+    the bytes)] as backward released them (see schedules.released); (): all at 0."""
+    if cluster.servers not in (0, shards):
+        raise ValueError(f"the cluster has {cluster.servers} shard hosts for {shards} shards")
+    if key_bytes <= 0 or period <= 0:
+        raise ValueError(f"key_bytes={key_bytes} and period={period}: must be > 0")
+    classes = _host_classes(cluster, shards)
+    pairs = remote_pairs(classes)
+    if not pairs:
+        return 0.0
+    keys = max(1, math.ceil(nbytes / shards / key_bytes))
+    key, per = nbytes / shards / keys, nbytes / shards
+    leaves = released(keys, ready) if ready else [0.0] * keys
+    total = _loads(cluster, classes, pairs, per)
+    ends, counts = [], []
+    for a in (c for c in classes if c.worker and any(wa == c.name for wa, _ in pairs)):
+        ends.append(_one_worker(cluster, a, classes, pairs, total, per, key, keys, leaves, period))
+        counts.append(a.n)
+    return sum(e * n for e, n in zip(ends, counts)) / sum(counts)
+
+
+def _one_worker(cluster: Cluster, a: _Hosts, classes: list[_Hosts], pairs: dict, total: dict, per: float,
+                key: float, keys: int, leaves: list[float], period: float) -> float:
+    """When one worker of class a has every answer: its keys played against the others' load."""
+    by_name = {c.name: c for c in classes}
+    own, remote = _own(cluster, a, classes, pairs, per)
+    capacity = {link: _left(_capacity(cluster, link), nbytes, total.get(link, 0.0), period)
+                for link, nbytes in own.items()}  # its own host's ways, the uplinks, the fabric
+    fabric = ("fabric",) if cluster.fabric is not None else ()
+
+    def crossing(src: _Hosts, dst: _Hosts) -> tuple[str, ...]:
+        if cluster.racks > 1 and cluster.uplink is not None and src.rack != dst.rack:
+            return f"up:r{src.rack}", f"down:r{dst.rack}"
+        return ()
+
+    # Its messages in the order it sends them, key by key, each to every remote shard, in
+    # batches of alike messages (at most BATCHES a key; fairshare's fan), each batch into
+    # shards' links of its own, served first come, first served.
+    sends = [(k, b, rs) for k in range(keys) for (wa, b), (rs, _) in sorted(pairs.items()) if wa == a.name]
+    size = math.ceil(sum(rs for k, _, rs in sends if k == 0) / BATCHES)
+    batches = [(k, b, first // size, min(size, rs - first)) for k, b, rs in sends for first in range(0, rs, size)]
+    for _, b, slot, _ in batches:
+        capacity[f"in:{b}#{slot}"] = _left(cluster.rate, remote[b], total[f"in:{b}"], period) / by_name[b].shards
+        capacity[f"out:{b}#{slot}"] = _left(cluster.rate, remote[b], total[f"out:{b}"], period) / by_name[b].shards
+
+    def flow(name: str, i: int, start: float) -> Flow:
+        _, b, slot, count = batches[i]
+        shard = by_name[b]
+        if name == "push":
+            links = (f"out:{a.name}",) + crossing(a, shard) + (f"in:{b}#{slot}",) + fabric
+        else:
+            links = (f"out:{b}#{slot}",) + crossing(shard, a) + (f"in:{a.name}",) + fabric
+        fans = tuple(1.0 if "#" in link else float(count) for link in links)
+        return Flow(f"{name} {i}", links, key, start, cluster.latency, fans, priority=i)
+
+    def then(name: str, at: float) -> list[Flow]:
+        kind, i = name.split(" ")
+        return [flow("answer", int(i), at)] if kind == "push" else []
+
+    arrived = simulate([flow("push", i, leaves[k]) for i, (k, *_) in enumerate(batches)], capacity, then,
+                       priority_rates)
+    return max(t for name, t in arrived.items() if name.startswith("answer"))
