@@ -65,6 +65,19 @@ def rpc_throughput(experiment: str, workers: int, steps: int, rounds: int, out: 
     return rates
 
 
+def rpc_pairs(experiment: str, workers: int, steps: int, rounds: int, out: Path) -> dict[str, list[float]]:
+    """samples/s of ps-sync and of the torch.distributed.rpc server, a run of each in turn,
+    `rounds` times: each pair a moment apart, so that their ratio is the machine's of that
+    moment (ratios: ps-sync's over the rpc server's, pair by pair)."""
+    ps, rpc = [], []
+    for r in range(rounds):
+        where = out / f"rpc-pair{r}"
+        where.mkdir(parents=True, exist_ok=True)
+        ps += engine_throughput(experiment, {"ps-sync": ("ps-sync", ())}, workers, steps, 1, where)["ps-sync"]
+        rpc += rpc_throughput(experiment, workers, steps, 1, where)
+    return {"ps_sync": ps, "rpc_ps": rpc, "ratios": [a / b for a, b in zip(ps, rpc)]}
+
+
 def ps_bandwidth(out: Path) -> list[dict]:
     """One worker against one shard in another process; see ps/benchmark.py."""
     from ps.benchmark import measure
@@ -295,11 +308,14 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
          + ", ".join(f"{name} median {quick_med[name]:.0f} (rounds {', '.join(f'{v:.0f}' for v in quick[name])})"
                      for name in QUICK_VARIANTS))
     echo(f"  ps-sync / allreduce = {quick_med['ps-sync'] / quick_med['allreduce']:.2f}x")
-    rpc_rates = rpc_throughput("mlp-wide", workers, steps, rounds, out)
-    rpc_med = statistics.median(rpc_rates)
-    echo(f"  {'rpc-ps':15s} median {rpc_med:8.1f}  rounds {', '.join(f'{v:.1f}' for v in rpc_rates)}"
-         f"  (torch.distributed.rpc batch-update server, the pattern of PyTorch's examples)")
-    echo(f"  ps-sync / rpc-ps = {med['ps-sync'] / rpc_med:.2f}x")
+    pairs = rpc_pairs("mlp-wide", workers, steps, rounds, out)
+    rpc_rates = pairs["rpc_ps"]
+    echo(f"  {'rpc-ps':15s} median {statistics.median(rpc_rates):8.1f}  rounds "
+         f"{', '.join(f'{v:.1f}' for v in rpc_rates)}  (torch.distributed.rpc batch-update server, the pattern "
+         f"of PyTorch's examples), each round right after a ps-sync run of its own: "
+         f"{', '.join(f'{v:.1f}' for v in pairs['ps_sync'])}")
+    echo(f"  ps-sync / rpc-ps = {statistics.median(pairs['ratios']):.2f}x (median of the pairs: "
+         f"{', '.join(f'{v:.2f}' for v in pairs['ratios'])})")
     echo("")
     sparse = sparse_table(workers, min(steps, 20), rounds, out)
     echo(format_sparse_table(sparse, workers, min(steps, 20), rounds))
@@ -311,7 +327,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     fault_report = faults_goals(out, echo)
     report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "ps_legs": legs, "ps_load": load_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
-              "rpc_ps": rpc_rates, "sparse": sparse, "compression": compression}
+              "rpc_ps": rpc_rates, "rpc_pairs": pairs, "sparse": sparse, "compression": compression}
     if carried is not None:
         report["fabric"] = carried
     files.write_json(out / "bench.json", report)

@@ -98,3 +98,28 @@ def test_the_bench_measures_the_fabric_where_it_can_make_hosts_and_says_why_not_
     monkeypatch.setattr(machine, "fabric", lambda rate: asked.append(rate) or measured)
     assert machine.fabric_if_possible(said.append) is measured and asked == ["2gbit"]
     assert said[-1].startswith("fabric: 4 emulated hosts on 2gbit links moved 600 MB/s all together")
+
+
+def test_ps_sync_and_the_rpc_server_run_in_turn_and_each_pair_gives_a_ratio(monkeypatch, tmp_path):
+    """The bench's rpc column: a ps-sync run, then an rpc server run, round after round, each
+    in a folder of its own; the ratio is each pair's."""
+    from experiments.bench import suite
+
+    calls, ps, rpc = [], iter([300.0, 330.0, 360.0]), iter([200.0, 300.0, 180.0])
+
+    def engines(experiment, variants, workers, steps, rounds, out):
+        calls.append(("ps-sync", out.name, list(variants), rounds))
+        return {"ps-sync": [next(ps)]}
+
+    def server(experiment, workers, steps, rounds, out):
+        assert out.is_dir()
+        calls.append(("rpc", out.name, rounds))
+        return [next(rpc)]
+
+    monkeypatch.setattr(suite, "engine_throughput", engines)
+    monkeypatch.setattr(suite, "rpc_throughput", server)
+    pairs = suite.rpc_pairs("mlp-wide", 2, 15, 3, tmp_path)
+    assert calls == [("ps-sync", "rpc-pair0", ["ps-sync"], 1), ("rpc", "rpc-pair0", 1),
+                     ("ps-sync", "rpc-pair1", ["ps-sync"], 1), ("rpc", "rpc-pair1", 1),
+                     ("ps-sync", "rpc-pair2", ["ps-sync"], 1), ("rpc", "rpc-pair2", 1)]
+    assert pairs == {"ps_sync": [300.0, 330.0, 360.0], "rpc_ps": [200.0, 300.0, 180.0], "ratios": [1.5, 1.1, 2.0]}
