@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from statistics import median
+from typing import Callable
 
 from .costmodel import compute_time
 from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
@@ -344,11 +345,12 @@ def predict(runs: list[Run], labels: list[str], targets: list[Target], params_by
     return rows
 
 
-def drifting(compute: float, lockstep: float, comm_at, tolerance: float = 1e-3) -> float:
+def drifting(compute: float, lockstep: float, comm_at: Callable[[float], float], tolerance: float = 1e-3) -> float:
     """The exchange of an async engine's step at its own pace: the period p with p = compute +
-    comm_at(p), comm_at(p) the exchange of workers whose steps take p (the less the others'
-    load on every link, the longer p: one root), found by halving between the pace of the
-    exchange in lockstep (`lockstep`) and the compute alone, to `tolerance` of the period."""
+    comm_at(p), comm_at(p) the exchange of workers whose steps take p (the longer p, the less
+    the others' load on every link and the shorter comm_at(p): one root), found by halving
+    between the compute alone and its pace with the exchange in lockstep (`lockstep`), to
+    `tolerance` of the period."""
     low, high = compute, compute + lockstep
     while compute + comm_at(high) > high:  # busier than in lockstep: a longer pace
         low, high = high, 2 * high
