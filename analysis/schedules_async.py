@@ -1,5 +1,5 @@
-"""The parameter server's exchange where no step waits for every worker (ps-async, ps-ssp),
-played over the cluster's links (analysis/fairshare.py).
+"""The parameter server's exchange where no step waits for every worker (ps-async), played
+over the cluster's links (analysis/fairshare.py).
 
 Under sync every worker's push of a key must be in before a shard answers it, so the workers
 go in lockstep and analysis/schedules.py plays them so. Under async a shard answers each

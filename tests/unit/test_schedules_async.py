@@ -90,3 +90,14 @@ def test_predict_plays_ps_async_at_its_own_pace_and_ps_sync_in_lockstep(tmp_path
     assert row["compute_s"] == pytest.approx(0.01)
     assert row["comm_s"] == pytest.approx(ratio * exchange("ps-async", target, M, period=row["step_s"]), rel=1e-2)
     assert row["comm_s"] < ratio * exchange("ps-async", target, M)  # in lockstep
+
+
+def test_ps_ssp_is_played_in_lockstep(tmp_path):
+    """ssp's bound holds its workers together (docs/cost-model.md): from a 2-worker ps-ssp
+    run, 16 workers are its calibration's ratio times the lockstep schedule."""
+    step = 0.01 + 1.5 * M / (RATE_BITS / 8)
+    run = fake_run(tmp_path / "ssp", "ps-ssp", workers=2, compute_s=0.01, step_s=step)
+    target = Target(16, RATE_BITS / 8, servers=16, placement="separate")
+    [row] = predict([run], ["ps-ssp"], [target])
+    ratio = (step - 0.01) / exchange("ps-ssp", _own_target(run), M)
+    assert row["comm_s"] == pytest.approx(ratio * exchange("ps-ssp", target, M))
