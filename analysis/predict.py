@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from statistics import median
-from typing import Callable
+from typing import Callable, Sequence
 
 from .costmodel import compute_time
 from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
@@ -71,13 +71,20 @@ class Target:
                        self.fabric)
 
 
+def _ps_settings(settings: dict | None) -> dict:
+    """The ps settings given over ps.config.PSConfig's defaults."""
+    from ps.config import PSConfig
+
+    return {**PSConfig().__dict__, **(settings or {})}
+
+
 def ps_keys(settings: dict, sync: bool, rate: float) -> tuple[float, int]:
     """(key bytes, window in keys; 0: none) of a parameter server's pipelined exchange with
     the ps settings given, on links of `rate` bytes/s, as its workers cut and hold them
     (ps.config.key_mb and sync_window)."""
-    from ps.config import PSConfig, key_mb, sync_window
+    from ps.config import key_mb, sync_window
 
-    ps = {**PSConfig().__dict__, **settings}
+    ps = _ps_settings(settings)
     key = key_mb(float(ps["chunk_mb"]), rate * 8)
     window = sync_window(float(ps["window_mb"]), float(ps["bucket_kb"]), key, rate * 8, ps["order"])[0] if sync else 0.0
     return key * (1 << 20), max(1, int(window // key)) if window else 0
@@ -94,11 +101,21 @@ def async_message(ps: dict | None, nbytes: float, target: Target, key: float) ->
     """Bytes of an async worker's message to one shard: its keys in one of the step's buckets
     (ps.bucket_kb; a shard answers the message once it has applied all of them), never less
     than a key."""
-    from ps.config import PSConfig
-
-    bucket = float({**PSConfig().__dict__, **(ps or {})}["bucket_kb"]) * 1024
+    bucket = float(_ps_settings(ps)["bucket_kb"]) * 1024
     buckets = max(1, math.ceil(nbytes / bucket)) if bucket > 0 else max(1, math.ceil(nbytes / key))
     return max(key, nbytes / target.servers / buckets)
+
+
+def _ps_played(label: str, cluster: Cluster, target: Target, nbytes: float, ps: dict | None, period: float | None,
+               ready: Sequence[tuple[float, float]] = ()) -> float:
+    """Seconds of a parameter server's pipelined exchange on cluster (the target's, or its
+    links slowed), in the keys and window its workers take on the target's links: drifting
+    apart where label is ASYNC and period known, else in lockstep; ready: its buckets."""
+    key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
+    if label in ASYNC and period is not None:
+        return parameter_server_async(cluster, nbytes, target.servers, async_message(ps, nbytes, target, key), period,
+                                      ready)
+    return parameter_server_pipelined(cluster, nbytes, target.servers, key, window, ready)
 
 
 def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None, period: float | None = None) -> float:
@@ -110,13 +127,9 @@ def exchange(label: str, target: Target, nbytes: float, ps: dict | None = None, 
     if kind == "local":
         return 0.0
     if kind == "ps":
-        sync = label == "ps-sync"
-        if sync and (ps or {}).get("exchange") == "phased":
+        if label == "ps-sync" and (ps or {}).get("exchange") == "phased":
             return parameter_server(cluster, nbytes, target.servers)
-        key, window = ps_keys(ps or {}, sync, target.rate)
-        if label in ASYNC and period is not None:
-            return parameter_server_async(cluster, nbytes, target.servers, async_message(ps, nbytes, target, key), period)
-        return parameter_server_pipelined(cluster, nbytes, target.servers, key, window)
+        return _ps_played(label, cluster, target, nbytes, ps, period)
     if kind == "gossip":
         return gossip(cluster, nbytes, label.split("/", 1)[1])
     return ring_allreduce(cluster, nbytes) * (1.5 if label == "zero-3" else 1.0)
@@ -252,17 +265,11 @@ def exposed_exchange(label: str, target: Target, nbytes: float, ps: dict | None,
         gathers = exchange(label, target, nbytes) * ratio / 2 + len(line.buckets) * fixed_cost(label, target) / 2
         return exposed(line, half) + gathers
     if family(label) == "ps":
-        key, window = ps_keys(ps or {}, label == "ps-sync", target.rate)
         cluster = target.cluster("ps")
         slow = 1 / ratio if ratio > 0 else 1e12  # every link's transfers `ratio` times as long
         slowed = replace(cluster, rate=cluster.rate * slow, uplink=cluster.uplink * slow if cluster.uplink else None,
                          fabric=cluster.fabric * slow if cluster.fabric else None)
-        if label in ASYNC and period is not None:
-            end = parameter_server_async(slowed, nbytes, target.servers, async_message(ps, nbytes, target, key), period,
-                                         line.buckets)
-        else:
-            end = parameter_server_pipelined(slowed, nbytes, target.servers, key, window, line.buckets)
-        return max(0.0, end - line.backward_s)
+        return max(0.0, _ps_played(label, slowed, target, nbytes, ps, period, line.buckets) - line.backward_s)
     return exposed(line, lambda share: exchange(label, target, share * nbytes) * ratio + fixed_cost(label, target))
 
 

@@ -35,11 +35,10 @@ beyond, the last batch's answer, which is what the batching changes, is under 2%
 exchange."""
 
 
-def _loads(cluster: Cluster, classes: list[_Hosts], pairs: dict, per: float) -> dict[str, float]:
+def _loads(cluster: Cluster, by_name: dict[str, _Hosts], pairs: dict, per: float) -> dict[str, float]:
     """Bytes a step puts on each link (one host of each class; each rack's uplink; the
     fabric), every worker's exchange together: `per` bytes each way between a worker and each
     remote shard."""
-    by_name = {c.name: c for c in classes}
     load: dict[str, float] = {}
 
     def add(link: str, nbytes: float) -> None:
@@ -60,10 +59,9 @@ def _loads(cluster: Cluster, classes: list[_Hosts], pairs: dict, per: float) -> 
     return load
 
 
-def _own(cluster: Cluster, a: _Hosts, classes: list[_Hosts], pairs: dict, per: float) -> tuple[dict, dict]:
+def _own(cluster: Cluster, a: _Hosts, by_name: dict[str, _Hosts], pairs: dict, per: float) -> tuple[dict, dict]:
     """Bytes a step of one worker of class a puts on links: ({its own host's ways, the rack
     uplinks, the fabric: bytes}, {shard class: bytes each way to and from one remote host of it})."""
-    by_name = {c.name: c for c in classes}
     own: dict[str, float] = {}
     remote: dict[str, float] = {}
 
@@ -118,19 +116,19 @@ def parameter_server_async(cluster: Cluster, nbytes: float, shards: int, key_byt
     keys = max(1, math.ceil(nbytes / shards / key_bytes))
     key, per = nbytes / shards / keys, nbytes / shards
     leaves = released(keys, ready) if ready else [0.0] * keys
-    total = _loads(cluster, classes, pairs, per)
+    by_name = {c.name: c for c in classes}
+    total = _loads(cluster, by_name, pairs, per)
     ends, counts = [], []
     for a in (c for c in classes if c.worker and any(wa == c.name for wa, _ in pairs)):
-        ends.append(_one_worker(cluster, a, classes, pairs, total, per, key, keys, leaves, period))
+        ends.append(_one_worker(cluster, a, by_name, pairs, total, per, key, keys, leaves, period))
         counts.append(a.n)
     return sum(e * n for e, n in zip(ends, counts)) / sum(counts)
 
 
-def _one_worker(cluster: Cluster, a: _Hosts, classes: list[_Hosts], pairs: dict, total: dict, per: float,
+def _one_worker(cluster: Cluster, a: _Hosts, by_name: dict[str, _Hosts], pairs: dict, total: dict, per: float,
                 key: float, keys: int, leaves: list[float], period: float) -> float:
     """When one worker of class a has every answer: its keys played against the others' load."""
-    by_name = {c.name: c for c in classes}
-    own, remote = _own(cluster, a, classes, pairs, per)
+    own, remote = _own(cluster, a, by_name, pairs, per)
     capacity = {link: _left(_capacity(cluster, link), nbytes, total.get(link, 0.0), period)
                 for link, nbytes in own.items()}  # its own host's ways, the uplinks, the fabric
     fabric = ("fabric",) if cluster.fabric is not None else ()
