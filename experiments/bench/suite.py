@@ -19,6 +19,7 @@ from experiments.bench.compression import compression_goals
 from experiments.bench.faults import faults_goals
 from experiments.bench.startup import format_startup, startup
 from experiments.bench.fabric import fabric_if_possible
+from experiments.bench.incast import incast_if_possible
 from experiments.bench.legs import format_legs_table, push_pull_legs
 from experiments.rundir import files
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
@@ -285,6 +286,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     load_rows = ps_load(out)
     echo(format_ps_load_table(load_rows))
     carried = fabric_if_possible(echo)
+    incast_rows = incast_if_possible(echo)
     echo("")
     variants = {"ddp": ("ddp", ()), "allreduce": ("allreduce", ()),
                 "allreduce-ring": ("allreduce", ("allreduce.algorithm=ring",)),
@@ -330,5 +332,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
               "rpc_ps": rpc_rates, "rpc_pairs": pairs, "sparse": sparse, "compression": compression}
     if carried is not None:
         report["fabric"] = carried
+    if incast_rows is not None:
+        report["incast"] = incast_rows
     files.write_json(out / "bench.json", report)
     return report

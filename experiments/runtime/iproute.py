@@ -39,31 +39,30 @@ CONGESTION = "/proc/sys/net/ipv4/tcp_congestion_control"
 
 
 def congestion(netns: str, name: str = "") -> str:
-    """TCP's congestion control in namespace netns (set to name first, where given): a new
-    namespace starts with the machine's default, and can be set only to what the machine
-    allows (net.ipv4.tcp_allowed_congestion_control). NetworkError naming those otherwise."""
+    """TCP's congestion control in namespace netns, set first where `name` is given: one name,
+    or several in order of preference ("cubic,reno": the first this machine lets a namespace
+    use). A new namespace starts with the machine's default and takes only what the machine
+    allows (net.ipv4.tcp_allowed_congestion_control); NetworkError naming those where it takes
+    none of `name`. Returns what the namespace runs."""
     if name:
-        if not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", name):  # it goes through sh
-            raise NetworkError(f"net.congestion={name!r}: not a TCP congestion control's name")
-        res = run("ip", "netns", "exec", netns, "sh", "-c", f"echo {name} > {CONGESTION}", check=False)
-        if res.returncode != 0:
+        names = name.split(",")
+        for one in names:
+            if not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", one):  # it goes through sh
+                raise NetworkError(f"net.congestion={name!r}: {one!r} is not a TCP congestion control's name")
+        errors = []
+        for one in names:
+            res = run("ip", "netns", "exec", netns, "sh", "-c", f"echo {one} > {CONGESTION}", check=False)
+            if res.returncode == 0:
+                break
+            errors.append(res.stderr.strip())
+        else:
             allowed = run("ip", "netns", "exec", netns, "cat", CONGESTION.replace("congestion_control",
                                                                                  "allowed_congestion_control"),
                           check=False).stdout.split()
             raise NetworkError(f"net.congestion={name}: a host's namespace takes only what this machine allows "
                                f"({', '.join(allowed) or 'none'}; net.ipv4.tcp_allowed_congestion_control): "
-                               f"{res.stderr.strip()}")
+                               f"{errors[-1]}")
     return run("ip", "netns", "exec", netns, "cat", CONGESTION).stdout.strip()
-
-
-def congestion_default() -> str:
-    """The congestion control a new namespace starts with here (read off a probe namespace)."""
-    probe = f"{PREFIX}{os.getpid()}-cc"
-    try:
-        run("ip", "netns", "add", probe)
-        return congestion(probe)
-    finally:
-        run("ip", "netns", "del", probe, check=False)
 
 
 def unavailable() -> str | None:

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from experiments.runtime.iproute import (CMD_TIMEOUT_S, PREFIX, NetworkError, _alive, _kill_inside,  # noqa: F401
-                                         _namespaces, clean_stale, congestion, congestion_default, has_netem, run,
+                                         _namespaces, clean_stale, congestion, has_netem, run,
                                          unavailable)
 from experiments.runtime.netprobes import Probes
 from experiments.settings.net import NetConfig, parse_rate
@@ -134,8 +134,9 @@ class Network(Probes):
     """Each rack's link to the core, each way, in tc's units; "": not shaped."""
     queue_ms: float = QUEUE_MS
     """What the bridge's side of a link (a switch port) queues past its burst, in ms of its rate."""
-    congestion: str = ""
-    """TCP congestion control on every host ("": the machine's default, which they start with)."""
+    congestion: str = NetConfig.congestion
+    """TCP congestion control on every host, the first of these names the machine lets a
+    namespace use (net.congestion; "": the machine's default, which they start with)."""
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     hosts: dict[str, Host] = field(default_factory=dict)
     created: list[str] = field(default_factory=list)
@@ -280,8 +281,8 @@ class Network(Probes):
                 if self.rate:
                     self._shape_host(host, i)          # what the host sends
                     self._shape(self.bridge_ns, port)  # what it receives
-                if self.congestion or not self.hosts:  # set on every host; the machine's own read once
-                    self.congestion_in_use = congestion(host.netns, self.congestion)
+                if self.congestion or not self.hosts:  # chosen on the first host, set on every one
+                    self.congestion_in_use = congestion(host.netns, self.congestion_in_use or self.congestion)
                 self.hosts[name] = host
         except BaseException:
             self.down()

@@ -87,19 +87,82 @@ class Probes:
                                                *[o.addr for o in self.hosts.values() if o is not h]),
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for name, h in self.hosts.items()}
-        seconds = {}
-        try:
-            for name, proc in procs.items():
-                try:
-                    out, err = proc.communicate(timeout=max(1.0, start + timeout_s - time.time()))
-                except subprocess.TimeoutExpired:
-                    raise NetworkError(f"all-to-all: host {name} did not finish within {timeout_s:g} s") from None
-                if proc.returncode != 0:
-                    raise NetworkError(f"all-to-all: host {name} failed: {err.strip()[-300:]}")
-                seconds[name] = float(out.split()[-1])
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=10)
-        return seconds
+        outs = _outputs("all-to-all", procs, start + timeout_s, f"within {timeout_s:g} s")
+        return {name: float(out.split()[-1]) for name, out in outs.items()}
+
+    def incast(self, receiver: str, nbytes: int, port: int, rounds: int, period_s: float,
+               timeout_s: float = 60.0) -> list[float]:
+        """Every host but `receiver` sends it nbytes at once, `rounds` times, a round every
+        period_s seconds over connections opened beforehand (each sender's flow idle between
+        rounds, as a worker's is during its compute): the seconds from each round's start until
+        the receiver has all of that round's bytes (bare TCP, the pattern of a parameter
+        server's pushes into one shard). Raises NetworkError naming a host that fails."""
+        take = ("import socket,sys,threading,time\n"
+                "me,port,n,k,rounds,start,period=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),int(sys.argv[4]),"
+                "int(sys.argv[5]),float(sys.argv[6]),float(sys.argv[7])\n"
+                "srv=socket.create_server((me,port)); srv.settimeout(max(1,start-time.time()))\n"
+                "conns=[srv.accept()[0] for _ in range(k)]\n"
+                "ends=[[0.0]*k for _ in range(rounds)]\n"
+                "def take(i,c):\n"
+                "    c.settimeout(start+rounds*period+30-time.time())\n"
+                "    for r in range(rounds):\n"
+                "        got=0\n"
+                "        while got<n:\n"
+                "            b=c.recv(1<<20)\n"
+                "            if not b: sys.exit(f'{me}: a sender closed in round {r}')\n"
+                "            got+=len(b)\n"
+                "        ends[r][i]=time.time()\n"
+                "ts=[threading.Thread(target=take,args=(i,c)) for i,c in enumerate(conns)]\n"
+                "for t in ts: t.start()\n"
+                "for t in ts: t.join()\n"
+                "print(' '.join(str(max(e)-(start+r*period)) for r,e in enumerate(ends)))\n")
+        give = ("import socket,sys,time\n"
+                "to,port,n,rounds,start,period=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),int(sys.argv[4]),"
+                "float(sys.argv[5]),float(sys.argv[6])\n"
+                "end=time.time()+10\n"
+                "while True:\n"
+                "    try: c=socket.create_connection((to,port),timeout=2); break\n"
+                "    except OSError as e:\n"
+                "        if time.time()>end: sys.exit(f'{to}: {e}')\n"
+                "        time.sleep(0.05)\n"
+                "c.settimeout(start+rounds*period+30-time.time())\n"
+                "buf=bytes(n)\n"
+                "for r in range(rounds):\n"
+                "    time.sleep(max(0,start+r*period-time.time()))\n"
+                "    c.sendall(buf)\n"
+                "c.shutdown(socket.SHUT_WR); c.recv(1)\n")
+        sink = self.hosts[receiver]
+        senders = [h for name, h in self.hosts.items() if name != receiver]
+        start = time.time() + 1.5 + 0.2 * len(self.hosts)
+        procs = {receiver: subprocess.Popen(sink.argv(sys.executable, "-c", take, sink.addr, port, nbytes, len(senders),
+                                                      rounds, start, period_s),
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
+        time.sleep(0.3)  # listening before the senders connect
+        for h in senders:
+            procs[h.name] = subprocess.Popen(h.argv(sys.executable, "-c", give, sink.addr, port, nbytes, rounds,
+                                                    start, period_s),
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        outs = _outputs("incast", procs, start + rounds * period_s + timeout_s,
+                        f"within {timeout_s:g} s of its last round")
+        return [float(x) for x in outs[receiver].split()]
+
+
+def _outputs(probe: str, procs: dict[str, subprocess.Popen], deadline: float, within: str) -> dict[str, str]:
+    """Each host's standard output once its probe process ends, by host; NetworkError naming
+    the probe and a host that fails or is still running at `deadline` (time.time()); every
+    process killed on the way out."""
+    outs = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                outs[name], err = proc.communicate(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                raise NetworkError(f"{probe}: host {name} did not finish {within}") from None
+            if proc.returncode != 0:
+                raise NetworkError(f"{probe}: host {name} failed: {(err or '').strip()[-300:]}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    return outs

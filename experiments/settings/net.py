@@ -31,14 +31,19 @@ class NetConfig:
     again; a deep-buffered switch (100 ms or more) queues it instead. mlp-mid ps-sync x4 on 4
     separate shards at 100mbit, 12 steps, two runs each: 2.66 and 2.68 s a step at 10 ms (3.7
     and 3.8% of segments sent again), 2.14 and 2.15 s at 300 ms (0.01%)."""
-    congestion: str = ""
-    """TCP congestion control on every emulated host: "" the machine's default, which a new
-    network namespace starts with (summary.json's network.congestion says which ran), or one
-    the machine allows namespaces (net.ipv4.tcp_allowed_congestion_control), such as reno or
-    bbr. Flows that ignore loss (bbr) drop more at a shallow port several hosts send into:
-    mlp-mid [256,256] ps-sync x4 on 4 separate shards at 100mbit, 30 steps, two runs each,
-    alternated: bbr 157.7 and 168.8 ms a step (1.1 and 1.7% of segments sent again), reno 148.6
-    and 143.3 ms (1.0%)."""
+    congestion: str = "cubic,reno"
+    """TCP congestion control on every emulated host: the first of these names (in order) that
+    the machine lets a network namespace use (net.ipv4.tcp_allowed_congestion_control), or ""
+    for the machine's own default, which a new namespace starts with; summary.json's
+    network.congestion says which ran. By default a loss-based one, as a cluster's Linux hosts
+    run (cubic; reno where namespaces may not take cubic: at sub-millisecond round trips cubic
+    grows its window as reno does). Flows that ignore loss (bbr) overflow a shallow port that
+    several hosts send into: 4 hosts sending 270 KB each at once into one host's 100mbit port
+    (10 ms of queue), 30 rounds, two runs each, alternated: bbr sent 31 to 32% of its
+    segments again, 4 and 9 retransmission timeouts, its slowest tenth of rounds 3.2x the
+    port's time; reno 0.8 to 1.0%, none, 1.01 to 1.03x. 8 hosts, 135 KB each, a 200mbit port:
+    bbr 43% sent again and a median round of 0.96 and 4.8x the port's time, reno 6.5 to 8.1%
+    and 0.96x."""
     placement: str = "colocated"
     """Parameter-server shards on the workers' hosts (shard i on worker i's host, as BytePS
     co-locates them), or "separate": a host of their own each (spare CPU machines)."""
@@ -79,9 +84,9 @@ class NetConfig:
             raise ValueError("net.latency_ms needs an emulated network: give --net RATE too")
         if not (self.queue_ms > 0 and math.isfinite(self.queue_ms)):
             raise ValueError(f"net.queue_ms={self.queue_ms}: must be a finite number > 0")
-        if self.congestion and not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.congestion):
+        if self.congestion and not re.fullmatch(r"[a-z][a-z0-9_]{0,15}(,[a-z][a-z0-9_]{0,15})*", self.congestion):
             raise ValueError(f"net.congestion={self.congestion!r}: expected a TCP congestion control's name, "
-                             "such as reno, cubic or bbr")
+                             "such as reno, cubic or bbr, or several comma-separated in order of preference")
 
     def check(self, workers: int, servers: int | None) -> None:
         """The racks against each other and against the run's hosts, once every override is in
@@ -92,7 +97,7 @@ class NetConfig:
         if self.queue_ms != NetConfig.queue_ms and not self.rate:
             raise ValueError(f"net.queue_ms={self.queue_ms:g} sizes an emulated switch port's queue: "
                              "give --net RATE too")
-        if self.congestion and not self.rate:
+        if self.congestion != NetConfig.congestion and not self.rate:
             raise ValueError(f"net.congestion={self.congestion} sets the emulated hosts' TCP: give --net RATE too")
         if self.uplink and self.racks == 1:
             raise ValueError(f"net.uplink={self.uplink} joins racks to the core: set net.racks above 1 too")

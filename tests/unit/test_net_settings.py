@@ -65,6 +65,7 @@ def test_a_list_that_does_not_fit_is_refused_naming_its_key(net, call, message):
     (dict(rate="1gbit", queue_ms=0), "net.queue_ms=0: must be a finite number > 0"),
     (dict(rate="1gbit", queue_ms=float("inf")), "net.queue_ms=inf: must be a finite number > 0"),
     (dict(rate="1gbit", congestion="reno; reboot"), "net.congestion='reno; reboot': expected a TCP congestion"),
+    (dict(rate="1gbit", congestion="cubic,,reno"), "net.congestion='cubic,,reno': expected a TCP congestion"),
 ])
 def test_a_setting_that_is_wrong_on_its_own_is_refused_at_once(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
