@@ -37,7 +37,7 @@ class NetConfig:
     for the machine's own default, which a new namespace starts with; summary.json's
     network.congestion says which ran. By default a loss-based one, as a cluster's Linux hosts
     run (cubic; reno where namespaces may not take cubic: at sub-millisecond round trips cubic
-    grows its window as reno does). Flows that ignore loss (bbr) overflow a shallow port that
+    grows its window as reno does, and cuts it to 0.7 on a loss where reno's goes to 0.5). Flows that ignore loss (bbr) overflow a shallow port that
     several hosts send into: 4 hosts sending 270 KB each at once into one host's 100mbit port
     (10 ms of queue), 30 rounds, two runs each, alternated: bbr sent 31 to 32% of its
     segments again, 4 and 9 retransmission timeouts, its slowest tenth of rounds 3.2x the
