@@ -151,3 +151,15 @@ def test_sparse_indices_in_range_and_labels_binary():
 def test_data_config_validation(make):
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.timeout(30)
+def test_the_digits_are_read_once_a_process_and_each_caller_gets_its_own_copy():
+    from experiments.workloads.datasets import load_digits_arrays
+
+    pixels, labels = load_digits_arrays()
+    assert pixels.shape == (1797, 64) and labels.shape == (1797,) and 0 <= pixels.min() and pixels.max() <= 16
+    pixels[:] = -1.0  # a caller that writes into its arrays
+    labels[:] = -1
+    again, again_labels = load_digits_arrays()
+    assert again.min() >= 0 and again_labels.min() >= 0
