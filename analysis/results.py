@@ -145,9 +145,15 @@ class Run:
         return [r for r in records if r["step"] >= 1] or records
 
 
+EMULATION_ONLY = ("net.congestion", "net.queue_ms")
+"""Settings of an emulated network's hosts and ports: they change nothing in a run without one
+(net.rate ""), where settings() leaves them out (runs recorded before a default changed)."""
+
+
 def settings(run: Run) -> dict[str, str]:
     """Every setting of the run's config.json as {dotted key: value as JSON text}, a script's
-    path and arguments included ("model.args")."""
+    path and arguments included ("model.args"); without an emulated network, EMULATION_ONLY's
+    left out."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value) -> None:
@@ -157,6 +163,9 @@ def settings(run: Run) -> dict[str, str]:
         else:
             flat[prefix] = json.dumps(value, sort_keys=True)
     walk("", run.config)
+    if not (run.config.get("net") or {}).get("rate"):
+        for key in EMULATION_ONLY:
+            flat.pop(key, None)
     return flat
 
 

@@ -17,48 +17,55 @@ INCAST_BYTES = 270_000
 INCAST_RATE = "100mbit"
 INCAST_ROUNDS = 30
 INCAST_GAP_S = 0.05
-"""Idle between one round's end (at the port's rate) and the next one's start: a step's compute."""
+"""Idle between one round's end and the next one's start: a step's compute."""
 
 
 def incast(congestion: str, rate: str = INCAST_RATE, senders: int = INCAST_SENDERS, nbytes: int = INCAST_BYTES,
            rounds: int = INCAST_ROUNDS, gap_s: float = INCAST_GAP_S) -> dict:
     """`senders` hosts each sending nbytes at once into one host's port of `rate`, `rounds`
-    times (needs root): the median and the slowest tenth's round against the port's own time
+    rounds, each gap_s after the last one ended (needs root): the median and the slowest
+    tenth's round (the first left out: it opens the flows' windows) against the port's own time
     for the bytes (senders * nbytes at the rate), the share of segments sent again and the
     retransmission timeouts, all hosts together."""
     from experiments.runtime.launcher import free_port
     from experiments.runtime.netns import Network
     from experiments.settings.net import parse_rate
 
+    if rounds < 2:
+        raise ValueError(f"incast: rounds={rounds}, need 2 or more (the first is left out)")
     port_s = senders * nbytes * 8 / parse_rate(rate)
-    period = 3 * port_s + gap_s  # a round ends well before the next (5x the port's time is slower than any seen)
     names = ("r", *(f"s{i}" for i in range(senders)))
     with Network(names, rate=rate, congestion=congestion) as net:
-        seconds = net.incast("r", nbytes, free_port(), rounds, period)
+        seconds = net.incast("r", nbytes, free_port(), rounds, gap_s)
         tcp = [h.tcp_counters() for h in net.hosts.values()]
         ran = net.describe()["congestion"]
-    seconds = sorted(seconds[1:])  # the first round opens the flows' windows
+    seconds = sorted(seconds[1:])
     tenth = seconds[-max(1, len(seconds) // 10):]
-    return {"congestion": ran, "rate": rate, "senders": senders, "bytes": nbytes, "port_s": port_s,
-            "median_x": median(seconds) / port_s, "slowest_tenth_x": median(tenth) / port_s,
+    return {"congestion": ran, "rate": rate, "senders": senders, "bytes": nbytes, "gap_s": gap_s,
+            "port_s": port_s, "median_x": median(seconds) / port_s, "slowest_tenth_x": median(tenth) / port_s,
             "retransmitted": sum(t["retransmitted"] for t in tcp) / max(1, sum(t["segments_out"] for t in tcp)),
             "timeouts": sum(t["timeouts"] for t in tcp), "seconds": seconds}
 
 
-def incast_table(congestions: tuple[str, ...] = ("", "bbr")) -> list[dict]:
+def incast_table(congestions: tuple[str, ...] = ("", "bbr"), echo: Callable[[str], None] = print) -> list[dict]:
     """incast() under each of `congestions` this machine lets the hosts run ("": net.congestion's
-    default), alternated over two runs each."""
+    default), alternated over two runs each; one that it does not allow is said (echo) and
+    left out."""
     from experiments.runtime.iproute import NetworkError
     from experiments.settings.net import NetConfig
 
-    rows = []
+    rows, refused = [], set()
     for _ in range(2):
         for name in congestions:
+            if name in refused:
+                continue
             try:
                 rows.append(incast(name or NetConfig.congestion))
             except NetworkError as err:
                 if "takes only what this machine allows" not in str(err):
                     raise
+                refused.add(name)
+                echo(f"incast: {name or NetConfig.congestion} not measured: {err}")
     return rows
 
 
@@ -67,8 +74,9 @@ def format_incast_table(rows: list[dict]) -> str:
         return "incast: no congestion control measured"
     first = rows[0]
     lines = [f"incast: {first['senders']} hosts sending {first['bytes'] / 1e3:.0f} KB each at once into one host's "
-             f"{first['rate']} port, {len(first['seconds']) + 1} rounds (the first left out); a round against the "
-             f"port's own {1e3 * first['port_s']:.1f} ms",
+             f"{first['rate']} port, {len(first['seconds']) + 1} rounds "
+             f"{1e3 * first['gap_s']:g} ms apart (the first left out); a round "
+             f"against the port's own {1e3 * first['port_s']:.1f} ms",
              f"{'congestion':12s} {'median':>7s} {'slowest 10%':>12s} {'sent again':>11s} {'timeouts':>9s}"]
     for r in rows:
         lines.append(f"{r['congestion']:12s} {r['median_x']:6.2f}x {r['slowest_tenth_x']:11.2f}x "
@@ -85,6 +93,6 @@ def incast_if_possible(echo: Callable[[str], None] = print) -> list[dict] | None
     if why is not None:
         echo(f"incast: not measured ({why})")
         return None
-    rows = incast_table()
+    rows = incast_table(echo=echo)
     echo(format_incast_table(rows))
     return rows

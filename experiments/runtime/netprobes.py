@@ -64,23 +64,28 @@ class Probes:
                   "srv=socket.create_server((me,port)); srv.settimeout(start+limit-time.time())\n"
                   "time.sleep(max(0,start-1-time.time()))\n"
                   "conns=[socket.create_connection((p,port),timeout=10) for p in peers]\n"
-                  "ends=[]\n"
+                  "ends=[]; errors=[]\n"
                   "def take(c):\n"
                   "    got=0\n"
-                  "    while got<n:\n"
-                  "        b=c.recv(1<<20)\n"
-                  "        if not b: sys.exit(f'{me}: a peer closed after {got} of {n} bytes')\n"
-                  "        got+=len(b)\n"
-                  "    ends.append(time.time()); c.sendall(b'k')\n"
+                  "    try:\n"
+                  "        while got<n:\n"
+                  "            b=c.recv(1<<20)\n"
+                  "            if not b: raise ConnectionError('closed')\n"
+                  "            got+=len(b)\n"
+                  "        ends.append(time.time()); c.sendall(b'k')\n"
+                  "    except Exception as e: errors.append(f'{me}: from a peer, {got} of {n} bytes in: {e!r}')\n"
                   "takers=[threading.Thread(target=take,args=(srv.accept()[0],)) for _ in peers]\n"
                   "time.sleep(max(0,start-time.time()))\n"
                   "buf=bytes(n)\n"
-                  "def give(c):\n"
-                  "    c.sendall(buf)\n"
-                  "    if c.recv(1)!=b'k': sys.exit(f'{me}: no acknowledgement')\n"
-                  "givers=[threading.Thread(target=give,args=(c,)) for c in conns]\n"
+                  "def give(c,p):\n"
+                  "    try:\n"
+                  "        c.sendall(buf)\n"
+                  "        if c.recv(1)!=b'k': raise ConnectionError('no acknowledgement')\n"
+                  "    except Exception as e: errors.append(f'{me}: to {p}: {e!r}')\n"
+                  "givers=[threading.Thread(target=give,args=(c,p)) for c,p in zip(conns,peers)]\n"
                   "for t in takers+givers: t.start()\n"
-                  "for t in takers+givers: t.join(start+limit-time.time())\n"
+                  "for t in takers+givers: t.join(max(0,start+limit-time.time()))\n"
+                  "if errors or len(ends)<len(peers): sys.exit('; '.join(errors) or f'{me}: a peer did not finish')\n"
                   "print(max(ends+[time.time()])-start)\n")
         start = time.time() + 2.0 + 0.3 * len(self.hosts)
         procs = {name: subprocess.Popen(h.argv(sys.executable, "-c", script, h.addr, port, nbytes, start, timeout_s,
@@ -90,60 +95,69 @@ class Probes:
         outs = _outputs("all-to-all", procs, start + timeout_s, f"within {timeout_s:g} s")
         return {name: float(out.split()[-1]) for name, out in outs.items()}
 
-    def incast(self, receiver: str, nbytes: int, port: int, rounds: int, period_s: float,
+    def incast(self, receiver: str, nbytes: int, port: int, rounds: int, gap_s: float,
                timeout_s: float = 60.0) -> list[float]:
-        """Every host but `receiver` sends it nbytes at once, `rounds` times, a round every
-        period_s seconds over connections opened beforehand (each sender's flow idle between
-        rounds, as a worker's is during its compute): the seconds from each round's start until
-        the receiver has all of that round's bytes (bare TCP, the pattern of a parameter
-        server's pushes into one shard). Raises NetworkError naming a host that fails."""
+        """Every host but `receiver` sends it nbytes at once, `rounds` times, over connections
+        opened beforehand: the receiver starts each round gap_s after the last one ended (each
+        sender's flow idle meanwhile, as a worker's is during its compute) with a byte to every
+        sender, and times it until it has all of that round's bytes (bare TCP, the pattern of a
+        parameter server's pushes into one shard). Returns the seconds of each round; raises
+        NetworkError naming a host that fails and, from the receiver, the sender it waited on."""
         take = ("import socket,sys,threading,time\n"
-                "me,port,n,k,rounds,start,period=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),int(sys.argv[4]),"
-                "int(sys.argv[5]),float(sys.argv[6]),float(sys.argv[7])\n"
-                "srv=socket.create_server((me,port)); srv.settimeout(max(1,start-time.time()))\n"
-                "conns=[srv.accept()[0] for _ in range(k)]\n"
-                "ends=[[0.0]*k for _ in range(rounds)]\n"
-                "def take(i,c):\n"
-                "    c.settimeout(start+rounds*period+30-time.time())\n"
-                "    for r in range(rounds):\n"
-                "        got=0\n"
-                "        while got<n:\n"
-                "            b=c.recv(1<<20)\n"
-                "            if not b: sys.exit(f'{me}: a sender closed in round {r}')\n"
-                "            got+=len(b)\n"
-                "        ends[r][i]=time.time()\n"
-                "ts=[threading.Thread(target=take,args=(i,c)) for i,c in enumerate(conns)]\n"
-                "for t in ts: t.start()\n"
-                "for t in ts: t.join()\n"
-                "print(' '.join(str(max(e)-(start+r*period)) for r,e in enumerate(ends)))\n")
-        give = ("import socket,sys,time\n"
-                "to,port,n,rounds,start,period=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),int(sys.argv[4]),"
+                "me,port,n,rounds,gap,limit=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),int(sys.argv[4]),"
                 "float(sys.argv[5]),float(sys.argv[6])\n"
+                "names=dict(a.split('=') for a in sys.argv[7:])\n"
+                "srv=socket.create_server((me,port)); srv.settimeout(limit)\n"
+                "conns=[]\n"
+                "for _ in names:\n"
+                "    c,(addr,_p)=srv.accept(); c.settimeout(limit); conns.append((c,names.get(addr,addr)))\n"
+                "errors=[]\n"
+                "def take(c,who,r):\n"
+                "    got=0\n"
+                "    try:\n"
+                "        while got<n:\n"
+                "            b=c.recv(min(1<<20,n-got))\n"
+                "            if not b: raise ConnectionError('closed')\n"
+                "            got+=len(b)\n"
+                "    except Exception as e: errors.append(f'{who} in round {r}, {got} of {n} bytes in: {e!r}')\n"
+                "times=[]\n"
+                "for r in range(rounds):\n"
+                "    time.sleep(gap)\n"
+                "    ts=[threading.Thread(target=take,args=(c,who,r)) for c,who in conns]\n"
+                "    for t in ts: t.start()\n"
+                "    t0=time.time()\n"
+                "    for c,who in conns: c.sendall(b'g')\n"
+                "    for t in ts: t.join()\n"
+                "    if errors: sys.exit('; '.join(errors))\n"
+                "    times.append(time.time()-t0)\n"
+                "print(' '.join(map(str,times)))\n")
+        give = ("import socket,sys,time\n"
+                "to,port,n,rounds,limit=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),int(sys.argv[4]),"
+                "float(sys.argv[5])\n"
                 "end=time.time()+10\n"
                 "while True:\n"
                 "    try: c=socket.create_connection((to,port),timeout=2); break\n"
                 "    except OSError as e:\n"
                 "        if time.time()>end: sys.exit(f'{to}: {e}')\n"
                 "        time.sleep(0.05)\n"
-                "c.settimeout(start+rounds*period+30-time.time())\n"
+                "c.settimeout(limit)\n"
                 "buf=bytes(n)\n"
                 "for r in range(rounds):\n"
-                "    time.sleep(max(0,start+r*period-time.time()))\n"
+                "    if c.recv(1)!=b'g': sys.exit(f'{to} did not start round {r}')\n"
                 "    c.sendall(buf)\n"
-                "c.shutdown(socket.SHUT_WR); c.recv(1)\n")
+                "c.close()\n")
         sink = self.hosts[receiver]
         senders = [h for name, h in self.hosts.items() if name != receiver]
-        start = time.time() + 1.5 + 0.2 * len(self.hosts)
-        procs = {receiver: subprocess.Popen(sink.argv(sys.executable, "-c", take, sink.addr, port, nbytes, len(senders),
-                                                      rounds, start, period_s),
+        procs = {receiver: subprocess.Popen(sink.argv(sys.executable, "-c", take, sink.addr, port, nbytes, rounds,
+                                                      gap_s, timeout_s, *[f"{h.addr}={h.name}" for h in senders]),
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
-        time.sleep(0.3)  # listening before the senders connect
+        time.sleep(0.3)  # listening before the senders connect (they try for 10 s)
         for h in senders:
             procs[h.name] = subprocess.Popen(h.argv(sys.executable, "-c", give, sink.addr, port, nbytes, rounds,
-                                                    start, period_s),
+                                                    timeout_s),
                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        outs = _outputs("incast", procs, start + rounds * period_s + timeout_s,
-                        f"within {timeout_s:g} s of its last round")
+        longest = 15 + rounds * (gap_s + timeout_s)  # every wait bounded by timeout_s
+        outs = _outputs("incast", procs, time.time() + longest, f"within {longest:g} s")
         return [float(x) for x in outs[receiver].split()]
 
 

@@ -39,11 +39,10 @@ class NetConfig:
     run (cubic; reno where namespaces may not take cubic: at sub-millisecond round trips cubic
     grows its window as reno does, and cuts it to 0.7 on a loss where reno's goes to 0.5). Flows that ignore loss (bbr) overflow a shallow port that
     several hosts send into: 4 hosts sending 270 KB each at once into one host's 100mbit port
-    (10 ms of queue), 30 rounds, two runs each, alternated: bbr sent 31 to 32% of its
-    segments again, 4 and 9 retransmission timeouts, its slowest tenth of rounds 3.2x the
-    port's time; reno 0.8 to 1.0%, none, 1.01 to 1.03x. 8 hosts, 135 KB each, a 200mbit port:
-    bbr 43% sent again and a median round of 0.96 and 4.8x the port's time, reno 6.5 to 8.1%
-    and 0.96x."""
+    (10 ms of queue), 30 rounds 50 ms apart, four runs each, alternated (`psar bench`'s
+    incast table): bbr sent 29 to 36% of its segments again, with 4 to 11 retransmission
+    timeouts a run, its slowest tenth of rounds 3.1 to 3.3x the port's time; reno 2.8 to
+    3.3%, 0 or 1 timeouts, 1.06 to 2.05x (the median round 1.00 to 1.01x under both)."""
     placement: str = "colocated"
     """Parameter-server shards on the workers' hosts (shard i on worker i's host, as BytePS
     co-locates them), or "separate": a host of their own each (spare CPU machines)."""
@@ -97,7 +96,7 @@ class NetConfig:
         if self.queue_ms != NetConfig.queue_ms and not self.rate:
             raise ValueError(f"net.queue_ms={self.queue_ms:g} sizes an emulated switch port's queue: "
                              "give --net RATE too")
-        if self.congestion != NetConfig.congestion and not self.rate:
+        if self.congestion not in ("", NetConfig.congestion) and not self.rate:  # "": runs made before the default
             raise ValueError(f"net.congestion={self.congestion} sets the emulated hosts' TCP: give --net RATE too")
         if self.uplink and self.racks == 1:
             raise ValueError(f"net.uplink={self.uplink} joins racks to the core: set net.racks above 1 too")

@@ -114,3 +114,13 @@ def test_a_switch_port_queues_queue_ms_of_its_rate_past_its_burst():
     deep = Network(("w0",), "100mbit", queue_ms=300.0)
     assert deep.queue_bytes(3000) == 3_750_000 + 3000  # 300 ms of 12.5 MB/s, past the burst
     assert Network(("w0",), "1gbit", queue_ms=300.0).queue_bytes(3000, "100mbit") == 3_753_000
+
+
+@pytest.mark.timeout(30)
+def test_a_run_without_a_network_takes_the_default_tcp_or_none_as_runs_recorded_it_before():
+    """net.congestion shapes only an emulated network: without --net the default, and the ""
+    that runs recorded before the default was a list, both pass (a run resumes); another not."""
+    assert build_config("quickstart", [], engine="allreduce").net.congestion == "cubic,reno"
+    build_config("quickstart", ["net.congestion="], engine="allreduce")
+    with pytest.raises(ValueError, match="net.congestion=bbr sets the emulated hosts' TCP"):
+        build_config("quickstart", ["net.congestion=bbr"], engine="allreduce")

@@ -135,6 +135,18 @@ def test_runs_that_differ_in_a_setting_or_argument_are_never_one_row():
     assert rows(runs[:2])[0]["engine"] == "ps-sync"  # nothing differs: the plain name
 
 
+def test_the_hosts_tcp_tells_runs_apart_only_on_an_emulated_network():
+    """net.congestion's default changed from "" to a list: loopback runs from before and after
+    are repeats of one cell; on an emulated network, runs whose hosts ran other TCP are not."""
+    loopback = [_configured("old", {"net": {"rate": "", "congestion": ""}}, 100.0),
+                _configured("new", {"net": {"rate": "", "congestion": "cubic,reno"}}, 110.0)]
+    assert [row["runs"] for row in rows(loopback)] == [2]
+    shaped = [_configured("bbr", {"net": {"rate": "100mbit", "congestion": "bbr"}}, 100.0),
+              _configured("reno", {"net": {"rate": "100mbit", "congestion": "cubic,reno"}}, 110.0)]
+    assert {row["engine"] for row in rows(shaped)} == {"ps-sync [net.congestion=bbr]",
+                                                        "ps-sync [net.congestion=cubic,reno]"}
+
+
 def test_the_verdict_counts_shards_in_words():
     from analysis.verdict import _name
 
