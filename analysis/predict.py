@@ -452,16 +452,24 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
         measured = _measured_step(run)
         comm = median(r.get("comm_s", 0.0) for r in run.steady_records())
         waited = measured - compute_time(run)  # the run's exchange, less its own compute
-        shares = [retransmitted(r) for r in calibration_runs if r.label == run.label]
-        known = [x for x in shares if x is not None]
+        own = [r for r in calibration_runs if r.label == run.label]
+        known = [x for x in map(retransmitted, own) if x is not None]
+        tcp = sorted({c for c in map(congestion_of, own) if c})
         rows.append({**row, "run": str(run.path), "rate_bits": target.rate * 8, "racks": target.racks,
                      "latency_s": target.latency, "placement": target.placement if family(run.label) == "ps" else None,
                      "measured_s": measured, "error": row["step_s"] / measured - 1,
                      "measured_exchange_s": waited,
                      "exchange_error": row["comm_s"] / waited - 1 if waited > 0 else None,
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
-                     "calibration_retransmitted": max(known) if known else None})
+                     "calibration_retransmitted": max(known) if known else None,
+                     "congestion": congestion_of(run), "calibration_congestion": ",".join(tcp) or None})
     return rows
+
+
+def congestion_of(run: Run) -> str | None:
+    """The TCP congestion control its emulated hosts ran (summary.json's network.congestion);
+    None: no emulated network, or a run from before it was recorded."""
+    return (run.summary.get("network") or {}).get("congestion") or None
 
 
 def retransmitted(run: Run) -> float | None:

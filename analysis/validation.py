@@ -50,6 +50,13 @@ def table(rows: list[dict]) -> str:
                      "packets (several hosts sending into one port), which psar predict's links never do; a step "
                      "that waits on every flow (ps-sync's answer to a key waits for every worker's push) loses most; "
                      "runs with deep-buffered ports (--set net.queue_ms=300) queue what these dropped")
+    other = [r for r in rows if r.get("congestion") and r.get("calibration_congestion")
+             and r["congestion"] != r["calibration_congestion"]]
+    if other:
+        pairs = sorted({f"{r['congestion']} against {r['calibration_congestion']}" for r in other})
+        lines.append(f"{len(other)} held-out run(s) ran another TCP than their calibration ({'; '.join(pairs)}): "
+                     "where several hosts send into one port it changes what the links drop "
+                     "(net.congestion; docs/emulated-clusters.md#tcp)")
     return "\n".join(lines)
 
 

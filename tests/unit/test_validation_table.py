@@ -32,3 +32,12 @@ def test_the_exchange_alone_is_its_own_column_and_count():
     assert lines[1].split()[-5:-3] == ["-1.0%", "35.0%"] and lines[3].split()[-5:-3] == ["2.0%", "-"]
     assert "link-bound rows: 3 of 3 within 15%" in lines[-2]
     assert lines[-1].endswith("1 of 2 within 15%, largest error 35.0%")
+
+
+def test_held_out_runs_whose_hosts_ran_another_tcp_than_their_calibration_are_said():
+    rows = [{**_row(-0.05, 0.0, 0.0), "congestion": "reno", "calibration_congestion": "bbr"},
+            {**_row(-0.05, 0.0, 0.0), "congestion": "reno", "calibration_congestion": "reno"},
+            {**_row(-0.05, 0.0, 0.0), "congestion": None, "calibration_congestion": "bbr"}]  # not recorded
+    text = table(rows)
+    assert "1 held-out run(s) ran another TCP than their calibration (reno against bbr)" in text
+    assert "another TCP" not in table(rows[1:])
