@@ -35,27 +35,30 @@ beyond, the last batch's answer, which is what the batching changes, is under 2%
 exchange."""
 
 
+def _across(cluster: Cluster, x: _Hosts, y: _Hosts) -> bool:
+    """Whether traffic between hosts of x and y crosses rack uplinks."""
+    return cluster.racks > 1 and cluster.uplink is not None and x.rack != y.rack
+
+
+def _shared(cluster: Cluster, x: _Hosts, y: _Hosts, moved: float) -> list[tuple[str, float]]:
+    """The links beyond the hosts' own that `moved` bytes each way between hosts of x and y
+    cross, with their bytes: both racks' uplinks each way, and the fabric (both ways)."""
+    links = [(f"{way}:r{rack}", moved) for rack in (x.rack, y.rack) for way in ("up", "down")] \
+        if _across(cluster, x, y) else []
+    return links + ([("fabric", 2 * moved)] if cluster.fabric is not None else [])
+
+
 def _loads(cluster: Cluster, by_name: dict[str, _Hosts], pairs: dict, per: float) -> dict[str, float]:
     """Bytes a step puts on each link (one host of each class; each rack's uplink; the
     fabric), every worker's exchange together: `per` bytes each way between a worker and each
     remote shard."""
     load: dict[str, float] = {}
-
-    def add(link: str, nbytes: float) -> None:
-        load[link] = load.get(link, 0.0) + nbytes
-
     for (a, b), (rs, rw) in pairs.items():
         wa, sb = by_name[a], by_name[b]
-        for way in ("out", "in"):
-            add(f"{way}:{a}", rs * per)  # its pushes out, their answers in
-            add(f"{way}:{b}", sb.shards * rw * per)  # the pushes in, the answers out
-        moved = wa.n * rs * per  # every worker of class a to every shard of class b, one way
-        if cluster.racks > 1 and cluster.uplink is not None and wa.rack != sb.rack:
-            for rack in (wa.rack, sb.rack):
-                add(f"up:r{rack}", moved)
-                add(f"down:r{rack}", moved)
-        if cluster.fabric is not None:
-            add("fabric", 2 * moved)
+        links = [(f"{way}:{a}", rs * per) for way in ("out", "in")]  # its pushes out, their answers in
+        links += [(f"{way}:{b}", sb.shards * rw * per) for way in ("out", "in")]  # the pushes in, the answers out
+        for link, nbytes in links + _shared(cluster, wa, sb, wa.n * rs * per):
+            load[link] = load.get(link, 0.0) + nbytes
     return load
 
 
@@ -64,22 +67,14 @@ def _own(cluster: Cluster, a: _Hosts, by_name: dict[str, _Hosts], pairs: dict, p
     uplinks, the fabric: bytes}, {shard class: bytes each way to and from one remote host of it})."""
     own: dict[str, float] = {}
     remote: dict[str, float] = {}
-
-    def add(link: str, nbytes: float) -> None:
-        own[link] = own.get(link, 0.0) + nbytes
-
     for (wa, b), (rs, _) in pairs.items():
         if wa != a.name:
             continue
         sb = by_name[b]
-        add(f"out:{a.name}", rs * per)
-        add(f"in:{a.name}", rs * per)
         remote[b] = sb.shards * per
-        if cluster.racks > 1 and cluster.uplink is not None and a.rack != sb.rack:
-            for link in (f"up:r{a.rack}", f"down:r{a.rack}", f"up:r{sb.rack}", f"down:r{sb.rack}"):
-                add(link, rs * per)
-        if cluster.fabric is not None:
-            add("fabric", 2 * rs * per)
+        links = [(f"out:{a.name}", rs * per), (f"in:{a.name}", rs * per)]
+        for link, nbytes in links + _shared(cluster, a, sb, rs * per):
+            own[link] = own.get(link, 0.0) + nbytes
     return own, remote
 
 
@@ -134,9 +129,7 @@ def _one_worker(cluster: Cluster, a: _Hosts, by_name: dict[str, _Hosts], pairs: 
     fabric = ("fabric",) if cluster.fabric is not None else ()
 
     def crossing(src: _Hosts, dst: _Hosts) -> tuple[str, ...]:
-        if cluster.racks > 1 and cluster.uplink is not None and src.rack != dst.rack:
-            return f"up:r{src.rack}", f"down:r{dst.rack}"
-        return ()
+        return (f"up:r{src.rack}", f"down:r{dst.rack}") if _across(cluster, src, dst) else ()
 
     # Its messages in the order it sends them, key by key, each to every remote shard, in
     # batches of alike messages (at most BATCHES a key; fairshare's fan), each batch into
