@@ -243,11 +243,12 @@ def _calibrate(run: Run, line: Timeline | None, machine: Machine) -> tuple[float
     compute = compute_time(run)
     target = _own_target(run, machine)
     nbytes, ps = float(gradient_bytes(run)), run.config.get("ps")
-    period = _measured_step(run) if run.label in ASYNC else None  # the pace its workers drifted at
+    step = _measured_step(run)
+    period = step if run.label in ASYNC else None  # the pace its workers drifted at
     if line is not None:
         return compute, solve_ratio(lambda r: exposed_exchange(run.label, target, nbytes, ps, line, r, period),
-                                    _measured_step(run) - compute), line
-    measured = _measured_step(run) - compute - fixed_cost(run.label, target)
+                                    step - compute), line
+    measured = step - compute - fixed_cost(run.label, target)
     played = exchange(run.label, target, nbytes, ps, period)
     return compute, (measured / played if played > 0 else 1.0), None
 

@@ -51,7 +51,7 @@ def incast_table(congestions: tuple[str, ...] = ("", "bbr"), echo: Callable[[str
     """incast() under each of `congestions` this machine lets the hosts run ("": net.congestion's
     default), alternated over two runs each; one that it does not allow is said (echo) and
     left out."""
-    from experiments.runtime.iproute import NetworkError
+    from experiments.runtime.iproute import CongestionRefused
     from experiments.settings.net import NetConfig
 
     rows, refused = [], set()
@@ -61,9 +61,7 @@ def incast_table(congestions: tuple[str, ...] = ("", "bbr"), echo: Callable[[str
                 continue
             try:
                 rows.append(incast(name or NetConfig.congestion))
-            except NetworkError as err:
-                if "takes only what this machine allows" not in str(err):
-                    raise
+            except CongestionRefused as err:
                 refused.add(name)
                 echo(f"incast: {name or NetConfig.congestion} not measured: {err}")
     return rows

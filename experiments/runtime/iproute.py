@@ -19,6 +19,10 @@ class NetworkError(RuntimeError):
     """A namespace, link or qdisc could not be made; the message has the command and its error."""
 
 
+class CongestionRefused(NetworkError):
+    """A host's namespace takes none of the TCP congestion controls asked for."""
+
+
 def run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
     """Run an iproute2 command (input: its standard input); a failure raises NetworkError with
     the command and stderr."""
@@ -43,25 +47,23 @@ def congestion(netns: str, name: str = "") -> str:
     or several in order of preference ("cubic,reno": the first this machine lets a namespace
     use). A new namespace starts with the machine's default and takes only what the machine
     allows (net.ipv4.tcp_allowed_congestion_control); NetworkError naming those where it takes
-    none of `name`. Returns what the namespace runs."""
+    none of `name` (CongestionRefused). Returns what the namespace runs."""
     if name:
         names = name.split(",")
         for one in names:
             if not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", one):  # it goes through sh
                 raise NetworkError(f"net.congestion={name!r}: {one!r} is not a TCP congestion control's name")
-        errors = []
         for one in names:
             res = run("ip", "netns", "exec", netns, "sh", "-c", f"echo {one} > {CONGESTION}", check=False)
             if res.returncode == 0:
                 break
-            errors.append(res.stderr.strip())
         else:
             allowed = run("ip", "netns", "exec", netns, "cat", CONGESTION.replace("congestion_control",
                                                                                  "allowed_congestion_control"),
                           check=False).stdout.split()
-            raise NetworkError(f"net.congestion={name}: a host's namespace takes only what this machine allows "
-                               f"({', '.join(allowed) or 'none'}; net.ipv4.tcp_allowed_congestion_control): "
-                               f"{errors[-1]}")
+            raise CongestionRefused(f"net.congestion={name}: a host's namespace takes only what this machine "
+                                    f"allows ({', '.join(allowed) or 'none'}; "
+                                    f"net.ipv4.tcp_allowed_congestion_control): {res.stderr.strip()}")
     return run("ip", "netns", "exec", netns, "cat", CONGESTION).stdout.strip()
 
 

@@ -37,8 +37,8 @@ class NetConfig:
     for the machine's own default, which a new namespace starts with; summary.json's
     network.congestion says which ran. By default a loss-based one, as a cluster's Linux hosts
     run (cubic; reno where namespaces may not take cubic: at sub-millisecond round trips cubic
-    grows its window as reno does, and cuts it to 0.7 on a loss where reno's goes to 0.5). Flows that ignore loss (bbr) overflow a shallow port that
-    several hosts send into: 4 hosts sending 270 KB each at once into one host's 100mbit port
+    grows its window as reno does, and cuts it to 0.7 on a loss where reno's goes to 0.5).
+    Flows that ignore loss (bbr) overflow a shallow port that several hosts send into: 4 hosts sending 270 KB each at once into one host's 100mbit port
     (10 ms of queue), 30 rounds 50 ms apart, four runs each, alternated (`psar bench`'s
     incast table): bbr sent 29 to 36% of its segments again, with 4 to 11 retransmission
     timeouts a run, its slowest tenth of rounds 3.1 to 3.3x the port's time; reno 2.8 to
