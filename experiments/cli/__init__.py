@@ -20,6 +20,7 @@ COMMANDS = {
     "compare": ("reporting", "compare", "Run an experiment or comparison with every engine: table, figures."),
     "keys": ("reporting", "keys", "Make CurveZMQ keys for --curve."),
     "launch": ("running", "launch", "Run your own training script on N workers with one engine."),
+    "links": ("reporting", "links_cmd", "How busy each emulated link was during the steps of finished runs."),
     "list": ("running", "list_cmd", "List the named experiments, comparisons and engines."),
     "model": ("reporting", "model_cmd", "Alpha-beta cost model of a step: ring against parameter server."),
     "plot": ("reporting", "plot", "Draw the table and figures of finished runs."),

@@ -229,6 +229,22 @@ def table_cmd(run_dirs) -> None:
     _say_skipped(run_dirs)
 
 
+@click.command("links")
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False, path_type=Path))
+@friendly
+def links_cmd(run_dirs) -> None:
+    """Print how busy each emulated link was during the steps of finished RUN_DIRS (runs with
+    --net, or folders of them): each link's share of a step at its rate, by workers and
+    shards, sent and received, and when in a step (tenths)."""
+    from analysis.links import table
+    from analysis.results import load_runs
+
+    for run in load_runs(run_dirs):
+        click.echo(table(run, str(run.path)))
+    _say_skipped(run_dirs)
+
+
 @click.command("tensorboard")
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False, path_type=Path))

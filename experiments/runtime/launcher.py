@@ -19,6 +19,7 @@ from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from experiments.settings.config import RunConfig
 from experiments.engines import get_engine
+from experiments.runtime.linkmeter import LINKS_FILE
 from experiments.runtime.sites import Loopback, sites_for
 from experiments.runtime.sites import free_port  # noqa: F401 (callers take it from here)
 from experiments.rundir.trace import merge as merge_trace
@@ -150,6 +151,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
                     print(f"psar: {err}; restarting every worker ({attempt} of {max_restarts}) from "
                           f"{f'the checkpoint of step {step}' if step is not None else 'the start'}",
                           file=sys.stderr)
+        timeline = sites.links()
         network = sites.record()
     summaries = []
     for (cfg, _), run_dir in zip(jobs, run_dirs):
@@ -165,6 +167,8 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             summary.update(restarts.finished())
         if network is not None or restarts is not None:
             files.write_json(run_dir / "summary.json", summary)
+        if timeline is not None:
+            files.write_json(run_dir / LINKS_FILE, timeline, indent=None)
         summaries.append(summary)
     return summaries
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.settings.config import RunConfig
+from experiments.runtime.linkmeter import LinkMeter
 from experiments.runtime.netns import Network, clean_stale, has_netem, unavailable
 from experiments.settings.net import NetConfig, parse_rate
 
@@ -98,6 +99,9 @@ class Loopback:
     def record(self) -> dict | None:
         return None
 
+    def links(self) -> dict | None:
+        return None
+
 
 class Emulated:
     """A host per worker and, with net.placement=separate, per server shard (co-located
@@ -107,6 +111,7 @@ class Emulated:
     def __init__(self, net: NetConfig, workers: int, servers: int) -> None:
         self.net, self.workers, self.servers = net, workers, servers
         self.network: Network | None = None
+        self.meter: LinkMeter | None = None
         self.latency_by = ""
 
     def __enter__(self) -> "Emulated":
@@ -125,11 +130,24 @@ class Emulated:
                                racks=tuple(racks), uplink=self.net.uplink, queue_ms=self.net.queue_ms,
                                congestion=self.net.congestion)
         self.network.__enter__()
+        try:
+            self.meter = LinkMeter(self.network.bridge_ns, self.network.names).start()
+        except BaseException:
+            self.network.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.meter is not None:
+            self.meter.stop()
         if self.network is not None:
             self.network.__exit__(*exc)
+
+    def links(self) -> dict | None:
+        """What each link carried over the run so far, read every few ms (linkmeter.LinkMeter's
+        timeline); stops the reading."""
+        self.meter.stop()
+        return self.meter.timeline()
 
     def adjust(self, cfg: RunConfig) -> RunConfig:
         """Latency the kernel cannot add (no netem) is added by the engines instead."""

@@ -3,6 +3,7 @@ do not, and a rack network leaves nothing behind. Needs root and iproute2; skipp
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from experiments.runtime import netns as network
+from experiments.runtime.linkmeter import LINKS_FILE
 from experiments.runtime.netns import Network
 from test_network import FAN_OUT, SINK, needs_netns, start_blasts
 
@@ -117,7 +119,7 @@ def test_a_run_in_racks_records_them_and_what_each_uplink_carried(tmp_path):
     workers send crosses rack 0's uplink and comes down rack 1's, as summary.json says."""
     from conftest import run_job
 
-    summary, _ = run_job(tmp_path, "quickstart", "ps-sync", steps=3, overrides=(
+    summary, _ = run_job(tmp_path, "quickstart", "ps-sync", steps=3, name="racks", overrides=(
         "net.rate=1gbit", "net.racks=2", "net.uplink=500mbit", "net.placement=separate",
         "net.worker_racks=0,0", "net.server_racks=1"))
     net = summary["network"]
@@ -127,4 +129,12 @@ def test_a_run_in_racks_records_them_and_what_each_uplink_carried(tmp_path):
     up, down = net["uplinks"]["0"]["up_bytes"], net["uplinks"]["1"]["down_bytes"]
     assert sent > 0 and 0.99 < up / sent < 1.05 and 0.99 < down / sent < 1.05, (sent, net["uplinks"])  # + broadcasts
     assert net["uplinks"]["0"]["link_s"] == pytest.approx(max(up, net["uplinks"]["0"]["down_bytes"]) * 8 / 500e6)
+    # The links' timeline, read every few ms through the run, ends where the counters ended.
+    links = json.loads((tmp_path / "racks" / LINKS_FILE).read_text())
+    assert len(links["t"]) > 10 and links["t"] == sorted(links["t"])
+    for name, host in net["hosts"].items():
+        for way, key in (("sent", "tx_bytes"), ("received", "rx_bytes")):
+            series = links["links"][f"{name} {way}"]
+            assert series == sorted(series) and 0.97 * host[key] < series[-1] <= host[key], (name, way)
+    assert 0.97 * up < links["links"]["up:r0"][-1] <= up and 0.97 * down < links["links"]["down:r1"][-1] <= down
     assert not [n for n in network._namespaces() if n.startswith(f"{network.PREFIX}{os.getpid()}-")]
