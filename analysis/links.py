@@ -103,6 +103,16 @@ def busy(run: Run) -> dict | None:
             "step_s": median(b - a for a, b in windows)}
 
 
+def links_busy(run: Run) -> float | None:
+    """The median of the hosts' links' shares of a step (both ways; uplinks apart), None
+    without a timeline."""
+    found = busy(run)
+    if found is None:
+        return None
+    hosts = [share for link, share in found["links"].items() if not link.startswith(("up:", "down:"))]
+    return median(hosts) if hosts else None
+
+
 def table(run: Run, label: str) -> str:
     """What `psar links` prints for one run."""
     found = busy(run)

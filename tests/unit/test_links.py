@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from analysis.links import busy, carried, table
+from analysis.links import busy, carried, links_busy, table
 from analysis.results import load_run
 from experiments.runtime.linkmeter import LINKS_FILE, as_timeline, read_dev, series
 
@@ -72,6 +72,7 @@ def test_each_links_share_of_a_step_and_its_tenths(tmp_path):
     assert tenths == pytest.approx([1, 1, 1, 1, 0, 0, 0, 0, 0, 0], abs=1e-6)
     assert found["classes"]["shards sent"]["tenths"] == pytest.approx([0.5] * 10, abs=1e-6)
     assert "workers received" not in found["classes"]
+    assert links_busy(_run(tmp_path)) == pytest.approx(0.4, abs=1e-6)  # the table's column: 0.4, 0.4, 0.5
     text = table(_run(tmp_path), "r")
     assert "workers sent (1)" in text and "least busy: w0 sent 40%" in text
 
@@ -82,4 +83,4 @@ def test_a_run_without_a_timeline_says_so_and_a_broken_one_is_named(tmp_path):
     with pytest.raises(ValueError, match=LINKS_FILE):
         busy(run)
     (tmp_path / LINKS_FILE).unlink()
-    assert busy(run) is None and "no links' timeline" in table(run, "r")
+    assert busy(run) is None and links_busy(run) is None and "no links' timeline" in table(run, "r")
