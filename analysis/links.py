@@ -2,8 +2,8 @@
 port counters every few ms, experiments/runtime/linkmeter.py) and rank 0's step ends.
 
 A link's share of a step is the bytes it carried between the step's two ends over what its
-rate carries in that time (frames as the port counts them: TCP/IP and Ethernet headers
-included, so a link sending at its rate reads about 1.0). The median step's share says how
+rate carries in that time (frames as the port counts them, TCP/IP and Ethernet headers
+included; a link that never waits reads 0.95 to 0.97 on this project's shapers). The median step's share says how
 much of a step the links were idle; the tenths of a step say when: a parameter server's
 worker links idle at the start of a step while backward runs and at its end while the last
 keys' replies come, a ring's links through its phases' hops.
@@ -57,11 +57,13 @@ def _at(times: list[float], counts: list[int], t: float) -> float:
     return counts[i - 1] + (counts[i] - counts[i - 1]) * (t - t0) / (t1 - t0)
 
 
-def steps(run: Run) -> list[tuple[float, float]]:
+def steps(run: Run, within: tuple[float, float] = (float("-inf"), float("inf"))) -> list[tuple[float, float]]:
     """(start, end) on the wall clock of rank 0's steps after the first (warm-up), each from
-    the end of the one before it."""
-    records = sorted((r for r in run.metrics.get(0, []) if "wall" in r), key=lambda r: r["step"])
-    return [(a["wall"], b["wall"]) for a, b in zip(records, records[1:]) if b["step"] == a["step"] + 1]
+    the end of the one before it in the same process (not across a restart), that lie within
+    `within` (the timeline's: a resumed run's earlier steps are another launch's)."""
+    records = [r for r in run.metrics.get(0, []) if "wall" in r]
+    return [(a["wall"], b["wall"]) for a, b in zip(records, records[1:])
+            if b["step"] == a["step"] + 1 and b["time"] > a["time"] and within[0] <= a["wall"] < b["wall"] <= within[1]]
 
 
 def rates(run: Run) -> tuple[float, float | None]:
@@ -79,8 +81,10 @@ def busy(run: Run) -> dict | None:
     share over the class's links and the steps}}}; None where the run has no timeline or
     no whole step."""
     data = timeline(run)
-    windows = steps(run)
-    if data is None or not windows:
+    if data is None:
+        return None
+    windows = steps(run, (data["t"][0], data["t"][-1]))
+    if not windows:
         return None
     host, uplink = rates(run)
     t = data["t"]
@@ -99,7 +103,7 @@ def busy(run: Run) -> dict | None:
         if members:
             classes[name] = {"busy": median(shares[m] for m in members), "links": len(members),
                              "tenths": [sum(tenths[m][k] for m in members) / len(members) for k in range(TENTHS)]}
-    return {"links": shares, "classes": classes, "steps": len(windows),
+    return {"links": shares, "classes": classes, "steps": len(windows), "interval_s": data["interval_s"],
             "step_s": median(b - a for a, b in windows)}
 
 
@@ -118,13 +122,15 @@ def table(run: Run, label: str) -> str:
     found = busy(run)
     if found is None:
         return f"{label}: no links' timeline (a run on an emulated network, --net, writes {LINKS_FILE})"
-    lines = [f"{label}: {found['steps']} steps, median {1e3 * found['step_s']:.1f} ms; each link's share of a step "
-             f"at its rate (median over the steps), and each tenth of a step (mean)",
-             f"{'links':<22}{'busy':>6}  " + " ".join(f"{f'{10 * k}%':>4}" for k in range(TENTHS))]
+    tenths = found["interval_s"] <= found["step_s"] / TENTHS  # else a tenth falls between two readings
+    lines = [f"{label}: {found['steps']} steps, median {1e3 * found['step_s']:.1f} ms, links read every "
+             f"{1e3 * found['interval_s']:.0f} ms; each link's share of a step at its rate (median over the steps)"
+             + (", and each tenth of a step (mean)" if tenths else "; a tenth of a step is shorter than that"),
+             f"{'links':<22}{'busy':>6}  " + (" ".join(f"{f'{10 * k}%':>4}" for k in range(TENTHS)) if tenths else "")]
     for name, c in found["classes"].items():
         count = f"{name} ({c['links']})"
         lines.append(f"{count:<22}{100 * c['busy']:>5.0f}%  "
-                     + " ".join(f"{100 * x:>4.0f}" for x in c["tenths"]))
+                     + (" ".join(f"{100 * x:>4.0f}" for x in c["tenths"]) if tenths else ""))
     idlest = min(found["links"], key=found["links"].get)
     lines.append(f"least busy: {idlest} {100 * found['links'][idlest]:.0f}%; busiest: "
                  f"{max(found['links'], key=found['links'].get)} {100 * max(found['links'].values()):.0f}%")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from experiments.runtime.iproute import (CMD_TIMEOUT_S, PREFIX, NetworkError, _alive, _kill_inside,  # noqa: F401
                                          _namespaces, clean_stale, congestion, has_netem, run,
                                          unavailable)
+from experiments.runtime.linkmeter import PORT
 from experiments.runtime.netprobes import Probes
 from experiments.settings.net import NetConfig, parse_rate
 
@@ -244,8 +244,7 @@ class Network(Probes):
         """Bytes each switch port has sent so far, read at one instant, by interface: pI to
         host number I, upK from rack K to the core, downK from the core to rack K."""
         links = json.loads(run("ip", "-n", self.bridge_ns, "-j", "-s", "link", "show").stdout)
-        return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in links
-                if re.fullmatch(r"p\d+|up\d+|down\d+", link["ifname"])}
+        return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in links if PORT.fullmatch(link["ifname"])}
 
     def uplink_bytes(self) -> dict[int, dict[str, int]]:
         """Bytes each rack's uplink has carried so far, {rack: {"up_bytes": to the core,

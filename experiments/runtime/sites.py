@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.settings.config import RunConfig
-from experiments.runtime.linkmeter import LinkMeter
+from experiments.runtime.linkmeter import LINKS_FILE, LinkMeter
 from experiments.runtime.netns import Network, clean_stale, has_netem, unavailable
 from experiments.settings.net import NetConfig, parse_rate
 
@@ -132,6 +133,8 @@ class Emulated:
         self.network.__enter__()
         try:
             self.meter = LinkMeter(self.network.bridge_ns, self.network.names).start()
+        except OSError as err:  # the run goes on without its links' timeline
+            print(f"psar: no {LINKS_FILE}: {err}", file=sys.stderr)
         except BaseException:
             self.network.__exit__(None, None, None)
             raise
@@ -145,8 +148,13 @@ class Emulated:
 
     def links(self) -> dict | None:
         """What each link carried over the run so far, read every few ms (linkmeter.LinkMeter's
-        timeline); stops the reading."""
+        timeline; None where the meter could not start); stops the reading, and says on stderr
+        why it stopped early where it did."""
+        if self.meter is None:
+            return None
         self.meter.stop()
+        if self.meter.error:
+            print(f"psar: {LINKS_FILE} stops early: {self.meter.error}", file=sys.stderr)
         return self.meter.timeline()
 
     def adjust(self, cfg: RunConfig) -> RunConfig:

@@ -72,9 +72,13 @@ def _netns_path(name: str) -> str:
     return path if os.path.exists(path) else ""
 
 
-def _enter_netns(name: str) -> None:
-    """Move this (single-threaded, just forked) process into network namespace `name`."""
-    fd = os.open(_netns_path(name), os.O_RDONLY)
+def enter_netns(name: str) -> None:
+    """Move the calling thread into network namespace `name` (a just-forked process's one
+    thread: the process; another thread: that thread alone, and whatever it starts)."""
+    path = _netns_path(name)
+    if not path:
+        raise OSError(f"no network namespace {name!r} in {NETNS_DIR}")
+    fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "setns"):
             os.setns(fd, os.CLONE_NEWNET)
@@ -273,7 +277,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, netns: str, stdout: i
     code = 1
     try:
         if netns:
-            _enter_netns(netns)
+            enter_netns(netns)
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
         os.close(stdout), os.close(stderr)

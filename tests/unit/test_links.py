@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from analysis.links import busy, carried, links_busy, table
+from analysis.links import busy, carried, links_busy, steps, table
 from analysis.results import load_run
-from experiments.runtime.linkmeter import LINKS_FILE, as_timeline, read_dev, series
+from experiments.runtime import linkmeter
+from experiments.runtime.linkmeter import LINKS_FILE, LinkMeter, as_timeline, read_dev, series
 
 DEV = """Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
@@ -31,12 +32,31 @@ def test_the_ports_counters_are_read_as_what_each_host_sent_and_received():
         read_dev(DEV.replace("    p1:     300       4    0    0", "    p1:     300"))
 
 
-def test_a_long_timeline_keeps_every_other_reading_and_the_last():
-    rows = [{"w0 sent": 10 + 3 * i} for i in range(9)]
-    out = as_timeline([float(i) for i in range(9)], rows, 0.01, most=4)
+def test_a_long_timeline_keeps_the_first_and_last_readings_and_every_byte():
+    rows = [(10 + 3 * i,) for i in range(10)]
+    out = as_timeline([float(i) for i in range(10)], rows, ("w0 sent",), 0.01, most=4)
     assert out["interval_s"] == pytest.approx(0.04)
-    assert out["t"] == [0.0, 4.0, 8.0] and out["links"]["w0 sent"] == [0, 12, 24]
-    assert as_timeline([0.0, 1.0], rows[:2], 0.01)["links"]["w0 sent"] == [0, 3]
+    assert out["t"][0] == 0.0 and out["t"][-1] == 9.0 and len(out["t"]) <= 4
+    assert out["links"]["w0 sent"][0] == 0 and out["links"]["w0 sent"][-1] == 27
+    assert as_timeline([0.0, 1.0], rows[:2], ("w0 sent",), 0.01)["links"]["w0 sent"] == [0, 3]
+
+
+def test_a_port_gone_from_a_reading_keeps_its_count_and_a_long_run_is_thinned_as_it_goes(monkeypatch):
+    meter = LinkMeter("none", ("w0",))
+    meter._take(1.0, {"w0 sent": 5, "w0 received": 7})
+    meter._take(2.0, {"w0 sent": 9})  # its host's namespace went first
+    assert meter.timeline()["links"] == {"w0 received": [0, 0], "w0 sent": [0, 4]}
+    monkeypatch.setattr(linkmeter, "MAX_READINGS", 4)
+    for i in range(3, 12):
+        meter._take(float(i), {"w0 sent": 9 + i, "w0 received": 7})
+    assert len(meter._rows) <= 8 and meter._times[0] == 1.0 and meter._times[-1] == 11.0
+    out = meter.timeline()
+    assert out["links"]["w0 sent"][-1] == 15 and len(out["t"]) <= 4 and out["interval_s"] > meter.interval_s
+
+
+def test_a_meter_that_cannot_enter_its_namespace_says_which():
+    with pytest.raises(OSError, match="psar-no-such-namespace"):
+        LinkMeter("psar-no-such-namespace", ("w0",)).start()
 
 
 def test_bytes_between_two_times_grow_evenly_between_readings():
@@ -54,7 +74,7 @@ def _run(tmp_path, step_s=1.0, steps=4, rate_bits=8e6):
     (tmp_path / "summary.json").write_text(json.dumps({"engine": "ps-sync", "network": {"rate_bits": rate_bits}}))
     walls = [100.0 + step_s * k for k in range(steps + 1)]
     (tmp_path / "metrics" / "rank0.jsonl").write_text(
-        "".join(json.dumps({"step": k, "wall": w}) + "\n" for k, w in enumerate(walls)))
+        "".join(json.dumps({"step": k, "wall": w, "time": w - 99.5}) + "\n" for k, w in enumerate(walls)))
     rate = rate_bits / 8
     t = [100.0 + i * 0.01 for i in range(int(steps * step_s / 0.01) + 1)]
     sent = [rate * sum(min(0.4 * step_s, max(0.0, x - w)) for w in walls[:-1]) for x in t]
@@ -84,3 +104,12 @@ def test_a_run_without_a_timeline_says_so_and_a_broken_one_is_named(tmp_path):
         busy(run)
     (tmp_path / LINKS_FILE).unlink()
     assert busy(run) is None and links_busy(run) is None and "no links' timeline" in table(run, "r")
+
+
+def test_steps_outside_the_timeline_or_across_a_restart_are_left_out(tmp_path):
+    run = _run(tmp_path)
+    assert steps(run, (100.0, 102.5)) == [(100.0, 101.0), (101.0, 102.0)]
+    records = run.metrics[0]
+    records[3]["time"] = 0.2  # step 3 ended in a process started again after step 2
+    records[4]["wall"] = records[3]["wall"]  # and step 4 took no time on the clock
+    assert steps(run) == [(100.0, 101.0), (101.0, 102.0)]
