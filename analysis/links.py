@@ -117,6 +117,16 @@ def links_busy(run: Run) -> float | None:
     return median(hosts) if hosts else None
 
 
+def busiest(run: Run) -> tuple[str, float] | None:
+    """(name, share) of the class of links (CLASSES) busiest over the run's steps (median of
+    its links), None without a timeline."""
+    found = busy(run)
+    if found is None or not found["classes"]:
+        return None
+    name, c = max(found["classes"].items(), key=lambda item: item[1]["busy"])
+    return name, c["busy"]
+
+
 def table(run: Run, label: str) -> str:
     """What `psar links` prints for one run."""
     found = busy(run)

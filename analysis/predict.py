@@ -463,8 +463,18 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
                      "exchange_error": row["comm_s"] / waited - 1 if waited > 0 else None,
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
                      "calibration_retransmitted": max(known) if known else None,
-                     "congestion": congestion_of(run), "calibration_congestion": ",".join(tcp) or None})
+                     "congestion": congestion_of(run), "calibration_congestion": ",".join(tcp) or None,
+                     **_links_of(run)})
     return rows
+
+
+def _links_of(run: Run) -> dict:
+    """The run's busiest class of links and its share of a step (analysis/links.py; None
+    without a links' timeline)."""
+    from .links import busiest
+
+    found = busiest(run)
+    return {"busiest_links": found[0] if found else None, "links_busy": found[1] if found else None}
 
 
 def congestion_of(run: Run) -> str | None:

@@ -13,6 +13,10 @@ from .results import Run
 WITHIN = 0.15
 """The error a link-bound row is held to."""
 
+IDLE = 0.5
+"""A held-out run whose busiest class of links carried less than this share of a step at
+their rate (analysis/links.busiest) spent most of its step on something else."""
+
 DROPPING = 0.01
 """A run whose links sent this share of its segments again dropped packets where its
 calibration's, below a fifth of it, did not: `psar predict` plays links that never drop."""
@@ -23,16 +27,17 @@ def table(rows: list[dict]) -> str:
     error of the played exchange alone (against the run's step less its own compute: on one
     machine a larger run's workers share its cores, and its compute grows with them, which a
     prediction for a cluster leaves out; so an exchange played too long can hide behind
-    it), the share of its TCP segments sent again beside its calibration's (retx %: packets the links
-    dropped); then how many link-bound rows are within WITHIN, and which of those outside
-    it dropped packets their calibration did not."""
+    it), how busy its busiest links were (links: their share of a step at their rate), the
+    share of its TCP segments sent again beside its calibration's (retx %: packets the links
+    dropped); then how many link-bound rows are within WITHIN, and which of those outside it
+    had links mostly idle (IDLE) or dropped packets their calibration did not."""
     lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
-             f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  retx % (calibration)"]
+             f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  links  retx % (calibration)"]
     for r in rows:
         lines.append(f"{r['engine']:<36}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
                      f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
                      f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%{_percent(r.get('exchange_error')):>10}"
-                     f"  {'yes' if r['link_bound'] else 'no ':<10}"
+                     f"  {'yes' if r['link_bound'] else 'no ':<10}{_busy(r.get('links_busy')):>7}"
                      f"  {_share(r.get('retransmitted'))} ({_share(r.get('calibration_retransmitted'))})")
     bound = [abs(r["error"]) for r in rows if r["link_bound"]]
     if bound:
@@ -43,6 +48,13 @@ def table(rows: list[dict]) -> str:
         lines.append(f"their exchange alone (the played exchange against each run's step less its own compute): "
                      f"{sum(e <= WITHIN for e in exchanges)} of {len(exchanges)} within {100 * WITHIN:.0f}%, "
                      f"largest error {100 * max(exchanges):.1f}%")
+    idle = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and r.get("links_busy") is not None
+            and r["links_busy"] < IDLE]
+    if idle:
+        lines.append(f"{len(idle)} of them outside {100 * WITHIN:.0f}% had their busiest links carry less than "
+                     f"{100 * IDLE:.0f}% of a step at their rate (links: psar links): their steps waited on "
+                     "something other than the links' rates (where one machine emulates every host: its cores, "
+                     "which carry the links too)")
     dropping = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and _drops_anew(r)]
     if dropping:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "
@@ -62,6 +74,10 @@ def table(rows: list[dict]) -> str:
 
 def _percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _busy(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def _share(x: float | None) -> str:

@@ -85,6 +85,7 @@ def test_validate_predicts_the_larger_runs_from_the_smallest_alone(tmp_path):
     rows = validate(runs)
     assert [r["workers"] for r in rows] == [4, 4] and all(r["link_bound"] for r in rows)
     assert rows[0]["error"] == pytest.approx(0, abs=1e-9) and rows[1]["error"] == pytest.approx(-0.2)
+    assert rows[0]["links_busy"] is None and rows[0]["busiest_links"] is None  # loopback runs: no timeline
     out = CliRunner().invoke(predict_cmd, ["--validate", *(str(r.path) for r in runs)])
     assert out.exit_code == 0 and "link-bound rows: 1 of 2 within 15%, largest error 20.0%" in out.output, out.output
     with pytest.raises(ValueError, match="every run has 2 workers"):

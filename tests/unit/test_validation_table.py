@@ -1,5 +1,6 @@
-"""psar predict --validate's table: its count of link-bound rows within 15%, and the note
-naming those outside it whose links dropped packets their calibration's did not."""
+"""psar predict --validate's table: its count of link-bound rows within 15%, and the notes
+naming those outside it whose links were mostly idle or dropped packets their calibration's
+did not."""
 
 from analysis.validation import table
 
@@ -28,8 +29,8 @@ def test_the_exchange_alone_is_its_own_column_and_count():
     rows = [{**_row(-0.01, 0.0, 0.0), "exchange_error": 0.35}, {**_row(0.05, 0.0, 0.0), "exchange_error": -0.1},
             _row(0.02, 0.0, 0.0)]  # a row from before the column: "-"
     lines = table(rows).splitlines()
-    assert lines[0].split()[-6:-4] == ["error", "exchange"]
-    assert lines[1].split()[-5:-3] == ["-1.0%", "35.0%"] and lines[3].split()[-5:-3] == ["2.0%", "-"]
+    assert lines[0].split()[-7:-5] == ["error", "exchange"]
+    assert lines[1].split()[-6:-4] == ["-1.0%", "35.0%"] and lines[3].split()[-6:-4] == ["2.0%", "-"]
     assert "link-bound rows: 3 of 3 within 15%" in lines[-2]
     assert lines[-1].endswith("1 of 2 within 15%, largest error 35.0%")
 
@@ -41,3 +42,13 @@ def test_held_out_runs_whose_hosts_ran_another_tcp_than_their_calibration_are_sa
     text = table(rows)
     assert "1 held-out run(s) ran another TCP than their calibration (reno against bbr)" in text
     assert "another TCP" not in table(rows[1:])
+
+
+def test_rows_outside_whose_links_were_mostly_idle_are_counted():
+    rows = [{**_row(-0.29, 0.0, 0.0), "links_busy": 0.41}, {**_row(-0.19, 0.0, 0.0), "links_busy": 0.58},
+            {**_row(-0.05, 0.0, 0.0), "links_busy": 0.2}, _row(-0.3, 0.0, 0.0)]  # the last: no timeline
+    text = table(rows)
+    assert text.splitlines()[0].split()[-4] == "links" and text.splitlines()[1].split()[-3] == "41%"
+    assert text.splitlines()[4].split()[-3] == "-"
+    assert "1 of them outside 15% had their busiest links carry less than 50% of a step" in text
+    assert "busiest links" not in table(rows[1:3])
