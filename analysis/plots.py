@@ -295,7 +295,39 @@ def staleness_histogram(runs: list[Run], out_dir: Path) -> Path | None:
     return path
 
 
-FIGURES = (loss_vs_step, loss_vs_time, throughput_vs_workers, step_breakdown, staleness_histogram)
+def links_through_a_step(runs: list[Run], out_dir: Path) -> Path | None:
+    """For each run on an emulated network with a links' timeline (analysis/links.py), the
+    share of its host links' rate they carried in each tenth of a step (mean over the links,
+    both ways, and the steps): a line per run, where the link waits shows as a dip. Runs read
+    more coarsely than a tenth of their step are left out."""
+    from .links import TENTHS, busy
+
+    shown = []
+    for run in sorted(runs, key=_order):
+        found = busy(run)
+        if found is None or found["interval_s"] > found["step_s"] / TENTHS:
+            continue
+        hosts = [c["tenths"] for name, c in found["classes"].items() if not name.startswith("uplinks")]
+        weights = [c["links"] for name, c in found["classes"].items() if not name.startswith("uplinks")]
+        if hosts:
+            shown.append((run, [sum(w * t[k] for w, t in zip(weights, hosts)) / sum(weights) for k in range(TENTHS)]))
+    if not shown:
+        return None
+    runs = [run for run, _ in shown]
+    path = Path(out_dir) / "links_through_a_step.png"
+    with _figure(path, "When in a step the links carry (steps after the first)",
+                 "% of a step (from one step end to the next; a point a tenth)",
+                 "share of a host link's rate (mean over links, both ways)", runs) as ax:
+        x = [10 * k + 5 for k in range(TENTHS)]
+        for run, tenths in shown:
+            ax.plot(x, [100 * t for t in tenths], marker="o", markersize=3, **_line(run, runs))
+        ax.set_xlim(0, 100)
+        ax.set_ylim(0, 105)
+    return path
+
+
+FIGURES = (loss_vs_step, loss_vs_time, throughput_vs_workers, step_breakdown, staleness_histogram,
+           links_through_a_step)
 
 
 def plot_all(runs: list[Run], out_dir: Path) -> list[Path]:

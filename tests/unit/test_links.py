@@ -69,9 +69,10 @@ def test_bytes_between_two_times_grow_evenly_between_readings():
 def _run(tmp_path, step_s=1.0, steps=4, rate_bits=8e6):
     """A run whose worker sends at its link's rate in the first 40% of every step and nothing
     after; its shard receives the same, and sends at half the rate all the time."""
-    (tmp_path / "metrics").mkdir(exist_ok=True)
+    (tmp_path / "metrics").mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "summary.json").write_text(json.dumps({"engine": "ps-sync", "network": {"rate_bits": rate_bits}}))
+    (tmp_path / "summary.json").write_text(json.dumps({"engine": "ps-sync", "workers": 1, "servers": 1,
+                                                       "network": {"rate_bits": rate_bits, "rate": "8mbit"}}))
     walls = [100.0 + step_s * k for k in range(steps + 1)]
     (tmp_path / "metrics" / "rank0.jsonl").write_text(
         "".join(json.dumps({"step": k, "wall": w, "time": w - 99.5}) + "\n" for k, w in enumerate(walls)))
@@ -113,3 +114,13 @@ def test_steps_outside_the_timeline_or_across_a_restart_are_left_out(tmp_path):
     records[3]["time"] = 0.2  # step 3 ended in a process started again after step 2
     records[4]["wall"] = records[3]["wall"]  # and step 4 took no time on the clock
     assert steps(run) == [(100.0, 101.0), (101.0, 102.0)]
+
+
+def test_the_figure_draws_the_runs_with_a_timeline_and_none_without(tmp_path):
+    from analysis import plots
+
+    run = _run(tmp_path / "run")
+    path = plots.links_through_a_step([run], tmp_path / "figures")
+    assert path.name == "links_through_a_step.png" and path.stat().st_size > 10_000
+    (tmp_path / "run" / LINKS_FILE).unlink()
+    assert plots.links_through_a_step([run], tmp_path / "none") is None
