@@ -27,6 +27,11 @@ CLASSES = (("workers sent", "w", " sent"), ("workers received", "w", " received"
 """(name, a link's prefix, its suffix): the links a row of the table takes together."""
 
 
+def is_uplink(link: str) -> bool:
+    """Whether a link of the timeline is a rack's uplink ("up:rK", "down:rK"), not a host's."""
+    return link.startswith(("up:", "down:"))
+
+
 def timeline(run: Run) -> dict | None:
     """The run's links.json (None where it has none: loopback, or a run from before it)."""
     path = run.path / LINKS_FILE
@@ -76,10 +81,11 @@ def rates(run: Run) -> tuple[float, float | None]:
 
 
 def busy(run: Run) -> dict | None:
-    """{link: its share of each step (median over the steps)} and, by CLASSES, {"classes":
-    {name: {"busy": the class's links' median share, "tenths": each tenth of a step, the mean
-    share over the class's links and the steps}}}; None where the run has no timeline or
-    no whole step."""
+    """{"links": {link: its share of each step (median over the steps)}, "tenths": {link: its
+    share in each tenth of a step (mean over the steps)}, "classes": by CLASSES, {name:
+    {"busy": the class's links' median share, "tenths": the mean over its links}}, "fine":
+    whether the readings are no further apart than a tenth of the median step}; None where the
+    run has no timeline or no whole step."""
     data = timeline(run)
     if data is None:
         return None
@@ -91,7 +97,7 @@ def busy(run: Run) -> dict | None:
     shares: dict[str, float] = {}
     tenths: dict[str, list[float]] = {}
     for link, counts in data["links"].items():
-        rate = uplink if link.startswith(("up:", "down:")) else host
+        rate = uplink if is_uplink(link) else host
         if rate is None:
             continue
         shares[link] = median(carried(t, counts, a, b) / (rate * (b - a)) for a, b in windows)
@@ -103,8 +109,9 @@ def busy(run: Run) -> dict | None:
         if members:
             classes[name] = {"busy": median(shares[m] for m in members), "links": len(members),
                              "tenths": [sum(tenths[m][k] for m in members) / len(members) for k in range(TENTHS)]}
-    return {"links": shares, "classes": classes, "steps": len(windows), "interval_s": data["interval_s"],
-            "step_s": median(b - a for a, b in windows)}
+    step_s = median(b - a for a, b in windows)
+    return {"links": shares, "tenths": tenths, "classes": classes, "steps": len(windows),
+            "interval_s": data["interval_s"], "step_s": step_s, "fine": data["interval_s"] <= step_s / TENTHS}
 
 
 def links_busy(run: Run) -> float | None:
@@ -113,7 +120,7 @@ def links_busy(run: Run) -> float | None:
     found = busy(run)
     if found is None:
         return None
-    hosts = [share for link, share in found["links"].items() if not link.startswith(("up:", "down:"))]
+    hosts = [share for link, share in found["links"].items() if not is_uplink(link)]
     return median(hosts) if hosts else None
 
 
@@ -132,7 +139,7 @@ def table(run: Run, label: str) -> str:
     found = busy(run)
     if found is None:
         return f"{label}: no links' timeline (a run on an emulated network, --net, writes {LINKS_FILE})"
-    tenths = found["interval_s"] <= found["step_s"] / TENTHS  # else a tenth falls between two readings
+    tenths = found["fine"]  # else a tenth falls between two readings
     lines = [f"{label}: {found['steps']} steps, median {1e3 * found['step_s']:.1f} ms, links read every "
              f"{1e3 * found['interval_s']:.0f} ms; each link's share of a step at its rate (median over the steps)"
              + (", and each tenth of a step (mean)" if tenths else "; a tenth of a step is shorter than that"),

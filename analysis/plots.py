@@ -300,17 +300,16 @@ def links_through_a_step(runs: list[Run], out_dir: Path) -> Path | None:
     share of its host links' rate they carried in each tenth of a step (mean over the links,
     both ways, and the steps): a line per run, where the link waits shows as a dip. Runs read
     more coarsely than a tenth of their step are left out."""
-    from .links import TENTHS, busy
+    from .links import TENTHS, busy, is_uplink
 
     shown = []
     for run in sorted(runs, key=_order):
         found = busy(run)
-        if found is None or found["interval_s"] > found["step_s"] / TENTHS:
+        if found is None or not found["fine"]:
             continue
-        hosts = [c["tenths"] for name, c in found["classes"].items() if not name.startswith("uplinks")]
-        weights = [c["links"] for name, c in found["classes"].items() if not name.startswith("uplinks")]
+        hosts = [t for link, t in found["tenths"].items() if not is_uplink(link)]
         if hosts:
-            shown.append((run, [sum(w * t[k] for w, t in zip(weights, hosts)) / sum(weights) for k in range(TENTHS)]))
+            shown.append((run, [mean(t[k] for t in hosts) for k in range(TENTHS)]))
     if not shown:
         return None
     runs = [run for run, _ in shown]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from statistics import median
 from typing import Callable
 
+from experiments.settings.net import NetConfig, parse_rate
+
 INCAST_SENDERS = 4
 """Senders into the one port: 4 workers' pushes into one of 4 separate shards."""
 INCAST_BYTES = 270_000
@@ -28,8 +30,7 @@ def incast(congestion: str, rate: str = INCAST_RATE, senders: int = INCAST_SENDE
     for the bytes (senders * nbytes at the rate), the share of segments sent again and the
     retransmission timeouts, all hosts together."""
     from experiments.runtime.launcher import free_port
-    from experiments.runtime.netns import Network
-    from experiments.settings.net import parse_rate
+    from experiments.runtime.netns import Network, tcp_totals
 
     if rounds < 2:
         raise ValueError(f"incast: rounds={rounds}, need 2 or more (the first is left out)")
@@ -43,16 +44,15 @@ def incast(congestion: str, rate: str = INCAST_RATE, senders: int = INCAST_SENDE
     tenth = seconds[-max(1, len(seconds) // 10):]
     return {"congestion": ran, "rate": rate, "senders": senders, "bytes": nbytes, "gap_s": gap_s,
             "port_s": port_s, "median_x": median(seconds) / port_s, "slowest_tenth_x": median(tenth) / port_s,
-            "retransmitted": sum(t["retransmitted"] for t in tcp) / max(1, sum(t["segments_out"] for t in tcp)),
-            "timeouts": sum(t["timeouts"] for t in tcp), "seconds": seconds}
+            **tcp_totals(tcp), "seconds": seconds}
 
 
-def incast_table(congestions: tuple[str, ...] = ("", "bbr"), echo: Callable[[str], None] = print) -> list[dict]:
-    """incast() under each of `congestions` this machine lets the hosts run ("": net.congestion's
-    default), alternated over two runs each; one that it does not allow is said (echo) and
-    left out."""
+def incast_table(congestions: tuple[str, ...] = (NetConfig.congestion, "bbr"),
+                 echo: Callable[[str], None] = print) -> list[dict]:
+    """incast() under each of `congestions` (net.congestion's default and bbr) this machine
+    lets the hosts run, alternated over two runs each; one that it does not allow is said
+    (echo) and left out."""
     from experiments.runtime.iproute import CongestionRefused
-    from experiments.settings.net import NetConfig
 
     rows, refused = [], set()
     for _ in range(2):
@@ -60,10 +60,10 @@ def incast_table(congestions: tuple[str, ...] = ("", "bbr"), echo: Callable[[str
             if name in refused:
                 continue
             try:
-                rows.append(incast(name or NetConfig.congestion))
+                rows.append(incast(name))
             except CongestionRefused as err:
                 refused.add(name)
-                echo(f"incast: {name or NetConfig.congestion} not measured: {err}")
+                echo(f"incast: {name} not measured: {err}")
     return rows
 
 

@@ -104,9 +104,9 @@ class LinkMeter:
             enter_netns(self.netns)
         except OSError as err:
             self.error = str(err)
-            self._entered.set()
             return
-        self._entered.set()
+        finally:
+            self._entered.set()
         dev = Path("/proc/thread-self/net/dev")
         next_at = time.monotonic()
         while True:

@@ -86,6 +86,14 @@ def tcp_counters(snmp: str, netstat: str) -> dict[str, int]:
     return out
 
 
+def tcp_totals(counters: list[dict[str, int]]) -> dict:
+    """Over hosts' tcp_counters: the share of their segments sent again (0.0 where none was
+    sent) and their retransmission timeouts."""
+    sent = sum(c["segments_out"] for c in counters)
+    return {"retransmitted": sum(c["retransmitted"] for c in counters) / sent if sent else 0.0,
+            "timeouts": sum(c["timeouts"] for c in counters)}
+
+
 QUEUE_MS = NetConfig.queue_ms
 """Most a link's queue holds past its burst by default (net.queue_ms), in milliseconds of its rate: a switch port's or
 fq_codel's few milliseconds, not a bufferbloated 200 ms, behind which a host that sends and

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from experiments.settings.config import RunConfig
 from experiments.runtime.linkmeter import LINKS_FILE, LinkMeter
-from experiments.runtime.netns import Network, clean_stale, has_netem, unavailable
+from experiments.runtime.netns import Network, clean_stale, has_netem, tcp_totals, unavailable
 from experiments.settings.net import NetConfig, parse_rate
 
 MASTER_PORT = 29500  # an emulated host is a new namespace: its ports are all free
@@ -195,15 +195,13 @@ class Emulated:
             c = host.counters()
             hosts[name] = {"addr": host.addr, "rack": host.rack, **c,
                            "link_s": max(c["tx_bytes"], c["rx_bytes"]) * 8 / bits, "tcp": host.tcp_counters()}
-        sent = sum(h["tcp"]["segments_out"] for h in hosts.values())
         uplinks = {}
         for rack, c in self.network.uplink_bytes().items():
             busiest = max(c["up_bytes"], c["down_bytes"]) * 8
             uplinks[str(rack)] = {**c, "link_s": busiest / parse_rate(self.net.uplink) if self.net.uplink else None}
         return {**self.network.describe(), "placement": self.net.placement,
                 "latency_by": self.latency_by, "hosts": hosts, "uplinks": uplinks,
-                "retransmitted": sum(h["tcp"]["retransmitted"] for h in hosts.values()) / sent if sent else 0.0,
-                "timeouts": sum(h["tcp"]["timeouts"] for h in hosts.values())}
+                **tcp_totals([h["tcp"] for h in hosts.values()])}
 
 
 def sites_for(net: NetConfig, workers: int, servers: int) -> Loopback | Emulated:
