@@ -9,8 +9,9 @@ import pytest
 
 from analysis.links import busy, carried, links_busy, steps, table
 from analysis.results import load_run
-from experiments.runtime import linkmeter
-from experiments.runtime.linkmeter import LINKS_FILE, LinkMeter, as_timeline, read_dev, series
+from experiments.runtime import meter as meters
+from experiments.runtime.linkmeter import LINKS_FILE, LinkMeter, read_dev, series
+from experiments.runtime.meter import as_timeline
 
 DEV = """Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
@@ -46,7 +47,7 @@ def test_a_port_gone_from_a_reading_keeps_its_count_and_a_long_run_is_thinned_as
     meter._take(1.0, {"w0 sent": 5, "w0 received": 7})
     meter._take(2.0, {"w0 sent": 9})  # its host's namespace went first
     assert meter.timeline()["links"] == {"w0 received": [0, 0], "w0 sent": [0, 4]}
-    monkeypatch.setattr(linkmeter, "MAX_READINGS", 4)
+    monkeypatch.setattr(meters, "MAX_READINGS", 4)
     for i in range(3, 12):
         meter._take(float(i), {"w0 sent": 9 + i, "w0 received": 7})
     assert len(meter._rows) <= 8 and meter._times[0] == 1.0 and meter._times[-1] == 11.0
