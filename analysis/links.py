@@ -34,15 +34,21 @@ def is_uplink(link: str) -> bool:
 
 def timeline(run: Run) -> dict | None:
     """The run's links.json (None where it has none: loopback, or a run from before it)."""
-    path = run.path / LINKS_FILE
+    return read_timeline(run.path / LINKS_FILE, "links", "the links' timeline")
+
+
+def read_timeline(path, key: str, what: str) -> dict | None:
+    """A meter's timeline as experiments/runtime/meter.py writes it ({"t", key: {name:
+    counts}}), checked: at least two readings, as many of each count as of times; None where
+    the file is not there, ValueError naming it (and `what`) where it cannot be read."""
     if not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
-        if len(data["t"]) < 2 or any(len(v) != len(data["t"]) for v in data["links"].values()):
-            raise ValueError("a link's readings and the times differ in number")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: cannot read the links' timeline: {err}") from None
+        if len(data["t"]) < 2 or any(len(v) != len(data["t"]) for v in data[key].values()):
+            raise ValueError(f"the readings of a {key[:-1]} and the times differ in number")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: cannot read {what}: {err}") from None
     return data
 
 

@@ -32,6 +32,7 @@ from statistics import median
 from typing import Callable, Sequence
 
 from .costmodel import compute_time
+from .hostcpu import host_busy
 from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
 from .results import Run, family
 from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
@@ -432,7 +433,8 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
     and predicted median step, the error, and whether it is link-bound (communication at
     least `link_bound` of its measured step); and the played exchange against the run's step
     less its own compute (exchange_error: the error with the compute's set apart, which on one
-    machine grows with the workers that share its cores, where a cluster's would not).
+    machine grows with the workers that share its cores, where a cluster's would not); how busy
+    its busiest links (links_busy) and its host's cores (host_cpu, analysis/hostcpu.py) were.
     message: a message's fixed cost on the machines every run ran on (`psar bench`'s, see
     bench_message; None: the default); fabric: what their links carried at once, bytes/s,
     where one machine emulated them all (see experiments/bench/fabric.py; None: unlimited);
@@ -464,7 +466,7 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
                      "calibration_retransmitted": max(known) if known else None,
                      "congestion": congestion_of(run), "calibration_congestion": ",".join(tcp) or None,
-                     **_links_of(run)})
+                     **_links_of(run), "host_cpu": host_busy(run)})
     return rows
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from experiments.rundir.files import write_json
 
+from .hostcpu import SATURATED
 from .predict import Machine, validate
 from .results import Run
 
@@ -30,14 +31,16 @@ def table(rows: list[dict]) -> str:
     it), how busy its busiest links were (links: their share of a step at their rate), the
     share of its TCP segments sent again beside its calibration's (retx %: packets the links
     dropped); then how many link-bound rows are within WITHIN, and which of those outside it
-    had links mostly idle (IDLE) or dropped packets their calibration did not."""
+    had links mostly idle (IDLE), ran on saturated cores (cpu: the share of the host's cores at
+    work, analysis/hostcpu.SATURATED) or dropped packets their calibration did not."""
     lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
-             f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  links  retx % (calibration)"]
+             f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  links   cpu  retx % (calibration)"]
     for r in rows:
         lines.append(f"{r['engine']:<36}{r['workers']:>8}{r['servers'] or '':>8}{r['rate_bits'] / 1e6:>6.0f}mbit"
                      f"{r['racks']:>6}{1e3 * r['latency_s']:>7.0f}{1e3 * r['measured_s']:>12.1f}"
                      f"{1e3 * r['step_s']:>13.1f}{100 * r['error']:>7.1f}%{_percent(r.get('exchange_error')):>10}"
                      f"  {'yes' if r['link_bound'] else 'no ':<10}{_busy(r.get('links_busy')):>7}"
+                     f"{_busy(r.get('host_cpu')):>6}"
                      f"  {_share(r.get('retransmitted'))} ({_share(r.get('calibration_retransmitted'))})")
     bound = [abs(r["error"]) for r in rows if r["link_bound"]]
     if bound:
@@ -55,6 +58,13 @@ def table(rows: list[dict]) -> str:
                      f"{100 * IDLE:.0f}% of a step at their rate (links: psar links): their steps waited on "
                      "something other than the links' rates (where one machine emulates every host: its cores, "
                      "which carry the links too)")
+    saturated = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and r.get("host_cpu") is not None
+                 and r["host_cpu"] >= SATURATED]
+    if saturated:
+        lines.append(f"{len(saturated)} of them outside {100 * WITHIN:.0f}% ran on a host whose cores were "
+                     f"{100 * SATURATED:.0f}% busy or more through their steps (cpu: psar links): there the "
+                     "machine's cores, shared by every worker, shard and emulated link, set the pace as much as "
+                     "the links, which a cluster's hosts would not share")
     dropping = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and _drops_anew(r)]
     if dropping:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "

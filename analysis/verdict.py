@@ -4,6 +4,7 @@ comparison gives, where the table gives the figures."""
 
 from __future__ import annotations
 
+from .hostcpu import SATURATED, host_busy
 from .results import Run, median
 from .table import cells, rate_of
 
@@ -54,5 +55,20 @@ def _verdicts(runs: list[Run]) -> list[str]:
         spread = (f" (range {min(mine[best]):.0f}-{max(mine[best]):.0f} over {repeats} runs)" if repeats > 1
                   else " (one run each: repeat with --repeats 3 to see the spread)")
         lines.append(f"verdict, {workers} workers on {where}: {_name(best[0], best[2])} fastest at "
-                     f"{top:.0f} samples/s{spread}; " + ", ".join(others))
+                     f"{top:.0f} samples/s{spread}; " + ", ".join(others)
+                     + _saturated([r for r in runs if r.spec.family != "local" and named[r.path] in mine]))
     return lines
+
+
+def _saturated(runs: list[Run]) -> str:
+    """A warning where these runs emulated their links on one machine whose cores were all at
+    work through their steps (analysis/hostcpu.SATURATED): there the cores decided as much as
+    the links, which a cluster's hosts would not share."""
+    if not any((run.summary.get("network") or {}).get("rate") for run in runs):
+        return ""  # on loopback the cores decide anyway (the next line says so)
+    busy = [b for run in runs if (b := host_busy(run)) is not None]
+    if not busy or max(busy) < SATURATED:
+        return ""
+    return (f"; the host's cores were {100 * min(busy):.0f}-{100 * max(busy):.0f}% busy through these runs' steps: "
+            "they set the pace as much as the links, and on a cluster, whose hosts each have their own, the order "
+            "may differ (psar links)")

@@ -236,12 +236,17 @@ def table_cmd(run_dirs) -> None:
 def links_cmd(run_dirs) -> None:
     """Print how busy each emulated link was during the steps of finished RUN_DIRS (runs with
     --net, or folders of them): each link's share of a step at its rate, by workers and
-    shards, sent and received, and when in a step (tenths)."""
+    shards, sent and received, and when in a step (tenths); and how busy the host's cores were
+    over those steps (where one machine emulated every host, its cores are shared too)."""
+    from analysis.hostcpu import line
     from analysis.links import table
     from analysis.results import load_runs
 
     for run in load_runs(run_dirs):
         click.echo(table(run, str(run.path)))
+        host = line(run)
+        if host is not None:
+            click.echo(host)
     _say_skipped(run_dirs)
 
 

@@ -19,6 +19,7 @@ from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from experiments.settings.config import RunConfig
 from experiments.engines import get_engine
+from experiments.runtime.cpumeter import CPU_FILE, CpuMeter
 from experiments.runtime.linkmeter import LINKS_FILE
 from experiments.runtime.sites import Loopback, sites_for
 from experiments.runtime.sites import free_port  # noqa: F401 (callers take it from here)
@@ -132,27 +133,33 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             _, argv, env = ranks(restarts.count, [])[rank]
             return argv, env
 
-        while True:
-            procs = (servers if attempt == 0 else []) + ranks(attempt, again)
-            left = None if deadline_s is None else deadline_s - (time.monotonic() - started)
-            try:
-                run_processes(procs, run_dirs[0] / "logs", left, show_progress=not quiet,
-                              append=resume or attempt > 0, echo_rank0=script is not None and not quiet,
-                              restarting=restarts is not None and restarts.left and not nservers,
-                              respawn=rejoin, fork=attempt == 0)
-                break
-            except LaunchError as err:
-                if restarts is None or not restarts.left or err.failed_at is None or nservers:
-                    raise
-                step = restarts.failed(str(err), err.failed_at)
-                again = ["--resume"] if step is not None else []
-                attempt += 1
-                if not quiet:
-                    print(f"psar: {err}; restarting every worker ({attempt} of {max_restarts}) from "
-                          f"{f'the checkpoint of step {step}' if step is not None else 'the start'}",
-                          file=sys.stderr)
+        cpu = _cpu_meter(quiet)
+        try:
+            while True:
+                procs = (servers if attempt == 0 else []) + ranks(attempt, again)
+                left = None if deadline_s is None else deadline_s - (time.monotonic() - started)
+                try:
+                    run_processes(procs, run_dirs[0] / "logs", left, show_progress=not quiet,
+                                  append=resume or attempt > 0, echo_rank0=script is not None and not quiet,
+                                  restarting=restarts is not None and restarts.left and not nservers,
+                                  respawn=rejoin, fork=attempt == 0)
+                    break
+                except LaunchError as err:
+                    if restarts is None or not restarts.left or err.failed_at is None or nservers:
+                        raise
+                    step = restarts.failed(str(err), err.failed_at)
+                    again = ["--resume"] if step is not None else []
+                    attempt += 1
+                    if not quiet:
+                        print(f"psar: {err}; restarting every worker ({attempt} of {max_restarts}) from "
+                              f"{f'the checkpoint of step {step}' if step is not None else 'the start'}",
+                              file=sys.stderr)
+        finally:
+            if cpu is not None:
+                cpu.stop()
         timeline = sites.links()
         network = sites.record()
+        cores = _cpu_timeline(cpu, quiet)
     summaries = []
     for (cfg, _), run_dir in zip(jobs, run_dirs):
         if cfg.trace:
@@ -169,8 +176,31 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
             files.write_json(run_dir / "summary.json", summary)
         if timeline is not None:
             files.write_json(run_dir / LINKS_FILE, timeline, indent=None)
+        if cores is not None:
+            files.write_json(run_dir / CPU_FILE, cores, indent=None)
         summaries.append(summary)
     return summaries
+
+
+def _cpu_meter(quiet: bool) -> CpuMeter | None:
+    """The host's CPU counters read from now on (cpumeter.CpuMeter); None, said on stderr
+    unless quiet, where they cannot be read (the run goes on without its cpu.json)."""
+    try:
+        return CpuMeter().start()
+    except OSError as err:
+        if not quiet:
+            print(f"psar: no {CPU_FILE}: {err}", file=sys.stderr)
+        return None
+
+
+def _cpu_timeline(cpu: CpuMeter | None, quiet: bool) -> dict | None:
+    """What the host's cores did over the run (CpuMeter.timeline), said on stderr where the
+    readings stopped early."""
+    if cpu is None:
+        return None
+    if cpu.error and not quiet:
+        print(f"psar: {CPU_FILE} stops early: {cpu.error}", file=sys.stderr)
+    return cpu.timeline()
 
 
 def check_devices(cfg: RunConfig, count: Callable[[], int] | None = None) -> None:

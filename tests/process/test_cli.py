@@ -16,6 +16,8 @@ from ps.cores import core_share, io_threads
 import torch
 from click.testing import CliRunner
 
+from analysis.hostcpu import host_cpu
+from analysis.results import load_run
 from experiments.cli import main
 from experiments.cli.options import describe_summary
 from experiments.runtime.launcher import free_port
@@ -82,6 +84,10 @@ def test_run_writes_the_run_directory(tmp_path):
     assert summary["bytes_per_worker_per_step"] > 0
     table = invoke("table", out)
     assert table.exit_code == 0 and "| ddp | 2 |" in table.output, table.output
+    # The host's cores, read through the run: a share of them at work in its steps.
+    cpu = host_cpu(load_run(out))
+    assert cpu is not None and cpu["steps"] == 3 and 0 < cpu["busy"] <= 1 and cpu["cores"] >= 1, cpu
+    assert "host cpu" in table.output
     # A finished run is never replaced unasked; --overwrite replaces it.
     before = (out / "summary.json").read_text()
     again = invoke("run", "cnn", "--engine", "ddp", "--workers", 2, "--steps", 2, "--out", out)

@@ -1,6 +1,6 @@
 """psar predict --validate's table: its count of link-bound rows within 15%, and the notes
-naming those outside it whose links were mostly idle or dropped packets their calibration's
-did not."""
+naming those outside it whose links were mostly idle, whose host's cores were saturated or
+that dropped packets their calibration's did not."""
 
 from analysis.validation import table
 
@@ -29,8 +29,8 @@ def test_the_exchange_alone_is_its_own_column_and_count():
     rows = [{**_row(-0.01, 0.0, 0.0), "exchange_error": 0.35}, {**_row(0.05, 0.0, 0.0), "exchange_error": -0.1},
             _row(0.02, 0.0, 0.0)]  # a row from before the column: "-"
     lines = table(rows).splitlines()
-    assert lines[0].split()[-7:-5] == ["error", "exchange"]
-    assert lines[1].split()[-6:-4] == ["-1.0%", "35.0%"] and lines[3].split()[-6:-4] == ["2.0%", "-"]
+    assert lines[0].split()[-8:-6] == ["error", "exchange"]
+    assert lines[1].split()[-7:-5] == ["-1.0%", "35.0%"] and lines[3].split()[-7:-5] == ["2.0%", "-"]
     assert "link-bound rows: 3 of 3 within 15%" in lines[-2]
     assert lines[-1].endswith("1 of 2 within 15%, largest error 35.0%")
 
@@ -48,7 +48,18 @@ def test_rows_outside_whose_links_were_mostly_idle_are_counted():
     rows = [{**_row(-0.29, 0.0, 0.0), "links_busy": 0.41}, {**_row(-0.19, 0.0, 0.0), "links_busy": 0.58},
             {**_row(-0.05, 0.0, 0.0), "links_busy": 0.2}, _row(-0.3, 0.0, 0.0)]  # the last: no timeline
     text = table(rows)
-    assert text.splitlines()[0].split()[-4] == "links" and text.splitlines()[1].split()[-3] == "41%"
-    assert text.splitlines()[4].split()[-3] == "-"
+    assert text.splitlines()[0].split()[-5] == "links" and text.splitlines()[1].split()[-4] == "41%"
+    assert text.splitlines()[4].split()[-4] == "-"
     assert "1 of them outside 15% had their busiest links carry less than 50% of a step" in text
     assert "busiest links" not in table(rows[1:3])
+
+
+def test_rows_outside_whose_hosts_cores_were_saturated_are_counted():
+    rows = [{**_row(-0.29, 0.0, 0.0), "links_busy": 0.41, "host_cpu": 0.97},
+            {**_row(-0.19, 0.0, 0.0), "links_busy": 0.58, "host_cpu": 0.62},
+            {**_row(-0.05, 0.0, 0.0), "host_cpu": 0.99}, _row(-0.3, 0.0, 0.0)]  # the last: no timeline
+    text = table(rows)
+    assert text.splitlines()[0].split()[-4] == "cpu" and text.splitlines()[1].split()[-3] == "97%"
+    assert text.splitlines()[4].split()[-3] == "-"
+    assert "1 of them outside 15% ran on a host whose cores were 90% busy or more" in text
+    assert "cores were" not in table(rows[1:3])

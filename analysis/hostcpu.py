@@ -1,0 +1,73 @@
+"""How busy the host's cores were during a run's steps, read off its cpu.json (the machine's
+CPU time counters every few tens of ms, experiments/runtime/cpumeter.py) and rank 0's step
+ends (analysis/links.steps).
+
+Where one machine runs every worker, every shard and the kernel that emulates their links,
+its cores are one more resource the engines share, and one a cluster's hosts would not: a
+parameter server's shards and its workers' pushes cost CPU on the same cores. Once they are
+all busy, the comparison measures the machine's cores as much as the links, and a prediction
+carried from fewer workers (psar predict) misses by what they add. The shares are of all the
+host's cores over the steps' windows together: busy (user, nice, system, irq and soft
+interrupts, which carry the emulated links' packets), each of those apart, and steal (time a
+virtual machine's cores were not given to it).
+"""
+
+from __future__ import annotations
+
+from experiments.runtime.cpumeter import CPU_FILE
+
+from .links import carried, read_timeline, steps
+from .results import Run
+
+BUSY = ("user", "nice", "system", "irq", "softirq")
+"""The states of a core at work."""
+
+SATURATED = 0.9
+"""A host whose cores were busy this share of the steps or more: its cores, not only its
+links, decided the steps (psar table and psar predict --validate say so)."""
+
+
+def timeline(run: Run) -> dict | None:
+    """The run's cpu.json (None where it has none: a run from before it, or a process started
+    by hand)."""
+    path = run.path / CPU_FILE
+    data = read_timeline(path, "ticks", "the host's CPU timeline")
+    if data is not None and not (type(data.get("cores")) is int and data["cores"] >= 1):
+        raise ValueError(f"{path}: cannot read the host's CPU timeline: cores={data.get('cores')!r}")
+    return data
+
+
+def host_cpu(run: Run) -> dict | None:
+    """{"busy": share of the host's cores at work over rank 0's steps (the first left out),
+    each of BUSY's states and "steal" apart, "cores", "steps"}; None without a timeline, a
+    whole step inside it, or ticks counted in those steps."""
+    data = timeline(run)
+    if data is None:
+        return None
+    t = data["t"]
+    windows = steps(run, (t[0], t[-1]))
+    if not windows:
+        return None
+    ticks = {state: sum(carried(t, counts, a, b) for a, b in windows) for state, counts in data["ticks"].items()}
+    total = sum(ticks.values())
+    if total <= 0:
+        return None
+    shares = {state: ticks.get(state, 0.0) / total for state in (*BUSY, "steal")}
+    return {"busy": sum(shares[s] for s in BUSY), **shares, "cores": int(data["cores"]), "steps": len(windows)}
+
+
+def host_busy(run: Run) -> float | None:
+    """The share of the host's cores at work during the run's steps (host_cpu's "busy"); None
+    without a timeline."""
+    found = host_cpu(run)
+    return found["busy"] if found else None
+
+
+def line(run: Run) -> str | None:
+    """One line of what the host's cores did during the steps, as `psar links` prints it."""
+    found = host_cpu(run)
+    if found is None:
+        return None
+    parts = ", ".join(f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005)
+    saturated = "; saturated: the cores set the steps' pace as much as the engine did" if found["busy"] >= SATURATED else ""
+    return f"host: {found['cores']} cores {found['busy']:.0%} busy over {found['steps']} steps ({parts}){saturated}"

@@ -1,0 +1,118 @@
+"""The host's CPU timeline of a run (experiments/runtime/cpumeter.py) and what psar makes of
+it (analysis/hostcpu.py): /proc/stat read, a meter reading a changing file, the shares of
+the cores over a run's steps on made-up counters."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from analysis.hostcpu import SATURATED, host_busy, host_cpu, line
+from analysis.results import load_run
+from experiments.runtime.cpumeter import CPU_FILE, CpuMeter, read_stat
+
+STAT = """cpu  {user} 0 {system} {idle} 5 0 {softirq} {steal} 0 0
+cpu0 1 0 1 1 0 0 0 0 0 0
+cpu1 1 0 1 1 0 0 0 0 0 0
+intr 12345
+ctxt 678
+"""
+
+
+def _stat(user=100, system=20, idle=300, softirq=7, steal=3) -> str:
+    return STAT.format(user=user, system=system, idle=idle, softirq=softirq, steal=steal)
+
+
+def test_the_first_line_gives_every_cores_ticks_and_the_core_lines_their_number():
+    ticks, cores = read_stat(_stat())
+    assert cores == 2
+    assert ticks == {"user": 100, "nice": 0, "system": 20, "idle": 300, "iowait": 5, "irq": 0, "softirq": 7,
+                     "steal": 3}
+    with pytest.raises(ValueError, match="not integers"):
+        read_stat(_stat().replace(" 20 ", " x "))
+    with pytest.raises(ValueError, match="expected 'cpu'"):
+        read_stat("intr 1\n")
+    with pytest.raises(ValueError, match="no line of a core"):
+        read_stat(_stat().split("cpu0")[0])
+
+
+def test_a_meter_reads_the_counters_as_they_grow_and_one_that_cannot_read_says_so(tmp_path):
+    path = tmp_path / "stat"
+    path.write_text(_stat())
+    meter = CpuMeter(0.01, path).start()
+    try:
+        time.sleep(0.05)
+        path.write_text(_stat(user=150, idle=320))
+        time.sleep(0.05)
+    finally:
+        meter.stop()
+    out = meter.timeline()
+    assert meter.error is None and out["cores"] == 2 and len(out["t"]) >= 3
+    assert out["ticks"]["user"][0] == 0 and out["ticks"]["user"][-1] == 50 and out["ticks"]["idle"][-1] == 20
+    assert out["t"] == sorted(out["t"])
+    with pytest.raises(OSError, match="CPU meter"):
+        CpuMeter(0.01, tmp_path / "missing").start()
+
+
+def _run(tmp_path, steps=4, step_s=1.0, idle=0.05, **summary):
+    """A run of 2 cores whose steps (100 s on) keep them 65% at user, 10% in the kernel, 20%
+    in soft interrupts and `idle` idle (a share of user's time); before the steps, 100% user
+    (start-up)."""
+    (tmp_path / "metrics").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "summary.json").write_text(json.dumps({"engine": "ps-sync", "workers": 1, "servers": 1, **summary}))
+    walls = [100.0 + step_s * k for k in range(steps + 1)]
+    (tmp_path / "metrics" / "rank0.jsonl").write_text(
+        "".join(json.dumps({"step": k, "wall": w, "time": w - 99.5}) + "\n" for k, w in enumerate(walls)))
+    t = [90.0 + 0.05 * i for i in range(int((walls[-1] + 1 - 90.0) / 0.05) + 1)]
+    hz = 2 * 100  # ticks a second, both cores
+
+    def ticks(share_in_steps, share_before):
+        return [round(hz * (share_before * min(x, 100.0) - share_before * 90.0
+                            + share_in_steps * max(0.0, x - 100.0))) for x in t]
+    data = {"interval_s": 0.05, "t": t, "cores": 2,
+            "ticks": {"user": ticks(0.7 - idle, 1.0), "nice": [0] * len(t), "system": ticks(0.1, 0.0),
+                      "idle": ticks(idle, 0.0), "iowait": [0] * len(t), "irq": [0] * len(t),
+                      "softirq": ticks(0.2, 0.0), "steal": [0] * len(t)}}
+    (tmp_path / CPU_FILE).write_text(json.dumps(data))
+    return load_run(tmp_path)
+
+
+def test_the_cores_shares_are_those_of_the_steps_alone(tmp_path):
+    found = host_cpu(_run(tmp_path))
+    assert found["steps"] == 4 and found["cores"] == 2  # steps 1-4, from the end of each before
+    assert found["busy"] == pytest.approx(0.95, abs=0.01)  # start-up's 100% left out
+    assert found["user"] == pytest.approx(0.65, abs=0.01) and found["softirq"] == pytest.approx(0.2, abs=0.01)
+    assert found["steal"] == 0
+    assert host_busy(_run(tmp_path)) == found["busy"] >= SATURATED
+    text = line(_run(tmp_path))
+    assert text.startswith("host: 2 cores 95% busy over 4 steps (user 65%, system 10%, softirq 20%)")
+    assert "saturated" in text
+
+
+def test_a_run_without_a_timeline_has_none_and_a_broken_one_is_named(tmp_path):
+    run = _run(tmp_path)
+    (tmp_path / CPU_FILE).write_text(json.dumps({"t": [1.0, 2.0], "cores": 2, "ticks": {"user": [0]}}))
+    with pytest.raises(ValueError, match=CPU_FILE):
+        host_cpu(run)
+    (tmp_path / CPU_FILE).unlink()
+    assert host_cpu(run) is None and host_busy(run) is None and line(run) is None
+
+
+def test_the_verdict_says_where_an_emulated_comparisons_cores_were_saturated(tmp_path):
+    from analysis.verdict import verdicts
+
+    def pair(where, idle, network):
+        common = dict(workers=2, experiment="quickstart", final_loss=1.0, eval={}, bytes_per_worker_per_step=1e6,
+                      network=network)
+        return [_run(where / "ar", idle=idle, engine="allreduce", samples_per_sec=100.0, **common),
+                _run(where / "ps", idle=idle, engine="ps-sync", samples_per_sec=80.0, **common)]
+
+    net = {"rate": "100mbit", "rate_bits": 1e8}
+    (line,) = verdicts(pair(tmp_path / "busy", 0.02, net))
+    assert line.startswith("verdict, 2 workers on 100mbit: allreduce/library fastest")
+    assert "the host's cores were 98-98% busy through these runs' steps" in line and "on a cluster" in line
+    assert "cores" not in verdicts(pair(tmp_path / "idle", 0.3, net))[0]  # 70% busy: the links decided
+    assert "cores" not in verdicts(pair(tmp_path / "loopback", 0.02, None))[0]  # loopback: said apart
