@@ -7,9 +7,10 @@ its cores are one more resource the engines share, and one a cluster's hosts wou
 parameter server's shards and its workers' pushes cost CPU on the same cores. Once they are
 all busy, the comparison measures the machine's cores as much as the links, and a prediction
 carried from fewer workers (psar predict) misses by what they add. The shares are of all the
-host's cores over the steps' windows together: busy (user, nice, system, irq and soft
-interrupts, which carry the emulated links' packets), each of those apart, and steal (time a
-virtual machine's cores were not given to it).
+host's cores over the steps' windows together: in use (not idle), busy (user, nice, system,
+irq and soft interrupts, which carry the emulated links' packets), each of those apart, steal
+(time a virtual machine's cores were taken by its hypervisor: in use, but not by the run) and
+idle.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ BUSY = ("user", "nice", "system", "irq", "softirq")
 """The states of a core at work."""
 
 SATURATED = 0.9
-"""A host whose cores were busy this share of the steps or more: its cores, not only its
-links, decided the steps (psar table and psar predict --validate say so)."""
+"""A host whose cores were in use (not idle) this share of the steps or more: its cores, not
+only its links, decided the steps (psar links, the verdict and psar predict --validate say
+so)."""
 
 
 def timeline(run: Run) -> dict | None:
@@ -38,9 +40,10 @@ def timeline(run: Run) -> dict | None:
 
 
 def host_cpu(run: Run) -> dict | None:
-    """{"busy": share of the host's cores at work over rank 0's steps (the first left out),
-    each of BUSY's states and "steal" apart, "cores", "steps"}; None without a timeline, a
-    whole step inside it, or ticks counted in those steps."""
+    """{"used": share of the host's cores not idle over rank 0's steps (the first left out),
+    "busy": at work (BUSY's states), each of those states, "steal" and "idle" apart, "cores",
+    "steps"}; None without a timeline, a whole step inside it, or ticks counted in those
+    steps."""
     data = timeline(run)
     if data is None:
         return None
@@ -53,14 +56,17 @@ def host_cpu(run: Run) -> dict | None:
     if total <= 0:
         return None
     shares = {state: ticks.get(state, 0.0) / total for state in (*BUSY, "steal")}
-    return {"busy": sum(shares[s] for s in BUSY), **shares, "cores": int(data["cores"]), "steps": len(windows)}
+    idle = (ticks.get("idle", 0.0) + ticks.get("iowait", 0.0)) / total
+    return {"used": 1.0 - idle, "busy": sum(shares[s] for s in BUSY), **shares, "idle": idle,
+            "cores": int(data["cores"]), "steps": len(windows)}
 
 
-def host_busy(run: Run) -> float | None:
-    """The share of the host's cores at work during the run's steps (host_cpu's "busy"); None
-    without a timeline."""
+def host_used(run: Run) -> float | None:
+    """The share of the host's cores not idle during the run's steps (host_cpu's "used"):
+    at work, or, on a virtual machine, taken by its hypervisor (steal); None without a
+    timeline."""
     found = host_cpu(run)
-    return found["busy"] if found else None
+    return found["used"] if found else None
 
 
 def line(run: Run) -> str | None:
@@ -69,5 +75,5 @@ def line(run: Run) -> str | None:
     if found is None:
         return None
     parts = ", ".join(f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005)
-    saturated = "; saturated: the cores set the steps' pace as much as the engine did" if found["busy"] >= SATURATED else ""
-    return f"host: {found['cores']} cores {found['busy']:.0%} busy over {found['steps']} steps ({parts}){saturated}"
+    saturated = "; saturated: the cores set the steps' pace as much as the engine did" if found["used"] >= SATURATED else ""
+    return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps ({parts}){saturated}"

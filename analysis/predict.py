@@ -32,7 +32,7 @@ from statistics import median
 from typing import Callable, Sequence
 
 from .costmodel import compute_time
-from .hostcpu import host_busy
+from .hostcpu import host_used
 from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
 from .results import Run, family
 from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
@@ -466,7 +466,7 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
                      "calibration_retransmitted": max(known) if known else None,
                      "congestion": congestion_of(run), "calibration_congestion": ",".join(tcp) or None,
-                     **_links_of(run), "host_cpu": host_busy(run)})
+                     **_links_of(run), "host_cpu": host_used(run)})
     return rows
 
 

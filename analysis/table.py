@@ -7,7 +7,7 @@ from pathlib import Path
 
 from experiments.engines import label_info
 
-from .hostcpu import host_busy
+from .hostcpu import host_used
 from .links import links_busy
 from .results import Run, distinctions, median, quantile, time_to_target
 
@@ -56,9 +56,10 @@ STATISTICS = {
     "staleness_median": "over every push of the cell's runs",
     "links_busy": "an emulated host link's share of a step at its rate (median over the hosts' links, "
                   "each way, and the steps after the first; psar links), median over the runs",
-    "host_cpu": "the share of the launching host's cores at work during the steps after the first (user, "
-                "system and soft interrupts, which carry emulated links; psar links), median over the runs: "
-                "from 90%, the host's cores decided the steps as much as the engine",
+    "host_cpu": "the share of the launching host's cores not idle during the steps after the first (at work, "
+                "soft interrupts carrying emulated links included, or taken by a virtual machine's hypervisor; "
+                "psar links), median over the runs: from 90%, the host's cores decided the steps as much as the "
+                "engine",
 }
 """What each column is, for the lines under the table (legend)."""
 
@@ -203,7 +204,7 @@ def rows(runs: list[Run]) -> list[dict]:
             "mb_per_worker_step": sum(r.summary["bytes_per_worker_per_step"] for r in group) / len(group) / 1e6,
             **theory,
             "links_busy": median([b for run in group if (b := links_busy(run)) is not None]),
-            "host_cpu": median([b for run in group if (b := host_busy(run)) is not None]),
+            "host_cpu": median([b for run in group if (b := host_used(run)) is not None]),
             "staleness_median": median(staleness),
             "staleness_p99": quantile(staleness, 0.99),
             "collision_rate": _collision_rate(group),

@@ -31,8 +31,8 @@ def table(rows: list[dict]) -> str:
     it), how busy its busiest links were (links: their share of a step at their rate), the
     share of its TCP segments sent again beside its calibration's (retx %: packets the links
     dropped); then how many link-bound rows are within WITHIN, and which of those outside it
-    had links mostly idle (IDLE), ran on saturated cores (cpu: the share of the host's cores at
-    work, analysis/hostcpu.SATURATED) or dropped packets their calibration did not."""
+    had links mostly idle (IDLE), ran on saturated cores (cpu: the share of the host's cores in
+    use, analysis/hostcpu.SATURATED) or dropped packets their calibration did not."""
     lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
              f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  links   cpu  retx % (calibration)"]
     for r in rows:
@@ -62,7 +62,7 @@ def table(rows: list[dict]) -> str:
                  and r["host_cpu"] >= SATURATED]
     if saturated:
         lines.append(f"{len(saturated)} of them outside {100 * WITHIN:.0f}% ran on a host whose cores were "
-                     f"{100 * SATURATED:.0f}% busy or more through their steps (cpu: psar links): there the "
+                     f"{100 * SATURATED:.0f}% in use or more through their steps (cpu: psar links): there the "
                      "machine's cores, shared by every worker, shard and emulated link, set the pace as much as "
                      "the links, which a cluster's hosts would not share")
     dropping = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and _drops_anew(r)]

@@ -4,7 +4,7 @@ comparison gives, where the table gives the figures."""
 
 from __future__ import annotations
 
-from .hostcpu import SATURATED, host_busy
+from .hostcpu import SATURATED, host_used
 from .results import Run, median
 from .table import cells, rate_of
 
@@ -66,9 +66,9 @@ def _saturated(runs: list[Run]) -> str:
     the links, which a cluster's hosts would not share."""
     if not any((run.summary.get("network") or {}).get("rate") for run in runs):
         return ""  # on loopback the cores decide anyway (the next line says so)
-    busy = [b for run in runs if (b := host_busy(run)) is not None]
-    if not busy or max(busy) < SATURATED:
+    used = [u for run in runs if (u := host_used(run)) is not None]
+    if not used or max(used) < SATURATED:
         return ""
-    return (f"; the host's cores were {100 * min(busy):.0f}-{100 * max(busy):.0f}% busy through these runs' steps: "
+    return (f"; the host's cores were {100 * min(used):.0f}-{100 * max(used):.0f}% in use through these runs' steps: "
             "they set the pace as much as the links, and on a cluster, whose hosts each have their own, the order "
             "may differ (psar links)")

@@ -5,11 +5,12 @@ the cores over a run's steps on made-up counters."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
-from analysis.hostcpu import SATURATED, host_busy, host_cpu, line
+from analysis.hostcpu import SATURATED, host_used, host_cpu, line
 from analysis.results import load_run
 from experiments.runtime.cpumeter import CPU_FILE, CpuMeter, read_stat
 
@@ -40,11 +41,15 @@ def test_the_first_line_gives_every_cores_ticks_and_the_core_lines_their_number(
 
 def test_a_meter_reads_the_counters_as_they_grow_and_one_that_cannot_read_says_so(tmp_path):
     path = tmp_path / "stat"
-    path.write_text(_stat())
+
+    def write(text):  # whole, as the kernel gives /proc/stat: never a file half written
+        (tmp_path / "next").write_text(text)
+        os.replace(tmp_path / "next", path)
+    write(_stat())
     meter = CpuMeter(0.01, path).start()
     try:
         time.sleep(0.05)
-        path.write_text(_stat(user=150, idle=320))
+        write(_stat(user=150, idle=320))
         time.sleep(0.05)
     finally:
         meter.stop()
@@ -85,10 +90,10 @@ def test_the_cores_shares_are_those_of_the_steps_alone(tmp_path):
     assert found["steps"] == 4 and found["cores"] == 2  # steps 1-4, from the end of each before
     assert found["busy"] == pytest.approx(0.95, abs=0.01)  # start-up's 100% left out
     assert found["user"] == pytest.approx(0.65, abs=0.01) and found["softirq"] == pytest.approx(0.2, abs=0.01)
-    assert found["steal"] == 0
-    assert host_busy(_run(tmp_path)) == found["busy"] >= SATURATED
+    assert found["steal"] == 0 and found["idle"] == pytest.approx(0.05, abs=0.01)
+    assert host_used(_run(tmp_path)) == found["used"] == pytest.approx(0.95, abs=0.01) and found["used"] >= SATURATED
     text = line(_run(tmp_path))
-    assert text.startswith("host: 2 cores 95% busy over 4 steps (user 65%, system 10%, softirq 20%)")
+    assert text.startswith("host: 2 cores, 5% idle over 4 steps (user 65%, system 10%, softirq 20%)")
     assert "saturated" in text
 
 
@@ -98,7 +103,7 @@ def test_a_run_without_a_timeline_has_none_and_a_broken_one_is_named(tmp_path):
     with pytest.raises(ValueError, match=CPU_FILE):
         host_cpu(run)
     (tmp_path / CPU_FILE).unlink()
-    assert host_cpu(run) is None and host_busy(run) is None and line(run) is None
+    assert host_cpu(run) is None and host_used(run) is None and line(run) is None
 
 
 def test_the_verdict_says_where_an_emulated_comparisons_cores_were_saturated(tmp_path):
@@ -113,6 +118,6 @@ def test_the_verdict_says_where_an_emulated_comparisons_cores_were_saturated(tmp
     net = {"rate": "100mbit", "rate_bits": 1e8}
     (line,) = verdicts(pair(tmp_path / "busy", 0.02, net))
     assert line.startswith("verdict, 2 workers on 100mbit: allreduce/library fastest")
-    assert "the host's cores were 98-98% busy through these runs' steps" in line and "on a cluster" in line
-    assert "cores" not in verdicts(pair(tmp_path / "idle", 0.3, net))[0]  # 70% busy: the links decided
+    assert "the host's cores were 98-98% in use through these runs' steps" in line and "on a cluster" in line
+    assert "cores" not in verdicts(pair(tmp_path / "idle", 0.3, net))[0]  # 70% in use: the links decided
     assert "cores" not in verdicts(pair(tmp_path / "loopback", 0.02, None))[0]  # loopback: said apart

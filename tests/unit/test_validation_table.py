@@ -61,5 +61,5 @@ def test_rows_outside_whose_hosts_cores_were_saturated_are_counted():
     text = table(rows)
     assert text.splitlines()[0].split()[-4] == "cpu" and text.splitlines()[1].split()[-3] == "97%"
     assert text.splitlines()[4].split()[-3] == "-"
-    assert "1 of them outside 15% ran on a host whose cores were 90% busy or more" in text
+    assert "1 of them outside 15% ran on a host whose cores were 90% in use or more" in text
     assert "cores were" not in table(rows[1:3])
