@@ -76,4 +76,5 @@ def line(run: Run) -> str | None:
         return None
     parts = ", ".join(f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005)
     saturated = "; saturated: the cores set the steps' pace as much as the engine did" if found["used"] >= SATURATED else ""
-    return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps ({parts}){saturated}"
+    parts = f" ({parts})" if parts else ""
+    return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps{parts}{saturated}"
