@@ -75,6 +75,6 @@ def line(run: Run) -> str | None:
     if found is None:
         return None
     parts = ", ".join(f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005)
-    saturated = "; saturated: the cores set the steps' pace as much as the engine did" if found["used"] >= SATURATED else ""
+    saturated = "; saturated: the cores set the steps' pace as much as the links" if found["used"] >= SATURATED else ""
     parts = f" ({parts})" if parts else ""
     return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps{parts}{saturated}"

@@ -46,7 +46,7 @@ def read_timeline(path, key: str, what: str) -> dict | None:
     try:
         data = json.loads(path.read_text())
         if len(data["t"]) < 2 or any(len(v) != len(data["t"]) for v in data[key].values()):
-            raise ValueError(f"the readings of a {key[:-1]} and the times differ in number")
+            raise ValueError(f"the readings of a counter of {key!r} and the times differ in number")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: cannot read {what}: {err}") from None
     return data

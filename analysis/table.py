@@ -58,8 +58,8 @@ STATISTICS = {
                   "each way, and the steps after the first; psar links), median over the runs",
     "host_cpu": "the share of the launching host's cores not idle during the steps after the first (at work, "
                 "soft interrupts carrying emulated links included, or taken by a virtual machine's hypervisor; "
-                "psar links), median over the runs: from 90%, the host's cores decided the steps as much as the "
-                "engine",
+                "psar links), median over the runs: from 90%, the host's cores set the steps' pace as much as the "
+                "links",
 }
 """What each column is, for the lines under the table (legend)."""
 

@@ -61,14 +61,15 @@ def _verdicts(runs: list[Run]) -> list[str]:
 
 
 def _saturated(runs: list[Run]) -> str:
-    """A warning where these runs emulated their links on one machine whose cores were all at
-    work through their steps (analysis/hostcpu.SATURATED): there the cores decided as much as
-    the links, which a cluster's hosts would not share."""
+    """A warning where some of these runs emulated their links on one machine whose cores were
+    all at work through their steps (analysis/hostcpu.SATURATED): there the cores decided as
+    much as the links, which a cluster's hosts would not share."""
     if not any((run.summary.get("network") or {}).get("rate") for run in runs):
         return ""  # on loopback the cores decide anyway (the next line says so)
     used = [u for run in runs if (u := host_used(run)) is not None]
-    if not used or max(used) < SATURATED:
+    full = [u for u in used if u >= SATURATED]
+    if not full:
         return ""
-    return (f"; the host's cores were {100 * min(used):.0f}-{100 * max(used):.0f}% in use through these runs' steps: "
-            "they set the pace as much as the links, and on a cluster, whose hosts each have their own, the order "
-            "may differ (psar links)")
+    return (f"; in {len(full)} of these {len(used)} runs the host's cores were {100 * SATURATED:.0f}% in use or "
+            f"more through the steps (up to {100 * max(full):.0f}%): there they set the pace as much as the "
+            "links, and on a cluster, whose hosts each have their own, the order may differ (psar links)")

@@ -19,7 +19,7 @@ from experiments.rundir import files
 from experiments.rundir.checkpoint import CHECKPOINT_DIR, server_path, worker_path
 from experiments.settings.config import RunConfig
 from experiments.engines import get_engine
-from experiments.runtime.cpumeter import CPU_FILE, CpuMeter
+from experiments.runtime.cpumeter import CPU_FILE, CpuMeter, allowed_cpus
 from experiments.runtime.linkmeter import LINKS_FILE
 from experiments.runtime.sites import Loopback, sites_for
 from experiments.runtime.sites import free_port  # noqa: F401 (callers take it from here)
@@ -186,8 +186,8 @@ def _cpu_meter(quiet: bool) -> CpuMeter | None:
     """The host's CPU counters read from now on (cpumeter.CpuMeter); None, said on stderr
     unless quiet, where they cannot be read (the run goes on without its cpu.json)."""
     try:
-        return CpuMeter().start()
-    except OSError as err:
+        return CpuMeter(cpus=allowed_cpus()).start()
+    except Exception as err:  # RuntimeError where no thread can start: the run goes on all the same
         if not quiet:
             print(f"psar: no {CPU_FILE}: {err}", file=sys.stderr)
         return None

@@ -78,8 +78,10 @@ class LinkMeter(Meter):
     def read(self) -> dict[str, int]:
         try:
             return series(self.names, read_dev(self._dev.read_text()))
-        except (OSError, ValueError) as err:
-            raise type(err)(f"reading {self._dev} in {self.netns}: {err}") from None
+        except OSError as err:
+            raise OSError(f"reading {self._dev} in {self.netns}: {err}") from None
+        except ValueError as err:  # UnicodeDecodeError included
+            raise ValueError(f"reading {self._dev} in {self.netns}: {err}") from None
 
     def timeline(self) -> dict | None:
         """The readings, each link's bytes counted from the first (at most

@@ -14,8 +14,9 @@ import time
 
 MAX_READINGS = 6000
 """A longer timeline keeps every other reading (the first and the last always), as often as
-it takes, the interval doubling each time: what is dropped is resolution, never bytes (the
-counters are cumulative). 60 s at 10 ms; a 10-minute run ends at 160 ms."""
+it takes, the interval doubling each time: what is dropped is resolution, never a count (the
+counters are cumulative). The link meter's 10 ms reach it at 60 s (a 10-minute run ends read
+every 160 ms), the CPU meter's 50 ms at 5 minutes."""
 
 START_S = 5.0
 """Longest wait for a meter's thread to be ready to read (LinkMeter: to enter its
@@ -64,9 +65,9 @@ class Meter:
     def _run(self) -> None:
         try:
             self.enter()
-            self._take(time.time(), self.read())
-        except (OSError, ValueError) as err:
-            self.error = str(err)
+            self._read_one()
+        except Exception as err:  # an OSError or ValueError of read(), or anything unforeseen: named, never silent
+            self.error = f"{type(err).__name__}: {err}" if not isinstance(err, (OSError, ValueError)) else str(err)
             return
         finally:
             self._entered.set()
@@ -74,13 +75,28 @@ class Meter:
         while True:
             next_at = max(next_at + self._interval, time.monotonic())
             if self._stop.wait(next_at - time.monotonic()):
+                self._last()
                 return
-            try:
-                reading = self.read()
-            except (OSError, ValueError) as err:
-                self.error = self.error or str(err)
+            if not self._reading():
                 return
-            self._take(time.time(), reading)
+
+    def _read_one(self) -> None:
+        reading = self.read()
+        self._take(time.time(), reading)
+
+    def _reading(self) -> bool:
+        """One more reading; False (the error kept) where it failed."""
+        try:
+            self._read_one()
+            return True
+        except Exception as err:
+            self.error = self.error or (str(err) if isinstance(err, (OSError, ValueError))
+                                        else f"{type(err).__name__}: {err}")
+            return False
+
+    def _last(self) -> None:
+        """A last reading when told to stop, so that the timeline reaches the run's end."""
+        self._reading()
 
     def _take(self, at: float, reading: dict[str, int]) -> None:
         with self._lock:
