@@ -74,7 +74,7 @@ def line(run: Run) -> str | None:
     found = host_cpu(run)
     if found is None:
         return None
-    parts = ", ".join(f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005)
+    shown = [f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005]
+    parts = f" ({', '.join(shown)})" if shown else ""
     saturated = "; saturated: the cores set the steps' pace as much as the links" if found["used"] >= SATURATED else ""
-    parts = f" ({parts})" if parts else ""
     return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps{parts}{saturated}"

@@ -51,21 +51,20 @@ def table(rows: list[dict]) -> str:
         lines.append(f"their exchange alone (the played exchange against each run's step less its own compute): "
                      f"{sum(e <= WITHIN for e in exchanges)} of {len(exchanges)} within {100 * WITHIN:.0f}%, "
                      f"largest error {100 * max(exchanges):.1f}%")
-    idle = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and r.get("links_busy") is not None
-            and r["links_busy"] < IDLE]
+    outside = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN]
+    idle = [r for r in outside if r.get("links_busy") is not None and r["links_busy"] < IDLE]
     if idle:
         lines.append(f"{len(idle)} of them outside {100 * WITHIN:.0f}% had their busiest links carry less than "
                      f"{100 * IDLE:.0f}% of a step at their rate (links: psar links): their steps waited on "
                      "something other than the links' rates (where one machine emulates every host: its cores, "
                      "which carry the links too)")
-    saturated = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and r.get("host_cpu") is not None
-                 and r["host_cpu"] >= SATURATED]
+    saturated = [r for r in outside if r.get("host_cpu") is not None and r["host_cpu"] >= SATURATED]
     if saturated:
         lines.append(f"{len(saturated)} of them outside {100 * WITHIN:.0f}% ran on a host whose cores were "
                      f"{100 * SATURATED:.0f}% in use or more through their steps (cpu: psar links): there the "
                      "machine's cores, shared by every worker, shard and emulated link, set the pace as much as "
                      "the links, which a cluster's hosts would not share")
-    dropping = [r for r in rows if r["link_bound"] and abs(r["error"]) > WITHIN and _drops_anew(r)]
+    dropping = [r for r in outside if _drops_anew(r)]
     if dropping:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "
                      "their segments again, their calibration under a fifth of that: their links' queues dropped "

@@ -65,38 +65,26 @@ class Meter:
     def _run(self) -> None:
         try:
             self.enter()
-            self._read_one()
-        except Exception as err:  # an OSError or ValueError of read(), or anything unforeseen: named, never silent
-            self.error = f"{type(err).__name__}: {err}" if not isinstance(err, (OSError, ValueError)) else str(err)
-            return
+            read = self._reading()
+        except Exception as err:
+            self.error, read = _named(err), False
         finally:
             self._entered.set()
         next_at = time.monotonic()
-        while True:
+        while read:
             next_at = max(next_at + self._interval, time.monotonic())
-            if self._stop.wait(next_at - time.monotonic()):
-                self._last()
-                return
-            if not self._reading():
-                return
-
-    def _read_one(self) -> None:
-        reading = self.read()
-        self._take(time.time(), reading)
+            stopping = self._stop.wait(next_at - time.monotonic())
+            read = self._reading() and not stopping  # when told to stop, a last reading: the timeline reaches the end
 
     def _reading(self) -> bool:
         """One more reading; False (the error kept) where it failed."""
         try:
-            self._read_one()
-            return True
-        except Exception as err:
-            self.error = self.error or (str(err) if isinstance(err, (OSError, ValueError))
-                                        else f"{type(err).__name__}: {err}")
+            reading = self.read()
+        except Exception as err:  # an OSError or ValueError of read(), or anything unforeseen: named, never silent
+            self.error = self.error or _named(err)
             return False
-
-    def _last(self) -> None:
-        """A last reading when told to stop, so that the timeline reaches the run's end."""
-        self._reading()
+        self._take(time.time(), reading)
+        return True
 
     def _take(self, at: float, reading: dict[str, int]) -> None:
         with self._lock:
@@ -126,6 +114,12 @@ class Meter:
         if len(rows) < 2:
             return None
         return as_timeline(times, rows, names, interval, MAX_READINGS, key)
+
+
+def _named(err: Exception) -> str:
+    """What went wrong, for `error`: a read's OSError or ValueError as it says it, anything
+    else with its type."""
+    return str(err) if isinstance(err, (OSError, ValueError)) else f"{type(err).__name__}: {err}"
 
 
 def thinned(times: list, rows: list) -> tuple[list, list]:
