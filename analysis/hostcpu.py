@@ -11,6 +11,12 @@ host's cores over the steps' windows together: in use (not idle), busy (user, ni
 irq and soft interrupts, which carry the emulated links' packets), each of those apart, steal
 (time a virtual machine's cores were taken by its hypervisor: in use, but not by the run) and
 idle.
+
+Where the launcher counted its processes too, host_cpu says how many cores its ranks and its
+shards held through the steps, each together and the busiest one alone; the rest of the time
+in use is the kernel's (the emulated links' packets), the launcher's and anything else on the
+host. A shard process near one core whole is a shard whose Python work sets the pace: its
+updates and its I/O threads can use more, its message handling cannot.
 """
 
 from __future__ import annotations
@@ -34,16 +40,28 @@ def timeline(run: Run) -> dict | None:
     by hand)."""
     path = run.path / CPU_FILE
     data = read_timeline(path, "ticks", "the host's CPU timeline")
-    if data is not None and not (type(data.get("cores")) is int and data["cores"] >= 1):
+    if data is None:
+        return None
+    if not (type(data.get("cores")) is int and data["cores"] >= 1):
         raise ValueError(f"{path}: cannot read the host's CPU timeline: cores={data.get('cores')!r}")
+    processes = data.get("processes", {})
+    if not (isinstance(processes, dict) and all(isinstance(c, list) and len(c) == len(data["t"])
+                                                 for c in processes.values())):
+        raise ValueError(f"{path}: cannot read the host's CPU timeline: the processes' counts and the times differ")
     return data
+
+
+ROLES = (("ranks", "rank "), ("shards", "server "))
+"""The launcher's processes by kind (their names in the launcher: "rank 0", "server 1")."""
 
 
 def host_cpu(run: Run) -> dict | None:
     """{"used": share of the host's cores not idle over rank 0's steps (the first left out),
     "busy": at work (BUSY's states), each of those states, "steal" and "idle" apart, "cores",
-    "steps"}; None without a timeline, a whole step inside it, or ticks counted in those
-    steps."""
+    "steps"}, and where the launcher's processes were counted, "processes": {name: cores it
+    held through those steps} and for each kind (ROLES) its cores together and its busiest
+    one's ("ranks", "ranks_max", "shards", "shards_max"); None without a timeline, a whole
+    step inside it, or ticks counted in those steps."""
     data = timeline(run)
     if data is None:
         return None
@@ -57,8 +75,17 @@ def host_cpu(run: Run) -> dict | None:
         return None
     shares = {state: ticks.get(state, 0.0) / total for state in (*BUSY, "steal")}
     idle = (ticks.get("idle", 0.0) + ticks.get("iowait", 0.0)) / total
-    return {"used": 1.0 - idle, "busy": sum(shares[s] for s in BUSY), **shares, "idle": idle,
-            "cores": int(data["cores"]), "steps": len(windows)}
+    cores = int(data["cores"])
+    found = {"used": 1.0 - idle, "busy": sum(shares[s] for s in BUSY), **shares, "idle": idle,
+             "cores": cores, "steps": len(windows)}
+    if data.get("processes"):
+        held = {name: cores * sum(carried(t, counts, a, b) for a, b in windows) / total
+                for name, counts in data["processes"].items()}
+        found["processes"] = held
+        for kind, prefix in ROLES:
+            mine = [c for name, c in held.items() if name.startswith(prefix)]
+            found[kind], found[f"{kind}_max"] = (sum(mine), max(mine)) if mine else (None, None)
+    return found
 
 
 def host_used(run: Run) -> float | None:
@@ -76,5 +103,7 @@ def line(run: Run) -> str | None:
         return None
     shown = [f"{name} {found[name]:.0%}" for name in ("user", "system", "softirq", "steal") if found[name] >= 0.005]
     parts = f" ({', '.join(shown)})" if shown else ""
+    held = "".join(f"; {kind} {found[kind]:.2f} cores (the busiest {found[f'{kind}_max']:.2f})"
+                   for kind, _ in ROLES if found.get(kind) is not None)
     saturated = "; saturated: the cores set the steps' pace as much as the links" if found["used"] >= SATURATED else ""
-    return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps{parts}{saturated}"
+    return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps{parts}{held}{saturated}"

@@ -11,7 +11,9 @@ during the run's steps (`psar table`'s "host cpu", `psar links`, `psar predict -
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import NamedTuple
 
 from experiments.runtime.meter import Meter
 
@@ -56,6 +58,17 @@ def read_stat(text: str, cpus: frozenset[int] | None = None) -> tuple[dict[str, 
     return ticks, len(cores) if cpus is None else len(chosen)
 
 
+def read_process(text: str) -> tuple[int, int]:
+    """(user + system ticks, its start time in ticks after boot) from the text of
+    /proc/PID/stat; ValueError naming what it cannot read. The command's name, in
+    parentheses, may hold spaces and parentheses: the fields are those after its last ')'."""
+    fields = text.rpartition(")")[2].split()
+    try:  # the fields from the state (3rd) on: utime is the 14th, stime the 15th, starttime the 22nd
+        return int(fields[11]) + int(fields[12]), int(fields[19])
+    except (IndexError, ValueError):
+        raise ValueError(f"/proc/PID/stat: expected utime, stime and starttime, got {text[:120]!r}") from None
+
+
 def allowed_cpus() -> frozenset[int] | None:
     """The cores this process may run on (its affinity: a container's or taskset's), None where
     the platform does not say: the launcher's processes run on those, so the meter counts
@@ -66,26 +79,64 @@ def allowed_cpus() -> frozenset[int] | None:
         return None
 
 
+PROCESS = "process "
+"""A watched process's count among the meter's names: "process rank 0", "process server 1"."""
+
+
+class _Watched(NamedTuple):
+    pid: int
+    start: int  # its start time (/proc/PID/stat): a pid taken again later is another process
+    before: int  # the ticks of those before it under its name
+
+
 class CpuMeter(Meter):
     """Reads the host's CPU time counters every interval_s from start() to stop()
-    (experiments.runtime.meter.Meter); timeline() -> {"interval_s", "t": wall-clock seconds
-    of each reading, "cores", "ticks": {state: ticks since the first reading, every core
-    together}}."""
+    (experiments.runtime.meter.Meter), and those of each process watch() names; timeline() ->
+    {"interval_s", "t": wall-clock seconds of each reading, "cores", "ticks": {state: ticks
+    since the first reading, every core together}, "processes": {name: its user and system
+    ticks since the first reading}}."""
 
     what = "CPU meter (/proc/stat)"
 
     def __init__(self, interval_s: float = INTERVAL_S, path: Path = Path("/proc/stat"),
-                 cpus: frozenset[int] | None = None) -> None:
+                 cpus: frozenset[int] | None = None, proc: Path = Path("/proc")) -> None:
         super().__init__(interval_s)
-        self.path, self.cpus = path, cpus
+        self.path, self.cpus, self.proc = path, cpus, proc
         self.cores = 0
+        self._watching = threading.Lock()
+        self._watched: dict[str, _Watched] = {}
+        self._last: dict[str, int] = {}  # name -> its count at the last reading
+
+    def watch(self, name: str, pid: int) -> None:
+        """Count the CPU time of process pid under name from now on (after any process that
+        had the name: a restarted rank). A process already gone is not counted."""
+        try:
+            ticks, start = read_process((self.proc / str(pid) / "stat").read_text())
+        except (OSError, ValueError):
+            return
+        with self._watching:
+            self._watched[name] = _Watched(pid, start, self._last.get(name, 0))
+            self._last[name] = self._last.get(name, 0) + ticks
 
     def read(self) -> dict[str, int]:
         ticks, self.cores = read_stat(self.path.read_text(), self.cpus)
+        with self._watching:
+            for name, w in self._watched.items():
+                try:
+                    now, start = read_process((self.proc / str(w.pid) / "stat").read_text())
+                except (OSError, ValueError):  # ended (and reaped): its last count stays
+                    continue
+                if start == w.start:
+                    self._last[name] = w.before + now
+            ticks.update({PROCESS + name: count for name, count in self._last.items()})
         return ticks
 
     def timeline(self) -> dict | None:
-        """The readings, each state's ticks counted from the first (at most
-        meter.MAX_READINGS of them), and the host's cores; None with fewer than two."""
+        """The readings, each count from the first (at most meter.MAX_READINGS of them), and
+        the host's cores; None with fewer than two."""
         out = self.counts("ticks")
-        return None if out is None else {**out, "cores": self.cores}
+        if out is None:
+            return None
+        counts = out.pop("ticks")
+        return {**out, "cores": self.cores, "ticks": {s: c for s, c in counts.items() if not s.startswith(PROCESS)},
+                "processes": {s[len(PROCESS):]: c for s, c in counts.items() if s.startswith(PROCESS)}}

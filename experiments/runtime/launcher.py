@@ -142,7 +142,7 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
                     run_processes(procs, run_dirs[0] / "logs", left, show_progress=not quiet,
                                   append=resume or attempt > 0, echo_rank0=script is not None and not quiet,
                                   restarting=restarts is not None and restarts.left and not nservers,
-                                  respawn=rejoin, fork=attempt == 0)
+                                  respawn=rejoin, fork=attempt == 0, watch=cpu.watch if cpu else None)
                     break
                 except LaunchError as err:
                     if restarts is None or not restarts.left or err.failed_at is None or nservers:
@@ -293,7 +293,7 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
                   deadline_s: float | None = None, show_progress: bool = False,
                   append: bool = False, echo_rank0: bool = False, restarting: bool = False,
                   respawn: Callable[[str, str, float], tuple[list[str], dict[str, str]] | None] | None = None,
-                  fork: bool = True) -> None:
+                  fork: bool = True, watch: Callable[[str, int], None] | None = None) -> None:
     """Start (name, argv, env) processes and wait until all exit 0.
 
     Each one's output goes to log_dir/<name>.log (rank 0's stderr stays on the terminal when
@@ -306,6 +306,7 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
     None: then its failure fails the job. fork: start them from the zygote where it can (a
     restarted job's processes, and one started in a failed one's place, start as torchrun
     starts them, fresh interpreters, so that a restart's time is what it would be there).
+    watch(name, pid): told of each process as it starts (the CPU meter counts its time).
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -328,6 +329,8 @@ def run_processes(procs: list[tuple[str, list[str], dict[str, str]]], log_dir: P
             echoes.append(threading.Thread(target=_tee, args=(proc.stdout, log_path), daemon=True))
             echoes[-1].start()
         started.append((name, proc, log_path))
+        if watch is not None:
+            watch(name, proc.pid)
         return proc
 
     def again(name: str, failure: str, failed_at: float) -> subprocess.Popen | Forked | None:

@@ -25,7 +25,8 @@ namespace), or to stop."""
 
 class Meter:
     """Reads counters (read(): {name: count so far}) every interval_s from start() to stop(),
-    on a thread of its own that first runs enter(). The names are those of the first reading;
+    on a thread of its own that first runs enter(). A name first seen in a later reading
+    counted 0 in the readings before it (a process started after the meter: its CPU time);
     one missing from a later reading keeps its last count. `error` says why reading stopped
     early, if it did."""
 
@@ -88,8 +89,10 @@ class Meter:
 
     def _take(self, at: float, reading: dict[str, int]) -> None:
         with self._lock:
-            if not self._names:
-                self._names = tuple(sorted(reading))
+            new = sorted(set(reading) - set(self._names))
+            if new:  # each new name counted 0 before it came
+                self._names += tuple(new)
+                self._rows = [row + (0,) * len(new) for row in self._rows]
             last = self._rows[-1] if self._rows else (0,) * len(self._names)
             self._rows.append(tuple(reading.get(name, prev) for name, prev in zip(self._names, last)))
             self._times.append(at)

@@ -60,6 +60,18 @@ def test_ps_sync_matches_local_in_float64(results, experiment, servers):
     assert ref_summary["final_loss"] < 2.2
 
 
+def test_the_launcher_counts_each_rank_and_shard_on_the_cores(results):
+    from analysis.hostcpu import host_cpu
+    from analysis.results import load_run
+
+    _, folder = results
+    found = host_cpu(load_run(folder / "cnn-sync-s4"))
+    assert found is not None and set(found["processes"]) == {"rank 0", "rank 1", *(f"server {s}" for s in range(4))}
+    assert found["ranks"] > 0 and found["shards"] > 0, found  # each side did work in the steps
+    assert found["ranks_max"] <= found["ranks"] and found["shards_max"] <= found["shards"]
+    assert found["ranks"] + found["shards"] <= found["cores"] * found["used"] * 1.1 + 0.1, found  # within what was in use
+
+
 def test_more_shards_than_tensors_change_nothing(results):
     from ps.layout import ParamSpec, build_layout
     specs = [ParamSpec("w1", (128, 64), "float64"), ParamSpec("b1", (128,), "float64"),

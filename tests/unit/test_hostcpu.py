@@ -12,7 +12,7 @@ import pytest
 
 from analysis.hostcpu import SATURATED, host_used, host_cpu, line
 from analysis.results import load_run
-from experiments.runtime.cpumeter import CPU_FILE, CpuMeter, read_stat
+from experiments.runtime.cpumeter import CPU_FILE, STATES, CpuMeter, read_process, read_stat
 
 STAT = """cpu  {user} 0 {system} {idle} 5 0 {softirq} {steal} 0 0
 cpu0 40 0 10 100 2 0 3 1 0 0
@@ -139,3 +139,76 @@ def test_the_verdict_says_where_an_emulated_comparisons_cores_were_saturated(tmp
     assert "in 1 of these 2 runs" in verdicts(mixed)[0]
     assert "cores" not in verdicts(pair(tmp_path / "idle", 0.3, net))[0]  # 70% in use: the links decided
     assert "cores" not in verdicts(pair(tmp_path / "loopback", 0.02, None))[0]  # loopback: said apart
+
+
+def _proc_stat(pid: int, utime: int, stime: int, start: int, comm: str = "python") -> str:
+    fields = ["S", 1, pid, pid, 0, -1, 0, 0, 0, 0, 0, utime, stime, 0, 0, 20, 0, 1, 0, start]
+    return f"{pid} ({comm}) " + " ".join(map(str, fields)) + " 0 0\n"
+
+
+def test_a_process_stat_gives_its_cpu_ticks_and_start_whatever_its_name():
+    assert read_process(_proc_stat(7, 30, 12, 555)) == (42, 555)
+    assert read_process(_proc_stat(7, 30, 12, 555, comm="a) b (c")) == (42, 555)  # the name may hold ')'
+    with pytest.raises(ValueError, match="utime"):
+        read_process("7 (python) S 1 2")
+
+
+def test_the_meter_counts_each_watched_process_and_a_restarted_one_goes_on(tmp_path):
+    proc = tmp_path / "proc"
+
+    def write(pid, utime, start=100):
+        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "next").write_text(_proc_stat(pid, utime, 0, start))
+        os.replace(tmp_path / "next", proc / str(pid) / "stat")
+
+    def read_as(count):  # until the meter has read rank 0 at count (it reads every 10 ms)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen = (meter.counts("ticks") or {"ticks": {}})["ticks"].get("process rank 0", [])
+            if seen and seen[-1] == count:
+                return
+            time.sleep(0.005)
+        pytest.fail(f"the meter never read rank 0 at {count}")
+    (tmp_path / "stat").write_text(_stat())
+    write(11, 5)
+    meter = CpuMeter(0.01, tmp_path / "stat", proc=proc).start()
+    try:
+        meter.watch("rank 0", 11)
+        meter.watch("server 0", 99)  # gone before it was watched: not counted
+        read_as(5)
+        write(11, 25)
+        read_as(25)
+        (proc / "11" / "stat").unlink()  # rank 0 ended: its count stays
+        read_as(25)
+        write(12, 0)
+        meter.watch("rank 0", 12)  # started again: counts on from the first one's 25
+        write(12, 10)
+        read_as(35)
+        write(12, 500, start=900)  # pid 12 taken by another process since: not rank 0's
+        time.sleep(0.05)
+    finally:
+        meter.stop()
+    out = meter.timeline()
+    assert meter.error is None and set(out["processes"]) == {"rank 0"} and set(out["ticks"]) == set(STATES)
+    counts = out["processes"]["rank 0"]
+    assert len(counts) == len(out["t"]) and counts == sorted(counts) and counts[0] == 0  # before it: none
+    assert {5, 25} <= set(counts) and counts[-1] == 35
+
+
+def test_the_ranks_and_shards_cores_through_the_steps(tmp_path):
+    run = _run(tmp_path)
+    data = json.loads((tmp_path / CPU_FILE).read_text())
+
+    def held(cores, before):  # ticks of a process holding `cores` in the steps, `before` earlier
+        return [round(100 * (before * (min(x, 100.0) - 90.0) + cores * max(0.0, x - 100.0))) for x in data["t"]]
+    data["processes"] = {"rank 0": held(0.5, 1.0), "rank 1": held(0.3, 0.0), "server 0": held(0.6, 0.0)}
+    (tmp_path / CPU_FILE).write_text(json.dumps(data))
+    found = host_cpu(run)
+    assert found["ranks"] == pytest.approx(0.8, abs=0.01) and found["ranks_max"] == pytest.approx(0.5, abs=0.01)
+    assert found["shards"] == pytest.approx(0.6, abs=0.01) == found["shards_max"]
+    assert set(found["processes"]) == {"rank 0", "rank 1", "server 0"}
+    assert "; ranks 0.80 cores (the busiest 0.50); shards 0.60 cores (the busiest 0.60)" in line(run)
+    data["processes"] = {"rank 0": [0]}
+    (tmp_path / CPU_FILE).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="processes"):
+        host_cpu(run)
