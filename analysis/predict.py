@@ -461,7 +461,7 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
         rows.append({**row, "run": str(run.path), "rate_bits": target.rate * 8, "racks": target.racks,
                      "latency_s": target.latency, "placement": target.placement if family(run.label) == "ps" else None,
                      "measured_s": measured, "error": row["step_s"] / measured - 1,
-                     "measured_exchange_s": waited,
+                     "measured_exchange_s": waited, "measured_compute_s": measured - waited,
                      "exchange_error": row["comm_s"] / waited - 1 if waited > 0 else None,
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
                      "calibration_retransmitted": max(known) if known else None,

@@ -18,6 +18,11 @@ IDLE = 0.5
 """A held-out run whose busiest class of links carried less than this share of a step at
 their rate (analysis/links.busiest) spent most of its step on something else."""
 
+SLOWED = 1.5
+"""A held-out run whose workers' own compute (its step less its exchange, costmodel.compute_time)
+took this many times its calibration's or more: on one machine, more ranks than cores, each
+waiting for one; a cluster's hosts would each have their own."""
+
 DROPPING = 0.01
 """A run whose links sent this share of its segments again dropped packets where its
 calibration's, below a fifth of it, did not: `psar predict` plays links that never drop."""
@@ -32,7 +37,8 @@ def table(rows: list[dict]) -> str:
     share of its TCP segments sent again beside its calibration's (retx %: packets the links
     dropped); then how many link-bound rows are within WITHIN, and which of those outside it
     had links mostly idle (IDLE), ran on saturated cores (cpu: the share of the host's cores in
-    use, analysis/hostcpu.SATURATED) or dropped packets their calibration did not."""
+    use, analysis/hostcpu.SATURATED), computed SLOWED times as long as their calibration or
+    more, or dropped packets their calibration did not."""
     lines = [f"{'engine':<36}{'workers':>8}{'servers':>8}{'net':>9}{'racks':>6}{'lat ms':>7}{'measured ms':>12}"
              f"{'predicted ms':>13}{'error':>8}{'exchange':>10}  link-bound  links   cpu  retx % (calibration)"]
     for r in rows:
@@ -64,6 +70,13 @@ def table(rows: list[dict]) -> str:
                      f"{100 * SATURATED:.0f}% in use or more through their steps (cpu: psar links): there the "
                      "machine's cores, shared by every worker, shard and emulated link, set the pace as much as "
                      "the links, which a cluster's hosts would not share")
+    slowed = [r["measured_compute_s"] / r["compute_s"] for r in outside
+              if r.get("measured_compute_s") and r.get("compute_s") and r["measured_compute_s"] >= SLOWED * r["compute_s"]]
+    if slowed:
+        lines.append(f"{len(slowed)} of them outside {100 * WITHIN:.0f}% computed {min(slowed):.1f} to "
+                     f"{max(slowed):.1f} times as long a step as their calibration (their step less their "
+                     "exchange): more ranks than the machine has cores, which a cluster's hosts would not share; "
+                     "the exchange column sets their compute apart")
     dropping = [r for r in outside if _drops_anew(r)]
     if dropping:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "

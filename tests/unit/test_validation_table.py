@@ -63,3 +63,14 @@ def test_rows_outside_whose_hosts_cores_were_saturated_are_counted():
     assert text.splitlines()[4].split()[-3] == "-"
     assert "1 of them outside 15% ran on a host whose cores were 90% in use or more" in text
     assert "cores were" not in table(rows[1:3])
+
+
+def test_rows_outside_whose_own_compute_outgrew_their_calibrations_are_counted():
+    rows = [{**_row(-0.27, 0.0, 0.0), "compute_s": 0.005, "measured_compute_s": 0.010},
+            {**_row(-0.17, 0.0, 0.0), "compute_s": 0.006, "measured_compute_s": 0.0061},  # the links' miss
+            {**_row(-0.30, 0.0, 0.0), "compute_s": 0.0068, "measured_compute_s": 0.0406},
+            {**_row(-0.05, 0.0, 0.0), "compute_s": 0.005, "measured_compute_s": 0.02},  # within 15%
+            _row(-0.3, 0.0, 0.0)]  # from before the field
+    text = table(rows)
+    assert "2 of them outside 15% computed 2.0 to 6.0 times as long a step as their calibration" in text
+    assert "times as long" not in table(rows[1:2] + rows[3:])
