@@ -155,11 +155,9 @@ def launch_batch(jobs: list[tuple[RunConfig, Path]], deadline_s: float | None = 
                               f"{f'the checkpoint of step {step}' if step is not None else 'the start'}",
                               file=sys.stderr)
         finally:
-            if cpu is not None:
-                cpu.stop()
+            cores = cpu.finish(CPU_FILE, quiet) if cpu is not None else None
         timeline = sites.links()
         network = sites.record()
-        cores = _cpu_timeline(cpu, quiet)
     summaries = []
     for (cfg, _), run_dir in zip(jobs, run_dirs):
         if cfg.trace:
@@ -191,16 +189,6 @@ def _cpu_meter(quiet: bool) -> CpuMeter | None:
         if not quiet:
             print(f"psar: no {CPU_FILE}: {err}", file=sys.stderr)
         return None
-
-
-def _cpu_timeline(cpu: CpuMeter | None, quiet: bool) -> dict | None:
-    """What the host's cores did over the run (CpuMeter.timeline), said on stderr where the
-    readings stopped early."""
-    if cpu is None:
-        return None
-    if cpu.error and not quiet:
-        print(f"psar: {CPU_FILE} stops early: {cpu.error}", file=sys.stderr)
-    return cpu.timeline()
 
 
 def check_devices(cfg: RunConfig, count: Callable[[], int] | None = None) -> None:

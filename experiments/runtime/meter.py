@@ -9,6 +9,7 @@ always), as often as it takes: what it loses is resolution, never a count.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -107,6 +108,18 @@ class Meter:
             self._thread.join(timeout=START_S)
             if self._thread.is_alive():
                 self.error = self.error or f"the {self.what} did not stop within {START_S:.0f} s"
+
+    def timeline(self) -> dict | None:
+        """The readings as the run directory keeps them (each meter's own file)."""
+        raise NotImplementedError
+
+    def finish(self, file: str, quiet: bool = False) -> dict | None:
+        """Stop reading; the timeline, said on stderr (unless quiet) where the readings stopped
+        early, naming the file it goes to."""
+        self.stop()
+        if self.error and not quiet:
+            print(f"psar: {file} stops early: {self.error}", file=sys.stderr)
+        return self.timeline()
 
     def counts(self, key: str) -> dict | None:
         """The readings as {"interval_s", "t": wall-clock seconds of each, key: {name: its

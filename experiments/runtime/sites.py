@@ -150,12 +150,7 @@ class Emulated:
         """What each link carried over the run so far, read every few ms (linkmeter.LinkMeter's
         timeline; None where the meter could not start); stops the reading, and says on stderr
         why it stopped early where it did."""
-        if self.meter is None:
-            return None
-        self.meter.stop()
-        if self.meter.error:
-            print(f"psar: {LINKS_FILE} stops early: {self.meter.error}", file=sys.stderr)
-        return self.meter.timeline()
+        return None if self.meter is None else self.meter.finish(LINKS_FILE)
 
     def adjust(self, cfg: RunConfig) -> RunConfig:
         """Latency the kernel cannot add (no netem) is added by the engines instead."""

@@ -212,3 +212,18 @@ def test_the_ranks_and_shards_cores_through_the_steps(tmp_path):
     (tmp_path / CPU_FILE).write_text(json.dumps(data))
     with pytest.raises(ValueError, match="processes"):
         host_cpu(run)
+
+
+def test_a_meter_that_stops_reading_early_says_so_when_finished(tmp_path, capsys):
+    path = tmp_path / "stat"
+    path.write_text(_stat())
+    meter = CpuMeter(0.01, path).start()
+    time.sleep(0.05)
+    path.unlink()  # the counters gone mid-run: the readings so far stay
+    deadline = time.monotonic() + 10
+    while meter.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out = meter.finish(CPU_FILE)
+    assert out is not None and len(out["t"]) >= 2
+    assert f"psar: {CPU_FILE} stops early: " in capsys.readouterr().err and "stat" in meter.error
+    assert meter.finish(CPU_FILE, quiet=True) == out and capsys.readouterr().err == ""
