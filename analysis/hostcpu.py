@@ -13,9 +13,10 @@ irq and soft interrupts, which carry the emulated links' packets), each of those
 idle.
 
 Where the launcher counted its processes too, host_cpu says how many cores its ranks and its
-shards held through the steps, each together and the busiest one alone; the rest of the time
-in use is the kernel's (the emulated links' packets), the launcher's and anything else on the
-host. A shard process near one core whole is a shard whose Python work sets the pace: its
+shards held through the steps, each together and the busiest one alone, the kernel's work on
+their behalf included (their sends, and soft interrupts that ran in their context); the rest
+of the time in use is the kernel's work outside them, the launcher's and anything else on
+the host. A shard process near one core whole is a shard whose Python work sets the pace: its
 updates and its I/O threads can use more, its message handling cannot.
 """
 

@@ -32,7 +32,7 @@ from statistics import median
 from typing import Callable, Sequence
 
 from .costmodel import compute_time
-from .hostcpu import host_used
+from .hostcpu import host_cpu
 from .overlap import Timeline, exposed, median_timeline, solve_ratio, timeline
 from .results import Run, family
 from .schedules import Cluster, gossip, parameter_server, parameter_server_pipelined, ring_allreduce
@@ -434,7 +434,8 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
     least `link_bound` of its measured step); and the played exchange against the run's step
     less its own compute (exchange_error: the error with the compute's set apart, which on one
     machine grows with the workers that share its cores, where a cluster's would not); how busy
-    its busiest links (links_busy) and its host's cores (host_cpu, analysis/hostcpu.py) were.
+    its busiest links (links_busy) and its host's cores (host_cpu, analysis/hostcpu.py) were,
+    and the cores its ranks and its shards held (ranks_cores, shards_cores).
     message: a message's fixed cost on the machines every run ran on (`psar bench`'s, see
     bench_message; None: the default); fabric: what their links carried at once, bytes/s,
     where one machine emulated them all (see experiments/bench/fabric.py; None: unlimited);
@@ -466,8 +467,17 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
                      "link_bound": comm >= link_bound * measured, "retransmitted": retransmitted(run),
                      "calibration_retransmitted": max(known) if known else None,
                      "congestion": congestion_of(run), "calibration_congestion": ",".join(tcp) or None,
-                     **_links_of(run), "host_cpu": host_used(run)})
+                     **_links_of(run), **_cores_of(run)})
     return rows
+
+
+def _cores_of(run: Run) -> dict:
+    """The share of the host's cores in use through the run's steps (host_cpu), how many it
+    had (host_cores), and the cores its ranks and its shards held (ranks_cores, shards_cores;
+    None where not counted): analysis/hostcpu.py."""
+    found = host_cpu(run) or {}
+    return {"host_cpu": found.get("used"), "host_cores": found.get("cores"), "ranks_cores": found.get("ranks"),
+            "shards_cores": found.get("shards")}
 
 
 def _links_of(run: Run) -> dict:

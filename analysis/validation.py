@@ -20,8 +20,8 @@ their rate (analysis/links.busiest) spent most of its step on something else."""
 
 SLOWED = 1.5
 """A held-out run whose workers' own compute (its step less its exchange, costmodel.compute_time)
-took this many times its calibration's or more: on one machine, more ranks than cores, each
-waiting for one; a cluster's hosts would each have their own."""
+took this many times its calibration's or more: where one machine runs more ranks and shards
+than it has cores, each waits its turn; a cluster's hosts would each have their own."""
 
 DROPPING = 0.01
 """A run whose links sent this share of its segments again dropped packets where its
@@ -70,13 +70,16 @@ def table(rows: list[dict]) -> str:
                      f"{100 * SATURATED:.0f}% in use or more through their steps (cpu: psar links): there the "
                      "machine's cores, shared by every worker, shard and emulated link, set the pace as much as "
                      "the links, which a cluster's hosts would not share")
-    slowed = [r["measured_compute_s"] / r["compute_s"] for r in outside
-              if r.get("measured_compute_s") and r.get("compute_s") and r["measured_compute_s"] >= SLOWED * r["compute_s"]]
+    slowed = [r for r in outside if r.get("measured_compute_s") and r.get("compute_s")
+              and r["measured_compute_s"] >= SLOWED * r["compute_s"]]
     if slowed:
-        lines.append(f"{len(slowed)} of them outside {100 * WITHIN:.0f}% computed {min(slowed):.1f} to "
-                     f"{max(slowed):.1f} times as long a step as their calibration (their step less their "
-                     "exchange): more ranks than the machine has cores, which a cluster's hosts would not share; "
-                     "the exchange column sets their compute apart")
+        grown = [r["measured_compute_s"] / r["compute_s"] for r in slowed]
+        crowded = [r for r in slowed if r.get("host_cores") and r["workers"] + (r["servers"] or 0) > r["host_cores"]]
+        lines.append(f"{len(slowed)} of them outside {100 * WITHIN:.0f}% computed {min(grown):.1f} to "
+                     f"{max(grown):.1f} times as long a step as their calibration (their step less their exchange)"
+                     + (f"; {len(crowded)} of those ran more ranks and shards than the machine has cores, each "
+                        "waiting its turn, where a cluster's hosts would each have their own" if crowded else "")
+                     + "; the exchange column sets their compute apart")
     dropping = [r for r in outside if _drops_anew(r)]
     if dropping:
         lines.append(f"{len(dropping)} of them outside {100 * WITHIN:.0f}% sent {100 * DROPPING:.0f}% or more of "

@@ -97,6 +97,7 @@ class CpuMeter(Meter):
     ticks since the first reading}}."""
 
     what = "CPU meter (/proc/stat)"
+    late_from_zero = True  # a process watched from its start: all its time is the run's
 
     def __init__(self, interval_s: float = INTERVAL_S, path: Path = Path("/proc/stat"),
                  cpus: frozenset[int] | None = None, proc: Path = Path("/proc")) -> None:

@@ -27,12 +27,16 @@ namespace), or to stop."""
 class Meter:
     """Reads counters (read(): {name: count so far}) every interval_s from start() to stop(),
     on a thread of its own that first runs enter(). A name first seen in a later reading
-    counted 0 in the readings before it (a process started after the meter: its CPU time);
-    one missing from a later reading keeps its last count. `error` says why reading stopped
-    early, if it did."""
+    counts from there (late_from_zero: from 0 in the readings before it); one missing from a
+    later reading keeps its last count. `error` says why reading stopped early, if it did."""
 
     what = "meter"
     """Its name in errors."""
+
+    late_from_zero = False
+    """Whether a name first seen in a later reading counted 0 before it, its whole first count
+    then carried in the interval it came (a process started after the meter: its CPU time
+    from its start), or (False) its first count (a counter whose past is not the run's)."""
 
     def __init__(self, interval_s: float) -> None:
         if interval_s <= 0:
@@ -91,9 +95,10 @@ class Meter:
     def _take(self, at: float, reading: dict[str, int]) -> None:
         with self._lock:
             new = sorted(set(reading) - set(self._names))
-            if new:  # each new name counted 0 before it came
+            if new:
+                before = tuple(0 if self.late_from_zero else reading[name] for name in new)
                 self._names += tuple(new)
-                self._rows = [row + (0,) * len(new) for row in self._rows]
+                self._rows = [row + before for row in self._rows]
             last = self._rows[-1] if self._rows else (0,) * len(self._names)
             self._rows.append(tuple(reading.get(name, prev) for name, prev in zip(self._names, last)))
             self._times.append(at)

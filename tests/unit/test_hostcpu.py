@@ -161,14 +161,17 @@ def test_the_meter_counts_each_watched_process_and_a_restarted_one_goes_on(tmp_p
         (tmp_path / "next").write_text(_proc_stat(pid, utime, 0, start))
         os.replace(tmp_path / "next", proc / str(pid) / "stat")
 
-    def read_as(count):  # until the meter has read rank 0 at count (it reads every 10 ms)
-        deadline = time.monotonic() + 10
+    def read_as(count, more=0):  # until the meter has read rank 0 at count, `more` readings on
+        deadline, at = time.monotonic() + 10, readings()
         while time.monotonic() < deadline:
             seen = (meter.counts("ticks") or {"ticks": {}})["ticks"].get("process rank 0", [])
-            if seen and seen[-1] == count:
+            if seen and seen[-1] == count and readings() >= at + more:
                 return
             time.sleep(0.005)
         pytest.fail(f"the meter never read rank 0 at {count}")
+
+    def readings():
+        return len((meter.counts("ticks") or {"t": [0]})["t"])
     (tmp_path / "stat").write_text(_stat())
     write(11, 5)
     meter = CpuMeter(0.01, tmp_path / "stat", proc=proc).start()
@@ -178,8 +181,8 @@ def test_the_meter_counts_each_watched_process_and_a_restarted_one_goes_on(tmp_p
         read_as(5)
         write(11, 25)
         read_as(25)
-        (proc / "11" / "stat").unlink()  # rank 0 ended: its count stays
-        read_as(25)
+        (proc / "11" / "stat").unlink()  # rank 0 ended: its count stays, two readings on
+        read_as(25, more=2)
         write(12, 0)
         meter.watch("rank 0", 12)  # started again: counts on from the first one's 25
         write(12, 10)
@@ -191,8 +194,8 @@ def test_the_meter_counts_each_watched_process_and_a_restarted_one_goes_on(tmp_p
     out = meter.timeline()
     assert meter.error is None and set(out["processes"]) == {"rank 0"} and set(out["ticks"]) == set(STATES)
     counts = out["processes"]["rank 0"]
-    assert len(counts) == len(out["t"]) and counts == sorted(counts) and counts[0] == 0  # before it: none
-    assert {5, 25} <= set(counts) and counts[-1] == 35
+    assert len(counts) == len(out["t"]) and counts == sorted(counts) and out["ticks"]["user"][-1] == 0
+    assert counts[0] == 0 and {5, 25} <= set(counts) and counts[-1] == 35  # the first reading was before the watch
 
 
 def test_the_ranks_and_shards_cores_through_the_steps(tmp_path):
@@ -218,7 +221,9 @@ def test_a_meter_that_stops_reading_early_says_so_when_finished(tmp_path, capsys
     path = tmp_path / "stat"
     path.write_text(_stat())
     meter = CpuMeter(0.01, path).start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while meter.counts("ticks") is None and time.monotonic() < deadline:  # two readings at least
+        time.sleep(0.01)
     path.unlink()  # the counters gone mid-run: the readings so far stay
     deadline = time.monotonic() + 10
     while meter.error is None and time.monotonic() < deadline:

@@ -55,6 +55,21 @@ def test_a_port_gone_from_a_reading_keeps_its_count_and_a_long_run_is_thinned_as
     assert out["links"]["w0 sent"][-1] == 15 and len(out["t"]) <= 4 and out["interval_s"] > meter.interval_s
 
 
+def test_a_port_first_seen_later_counts_from_there_and_a_process_from_its_start(tmp_path):
+    from experiments.runtime.cpumeter import CpuMeter
+
+    links = LinkMeter("none", ("w0",))
+    links._take(1.0, {"w0 sent": 5})
+    links._take(2.0, {"w0 sent": 6, "w1 sent": 1000})  # a counter whose past is not the run's
+    links._take(3.0, {"w0 sent": 7, "w1 sent": 1010})
+    assert links.timeline()["links"] == {"w0 sent": [0, 1, 2], "w1 sent": [0, 0, 10]}
+    cpu = CpuMeter(path=tmp_path / "stat")
+    cpu._take(1.0, {"user": 5})
+    cpu._take(2.0, {"user": 6, "process rank 0": 30})  # started after the meter: all 30 ticks are the run's
+    cpu.cores = 1
+    assert cpu.timeline()["processes"] == {"rank 0": [0, 30]}
+
+
 def test_a_meter_that_cannot_enter_its_namespace_says_which():
     with pytest.raises(OSError, match="psar-no-such-namespace"):
         LinkMeter("psar-no-such-namespace", ("w0",)).start()

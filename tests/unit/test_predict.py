@@ -103,7 +103,8 @@ def test_validate_sets_a_held_out_runs_own_compute_apart_in_its_exchange_error(t
     crowded = fake_run(tmp_path / "ar4", "allreduce", workers=4, compute_s=0.3, step_s=0.1 + played)
     [row] = validate([small, crowded])
     assert row["error"] == pytest.approx(0, abs=1e-9)
-    assert row["measured_exchange_s"] == pytest.approx(played - 0.2)
+    assert row["measured_exchange_s"] == pytest.approx(played - 0.2) and row["measured_compute_s"] == pytest.approx(0.3)
+    assert row["host_cpu"] is row["host_cores"] is row["ranks_cores"] is row["shards_cores"] is None  # no cpu.json
     assert row["exchange_error"] == pytest.approx(played / (played - 0.2) - 1)
     out = CliRunner().invoke(predict_cmd, ["--validate", str(small.path), str(crowded.path)])
     assert out.exit_code == 0, out.output

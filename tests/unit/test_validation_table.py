@@ -66,11 +66,14 @@ def test_rows_outside_whose_hosts_cores_were_saturated_are_counted():
 
 
 def test_rows_outside_whose_own_compute_outgrew_their_calibrations_are_counted():
-    rows = [{**_row(-0.27, 0.0, 0.0), "compute_s": 0.005, "measured_compute_s": 0.010},
+    rows = [{**_row(-0.27, 0.0, 0.0, engine="allreduce"), "servers": None, "compute_s": 0.005,
+             "measured_compute_s": 0.010, "host_cores": 2},  # 4 ranks on 2 cores
             {**_row(-0.17, 0.0, 0.0), "compute_s": 0.006, "measured_compute_s": 0.0061},  # the links' miss
             {**_row(-0.30, 0.0, 0.0), "compute_s": 0.0068, "measured_compute_s": 0.0406},
             {**_row(-0.05, 0.0, 0.0), "compute_s": 0.005, "measured_compute_s": 0.02},  # within 15%
             _row(-0.3, 0.0, 0.0)]  # from before the field
     text = table(rows)
     assert "2 of them outside 15% computed 2.0 to 6.0 times as long a step as their calibration" in text
+    assert "; 1 of those ran more ranks and shards than the machine has cores" in text
     assert "times as long" not in table(rows[1:2] + rows[3:])
+    assert "more ranks" not in table([{**rows[0], "host_cores": 16}])  # 4 ranks on 16 cores: not said
