@@ -25,6 +25,7 @@ from ps.flight import Handle, PSError, Result
 from ps.config import WIRE_DTYPES
 from ps.layout import TORCH_DTYPES, Layout
 from ps.protocol import Limits, Message, encode, encode_whole
+from ps.protocol_checks import rows_in_order
 from ps.protocol_short import WholeKeys
 from ps.security import load_client_keys
 from ps.transport import ClientTransport, PeerTimeout, PollSet
@@ -271,7 +272,7 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
             raise ValueError(f"key {k} is of a dense parameter; it cannot be sent by rows")
         ids = ids.detach().to("cpu", torch.int64).reshape(-1).contiguous()
         rows = layout.key_rows(k)[1]
-        if ids.numel() and not (int(ids[0]) >= 0 and int(ids[-1]) < rows and bool((ids[1:] > ids[:-1]).all())):
+        if not rows_in_order(ids, rows):
             raise ValueError(f"key {k}: row ids must be strictly increasing within 0..{rows - 1}")
         return ids
 

@@ -210,3 +210,12 @@ def test_fuzzed_row_messages_never_crash_or_touch_the_shard():
         if replies[0].op == "error":
             assert torch.equal(table(server), before)
     assert outcomes["error"] > 2000 and server.counters["malformed"] + server.counters["rejected"] == outcomes["error"]
+
+
+def test_row_ids_in_order_are_strictly_increasing_within_the_key():
+    from ps.protocol_checks import rows_in_order
+
+    ids = torch.tensor
+    assert rows_in_order(ids([], dtype=torch.int64), 20) and rows_in_order(ids([0]), 1) and rows_in_order(ids([0, 5, 19]), 20)
+    for bad, limit in (([2, 1], 20), ([2, 2], 20), ([-1, 2], 20), ([1, 20], 20), ([0], 0), ([3, 4, 4, 9], 20)):
+        assert not rows_in_order(ids(bad), limit), bad
