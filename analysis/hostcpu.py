@@ -52,6 +52,11 @@ def timeline(run: Run) -> dict | None:
     return data
 
 
+SHARD_BOUND = 0.9
+"""A shard process that held this much of a core or more through the steps: a shard handles
+its messages on one thread (its updates' kernels and its I/O threads can use more), so there
+the shard, not the links or the algorithm, set the pace (psar links and the verdict say so)."""
+
 ROLES = (("ranks", "rank "), ("shards", "server "))
 """The launcher's processes by kind (their names in the launcher: "rank 0", "server 1")."""
 
@@ -89,6 +94,13 @@ def host_cpu(run: Run) -> dict | None:
     return found
 
 
+def busiest_shard(run: Run) -> float | None:
+    """The cores the busiest shard process of the run held through its steps (host_cpu's
+    "shards_max"); None without shards or their counts."""
+    found = host_cpu(run)
+    return found.get("shards_max") if found else None
+
+
 def host_used(run: Run) -> float | None:
     """The share of the host's cores not idle during the run's steps (host_cpu's "used"):
     at work, or, on a virtual machine, taken by its hypervisor (steal); None without a
@@ -106,5 +118,7 @@ def line(run: Run) -> str | None:
     parts = f" ({', '.join(shown)})" if shown else ""
     held = "".join(f"; {kind} {found[kind]:.2f} cores (the busiest {found[f'{kind}_max']:.2f})"
                    for kind, _ in ROLES if found.get(kind) is not None)
+    if (found.get("shards_max") or 0.0) >= SHARD_BOUND:
+        held += "; a shard held a whole core: its message handling set the pace"
     saturated = "; saturated: the cores set the steps' pace as much as the links" if found["used"] >= SATURATED else ""
     return f"host: {found['cores']} cores, {found['idle']:.0%} idle over {found['steps']} steps{parts}{held}{saturated}"

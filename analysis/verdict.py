@@ -4,7 +4,7 @@ comparison gives, where the table gives the figures."""
 
 from __future__ import annotations
 
-from .hostcpu import SATURATED, host_used
+from .hostcpu import SATURATED, SHARD_BOUND, busiest_shard, host_used
 from .results import Run, median
 from .table import cells, rate_of
 
@@ -56,8 +56,23 @@ def _verdicts(runs: list[Run]) -> list[str]:
                   else " (one run each: repeat with --repeats 3 to see the spread)")
         lines.append(f"verdict, {workers} workers on {where}: {_name(best[0], best[2])} fastest at "
                      f"{top:.0f} samples/s{spread}; " + ", ".join(others)
-                     + _saturated([r for r in runs if r.spec.family != "local" and named[r.path] in mine]))
+                     + _saturated([r for r in runs if r.spec.family != "local" and named[r.path] in mine])
+                     + _shard_bound([r for r in runs if named[r.path] in mine]))
     return lines
+
+
+def _shard_bound(runs: list[Run]) -> str:
+    """A warning where a shard process of some of these runs held a whole core through their
+    steps (analysis/hostcpu.SHARD_BOUND): there the parameter server's own message handling,
+    not the links or the algorithm, set its pace."""
+    held = [h for run in runs if (h := busiest_shard(run)) is not None]
+    bound = [h for h in held if h >= SHARD_BOUND]
+    if not bound:
+        return ""
+    return (f"; in {len(bound)} of these {len(held)} parameter-server runs a shard process held "
+            f"{SHARD_BOUND:.1f} of a core or more through the steps (up to {max(bound):.2f}): a shard handles its "
+            "messages on one thread, so there the shard, not the links or the algorithm, set the pace "
+            "(psar links; more shards, --servers, share that work)")
 
 
 def _saturated(runs: list[Run]) -> str:

@@ -232,3 +232,31 @@ def test_a_meter_that_stops_reading_early_says_so_when_finished(tmp_path, capsys
     assert out is not None and len(out["t"]) >= 2
     assert f"psar: {CPU_FILE} stops early: " in capsys.readouterr().err and "stat" in meter.error
     assert meter.finish(CPU_FILE, quiet=True) == out and capsys.readouterr().err == ""
+
+
+def _with_processes(run, **cores):
+    """run's cpu.json with processes holding `cores` each ({"rank_0": 0.5, "server_0": 0.95})
+    through its steps (100 s on), none before."""
+    path = run.path / CPU_FILE
+    data = json.loads(path.read_text())
+    data["processes"] = {name.replace("_", " "): [round(100 * c * max(0.0, x - 100.0)) for x in data["t"]]
+                         for name, c in cores.items()}
+    path.write_text(json.dumps(data))
+    return load_run(run.path)
+
+
+def test_a_shard_that_held_a_whole_core_is_said_where_the_cores_are_and_in_the_verdict(tmp_path):
+    from analysis.verdict import verdicts
+
+    common = dict(workers=2, experiment="quickstart", final_loss=1.0, eval={}, bytes_per_worker_per_step=1e6,
+                  network=None)
+    ring = _run(tmp_path / "ar", idle=0.3, engine="allreduce", samples_per_sec=100.0, **common)
+    bound = _with_processes(_run(tmp_path / "ps", idle=0.3, engine="ps-sync", samples_per_sec=80.0, **common),
+                            rank_0=0.3, rank_1=0.3, server_0=0.96)
+    assert host_cpu(bound)["shards_max"] == pytest.approx(0.96, abs=0.01)
+    assert "; a shard held a whole core: its message handling set the pace" in line(bound)
+    (said,) = verdicts([_with_processes(ring, rank_0=0.4, rank_1=0.4), bound])
+    assert "in 1 of these 1 parameter-server runs a shard process held 0.9 of a core or more" in said
+    assert "(up to 0.96)" in said
+    spare = _with_processes(bound, rank_0=0.3, rank_1=0.3, server_0=0.5)
+    assert "whole core" not in line(spare) and "shard process" not in verdicts([ring, spare])[0]
