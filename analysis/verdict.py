@@ -4,6 +4,8 @@ comparison gives, where the table gives the figures."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .hostcpu import SATURATED, SHARD_BOUND, busiest_shard, host_used
 from .results import Run, median
 from .table import cells, rate_of
@@ -61,30 +63,31 @@ def _verdicts(runs: list[Run]) -> list[str]:
     return lines
 
 
-def _shard_bound(runs: list[Run]) -> str:
-    """A warning where a shard process of some of these runs held a whole core through their
-    steps (analysis/hostcpu.SHARD_BOUND): there the parameter server's own message handling,
-    not the links or the algorithm, set its pace."""
-    held = [h for run in runs if (h := busiest_shard(run)) is not None]
-    bound = [h for h in held if h >= SHARD_BOUND]
-    if not bound:
-        return ""
-    return (f"; in {len(bound)} of these {len(held)} parameter-server runs a shard process held "
-            f"{SHARD_BOUND:.1f} of a core or more through the steps (up to {max(bound):.2f}): a shard handles its "
-            "messages on one thread, so there the shard, not the links or the algorithm, set the pace "
-            "(psar links; more shards, --servers, share that work)")
-
-
 def _saturated(runs: list[Run]) -> str:
     """A warning where some of these runs emulated their links on one machine whose cores were
     all at work through their steps (analysis/hostcpu.SATURATED): there the cores decided as
     much as the links, which a cluster's hosts would not share."""
     if not any((run.summary.get("network") or {}).get("rate") for run in runs):
         return ""  # on loopback the cores decide anyway (the next line says so)
-    used = [u for run in runs if (u := host_used(run)) is not None]
-    full = [u for u in used if u >= SATURATED]
-    if not full:
-        return ""
-    return (f"; in {len(full)} of these {len(used)} runs the host's cores were {100 * SATURATED:.0f}% in use or "
-            f"more through the steps (up to {100 * max(full):.0f}%): there they set the pace as much as the "
-            "links, and on a cluster, whose hosts each have their own, the order may differ (psar links)")
+    return _some([host_used(run) for run in runs], SATURATED, lambda n, m, top: (
+        f"; in {n} of these {m} runs the host's cores were {100 * SATURATED:.0f}% in use or more through the "
+        f"steps (up to {100 * top:.0f}%): there they set the pace as much as the links, and on a cluster, whose "
+        "hosts each have their own, the order may differ (psar links)"))
+
+
+def _shard_bound(runs: list[Run]) -> str:
+    """A warning where a shard process of some of these runs held a whole core through their
+    steps (analysis/hostcpu.SHARD_BOUND): there the parameter server's own message handling,
+    not the links or the algorithm, set its pace."""
+    return _some([busiest_shard(run) for run in runs], SHARD_BOUND, lambda n, m, top: (
+        f"; in {n} of these {m} parameter-server runs a shard process held {SHARD_BOUND:.1f} of a core or more "
+        f"through the steps (up to {top:.2f}): a shard handles its messages on one thread, so there the shard, "
+        "not the links or the algorithm, set the pace (psar links; more shards, --servers, share that work)"))
+
+
+def _some(values: list[float | None], threshold: float, say: Callable[[int, int, float], str]) -> str:
+    """say(how many of the known values reach threshold, how many are known, the largest), or
+    "" where none reaches it."""
+    known = [v for v in values if v is not None]
+    over = [v for v in known if v >= threshold]
+    return say(len(over), len(known), max(over)) if over else ""
