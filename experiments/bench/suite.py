@@ -22,6 +22,7 @@ from experiments.bench.fabric import fabric_if_possible
 from experiments.bench.incast import incast_if_possible
 from experiments.bench.legs import format_legs_table, push_pull_legs
 from experiments.rundir import files
+from experiments.runtime.cpumeter import cores_in_windows
 from experiments.runtime.launcher import free_port, launch_batch, process_shape, run_ranks
 from experiments.rundir.metrics import read_metrics, throughput
 from experiments.settings.presets import build_config
@@ -126,7 +127,9 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
                         raise RuntimeError("psar bench: the many-worker rows did not start; see "
                                            f"{where / 'servers.log'}")
                     time.sleep(0.05)
-                files.write_text(go, f"{time.time() + 0.5!r}")
+                go_at = time.time() + 0.5
+                files.write_text(go, repr(go_at))
+                cores = cores_in_windows([p.pid for p in servers], load_windows(go_at))
                 for p in loads:
                     p.wait(len(LOAD_SIZES) * 2 * (LOAD_PHASE_S + LOAD_GAP_S) + 60)
                 for echo, _ in addrs:
@@ -143,18 +146,39 @@ def ps_load(out: Path, workers: int = 8, shard_counts: tuple[int, ...] = (1, 4))
         if any(p.returncode for p in loads):
             raise RuntimeError(f"psar bench: a many-worker load failed; see {where / 'servers.log'}")
         counts = [json.loads(o.read_text()) for o in outs]
-        rows += [{"workers": workers, "shards": shards, **row} for row in aggregate(counts)]
+        rows += [{"workers": workers, "shards": shards, **row, "echo_cores": cores[2 * i],
+                  "shard_cores": cores[2 * i + 1]} for i, row in enumerate(aggregate(counts))]
     return rows
+
+
+def load_windows(go_at: float) -> list[tuple[float, float]]:
+    """The wall-clock (start, end) of each phase of the many-worker rows that start at go_at,
+    in order: for each of LOAD_SIZES its ZeroMQ phase, then its push+pull phase (ps.benchmark.load)."""
+    from ps.benchmark import LOAD_GAP_S, LOAD_PHASE_S, LOAD_SIZES
+
+    out = []
+    for i in range(len(LOAD_SIZES)):
+        begin = go_at + i * 2 * (LOAD_PHASE_S + LOAD_GAP_S)
+        out += [(begin, begin + LOAD_PHASE_S), (begin + LOAD_PHASE_S + LOAD_GAP_S, begin + 2 * LOAD_PHASE_S + LOAD_GAP_S)]
+    return out
 
 
 def format_ps_load_table(rows: list[dict]) -> str:
     lines = ["parameter server under load: N workers push+pull against shards on one host, against as many "
-             "ZeroMQ echoes (all bytes/s through them, each way)",
-             f"{'workers':>8} {'shards':>7} {'size':>8} {'zmq(GB/s)':>10} {'ps(GB/s)':>9} {'ps/zmq':>7}"]
+             "ZeroMQ echoes (all bytes/s through them, each way); cores: the busiest server process's while it "
+             "echoed, and while it served the push+pulls (a shard near 1.00 is bound by its one thread of "
+             "message handling)",
+             f"{'workers':>8} {'shards':>7} {'size':>8} {'zmq(GB/s)':>10} {'ps(GB/s)':>9} {'ps/zmq':>7}"
+             f" {'cores echo':>11} {'shard':>6}"]
     for r in rows:
         lines.append(f"{r['workers']:>8} {r['shards']:>7} {size_label(r['bytes']):>8} {r['zmq_gbs']:>10.3f} "
-                     f"{r['ps_gbs']:>9.3f} {r['ratio']:>6.2f}x")
+                     f"{r['ps_gbs']:>9.3f} {r['ratio']:>6.2f}x {_cores(r.get('echo_cores')):>11} "
+                     f"{_cores(r.get('shard_cores')):>6}")
     return "\n".join(lines)
+
+
+def _cores(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def format_ps_table(rows: list[dict]) -> str:

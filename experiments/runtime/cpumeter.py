@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -69,6 +70,44 @@ def read_process(text: str) -> tuple[int, int]:
         raise ValueError(f"/proc/PID/stat: expected utime, stime and starttime, got {text[:120]!r}") from None
 
 
+def process_ticks(pid: int, proc: Path = Path("/proc")) -> tuple[int, int]:
+    """(user + system ticks, start time) of process pid (read_process); OSError where it is
+    gone, ValueError where its stat cannot be read."""
+    return read_process((proc / str(pid) / "stat").read_text())
+
+
+def cores_in_windows(pids: list[int], windows: list[tuple[float, float]], clock=time.time,
+                     sleep=time.sleep) -> list[float | None]:
+    """For each (start, end) window of wall-clock time, in order, the most cores any one of
+    pids held through it (its ticks between a read at the start and one at the end, over the
+    seconds between the two reads); None where a window was already past when its turn came,
+    or no process could be read at both ends. A bench's phases at fixed times (ps.benchmark's
+    loads) read this way say what the processes serving them used."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = []
+    for start, end in windows:
+        if clock() > start + 0.1 * (end - start):
+            out.append(None)
+            continue
+        sleep(max(0.0, start - clock()))
+        before, t0 = _ticks(pids), clock()
+        sleep(max(0.0, end - clock()))
+        after, t1 = _ticks(pids), clock()
+        held = [(after[p] - before[p]) / hz / (t1 - t0) for p in before if p in after and t1 > t0]
+        out.append(max(held) if held else None)
+    return out
+
+
+def _ticks(pids: list[int]) -> dict[int, int]:
+    found = {}
+    for pid in pids:
+        try:
+            found[pid] = process_ticks(pid)[0]
+        except (OSError, ValueError):
+            pass
+    return found
+
+
 def allowed_cpus() -> frozenset[int] | None:
     """The cores this process may run on (its affinity: a container's or taskset's), None where
     the platform does not say: the launcher's processes run on those, so the meter counts
@@ -112,7 +151,7 @@ class CpuMeter(Meter):
         """Count the CPU time of process pid under name from now on (after any process that
         had the name: a restarted rank). A process already gone is not counted."""
         try:
-            ticks, start = read_process((self.proc / str(pid) / "stat").read_text())
+            ticks, start = process_ticks(pid, self.proc)
         except (OSError, ValueError):
             return
         with self._watching:
@@ -124,7 +163,7 @@ class CpuMeter(Meter):
         with self._watching:
             for name, w in self._watched.items():
                 try:
-                    now, start = read_process((self.proc / str(w.pid) / "stat").read_text())
+                    now, start = process_ticks(w.pid, self.proc)
                 except (OSError, ValueError):  # ended (and reaped): its last count stays
                     continue
                 if start == w.start:

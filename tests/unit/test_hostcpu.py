@@ -260,3 +260,27 @@ def test_a_shard_that_held_a_whole_core_is_said_where_the_cores_are_and_in_the_v
     assert "(up to 0.96)" in said
     spare = _with_processes(bound, rank_0=0.3, rank_1=0.3, server_0=0.5)
     assert "whole core" not in line(spare) and "shard process" not in verdicts([ring, spare])[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_cores_a_process_held_in_each_window_of_wall_clock_time():
+    import subprocess
+    import sys
+
+    from experiments.runtime.cpumeter import cores_in_windows
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        now = time.time()
+        windows = [(now - 5.0, now - 4.0), (now + 0.3, now + 1.3)]  # the first long past
+        late, held = cores_in_windows([busy.pid, idle.pid], windows)
+        assert late is None and 0.3 < held <= 1.1, held  # one thread spinning (shared on a busy machine)
+        (alone,) = cores_in_windows([idle.pid], [(time.time() + 0.2, time.time() + 0.7)])
+        assert alone is not None and alone < 0.1
+        assert cores_in_windows([2 ** 22 + 7], [(time.time() + 0.1, time.time() + 0.3)]) == [None]  # no such pid
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
