@@ -6,6 +6,15 @@ too: the shares say what the cores did, not what the run alone did. On one machi
 worker, every shard and the kernel that emulates their links, a comparison measures its cores
 as much as its links once they are all busy: analysis/hostcpu.py says how busy they were
 during the run's steps (`psar table`'s "host cpu", `psar links`, `psar predict --validate`).
+
+The meter also reads the CPU time of each process the launcher started (watch: its ranks and
+its shards, /proc/PID/stat's user and system ticks, every thread of the process together),
+so that a run says which of them held the cores. A process's system time holds the kernel's
+work on its behalf (its sends through TCP, the qdiscs and the veths, and soft interrupts that
+ran in its context); the rest is the kernel's work outside them, the launcher's, and anything
+else on the host. A process started again under the same name (a restarted rank) goes on from
+its predecessor's count; one that has ended keeps its last reading's count (at most an
+interval's worth is lost).
 """
 
 from __future__ import annotations
