@@ -6,8 +6,8 @@ through as many echo sockets.
 The server side runs in its own process: `python -m ps.benchmark serve ECHO_ADDR PS_ADDR
 [WORKERS [THREADS [LEGS_JSON MIN_BYTES]]]` hosts an echo socket (the yardstick: bytes in, the same bytes out) and an async
 shard whose parameters are one tensor per message size, updated by SGD on every push: on
-THREADS torch threads (psar bench gives it its part of the host's cores; 0: its share, as a
-run's shard takes, ps/cores.py), the echo on the shard's I/O threads; with LEGS_JSON, it
+THREADS cores (psar bench gives it its part of the host's; 0: its share, as a run's shard
+takes, ps/cores.py; ShardServer.use_cores), the echo on the shard's I/O threads; with LEGS_JSON, it
 writes there when each message of at least MIN_BYTES came out of its receive and went into
 its send (TimedTransport; experiments/bench/legs.py). Each of many workers is a process too:
 `python -m ps.benchmark load ...` (see load).
@@ -69,7 +69,7 @@ class TimedTransport(ServerTransport):
 
 def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0, legs: str = "",
           min_bytes: int = 0) -> None:
-    """threads: the shard's torch threads (0: its share of the host's cores, ps/cores.py).
+    """threads: the shard's cores for its updates (0: its share of the host's, ps/cores.py).
     legs: a JSON file for each socket's marks ({"echo": [...], "ps": [...]}, TimedTransport's,
     of messages of at least min_bytes), written once stopped; "": none kept."""
     keep_freed_pages()
@@ -80,6 +80,7 @@ def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0, legs
     params = [torch.zeros(s.shape) for s in layout.specs]
     shard = ShardServer(0, layout, split_values(layout, params, 0),
                         lambda ps: torch.optim.SGD(ps, lr=1e-6), "async", workers, CONFIG)
+    shard.use_cores(threads)  # as a run's shard: its own threads for SGD, torch on one
     def transport(addr: str, count=lambda: 0) -> ServerTransport:
         if legs:
             return TimedTransport(addr, CONFIG.max_message_bytes, CONFIG.timeout_s, min_bytes, count)

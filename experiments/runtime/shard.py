@@ -57,7 +57,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
     threads = core_share(local_processes(), cfg.threads)  # ps/cores.py: the update's cores
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # until the server says how it updates (use_cores)
     io = use_io_threads(io_threads(threads, cfg.workers))  # the connections': before any socket
     keep_freed_pages()  # as the workers (ps/allocator.py)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
@@ -95,6 +95,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     except BaseException:
         transport.close()
         raise
+    torch_threads = server.use_cores(threads)
     logging.getLogger("psar").info("shard %d of %d serving %s at %s", shard, num_shards,
                                    cfg.experiment, transport.address)
     shard_board = ShardBoard(run_dir, to_dict(cfg), shard) if cfg.tensorboard and run_dir is not None else None
@@ -108,7 +109,8 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
     if run_dir is not None:
         (Path(run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
         write_json(Path(run_dir) / "metrics" / f"server{shard}.json",
-                   {"result": result, **server.stats(), "threads": threads, "io_threads": io})
+                   {"result": result, **server.stats(), "threads": threads, "torch_threads": torch_threads,
+                    "io_threads": io})
     if server.aborted:
         if path is not None and cfg.checkpoint.every:  # stop cleanly: keep what was learnt
             save_atomic(server.state_dict(), path)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ps.protocol_state import STATE_SLOTS
+from ps.shard.slices import SlicePool
 
 SETUP_METHODS = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
 
@@ -50,16 +51,21 @@ def replays_sgd(optimizer: torch.optim.Optimizer) -> bool:
             and not group.get("differentiable"))
 
 
-def sgd_step(state: dict, group: dict, params: list[torch.Tensor]) -> None:
+def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: SlicePool | None = None) -> None:
     """torch.optim.SGD's step (its single-tensor loop, torch/optim/sgd.py) over params, op for
     op, so the same bits; without its per-call setup, which costs a small key more than the
     update (8 of 10 us for 1 KiB). The momentum buffers live in the optimizer's state, as
-    torch keeps them (checkpoints are unchanged)."""
+    torch keeps them (checkpoints are unchanged). With slices, a large dense key is updated
+    in slices on the pool's threads (ps.shard.slices), the same ops on each."""
     lr, weight_decay, maximize = group["lr"], group["weight_decay"], group["maximize"]
     momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
     for p in params:
         grad = p.grad
         if grad is None:
+            continue
+        cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None and _flat(p, grad) else None
+        if cuts is not None and len(cuts) > 2:
+            _sgd_slices(state, group, p, grad, slices, cuts)
             continue
         if maximize:
             grad = -grad
@@ -74,6 +80,44 @@ def sgd_step(state: dict, group: dict, params: list[torch.Tensor]) -> None:
                 buf.mul_(momentum).add_(grad, alpha=1 - dampening)
             grad = grad.add(buf, alpha=momentum) if nesterov else buf
         p.add_(grad, alpha=-lr)
+
+
+def _flat(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether p and its gradient are one dense run of elements each, alike (a key to slice)."""
+    return (p.dim() == 1 and grad.layout == torch.strided and grad.shape == p.shape and grad.dtype == p.dtype
+            and p.is_contiguous() and grad.is_contiguous())
+
+
+def _sgd_slices(state: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, slices: SlicePool,
+                cuts: list[int]) -> None:
+    """sgd_step's ops on one key, each slice on a thread of its own: elementwise, so the
+    whole key's bits. A first momentum buffer is made whole and filled slice by slice."""
+    lr, weight_decay, maximize = group["lr"], group["weight_decay"], group["maximize"]
+    momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
+    values, buf, fresh = p.detach(), None, False
+    if momentum != 0:
+        kept = state[p]
+        buf = kept.get("momentum_buffer")
+        if buf is None:
+            buf = kept["momentum_buffer"] = torch.empty_like(grad)  # torch: a clone of the gradient
+            fresh = True
+
+    def piece(a: int, b: int) -> None:
+        g = grad[a:b]
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            g = g.add(values[a:b], alpha=weight_decay)
+        if buf is not None:
+            kept = buf[a:b]
+            if fresh:
+                kept.copy_(g)
+            else:
+                kept.mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g.add(kept, alpha=momentum) if nesterov else kept
+        values[a:b].add_(g, alpha=-lr)
+
+    slices.run(piece, cuts)
 
 
 class ShardOptimizer:
@@ -95,6 +139,18 @@ class ShardOptimizer:
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
         self._sgd = on_cpu and replays_sgd(self.optimizer)
+        self._slices: SlicePool | None = None
+
+    def take_threads(self, threads: int) -> bool:
+        """Update large keys on `threads` threads of the optimizer's own (ps.shard.slices), if
+        it runs the optimizer's arithmetic itself (SGD): whether it does, and so whether the
+        process may keep torch on one thread (torch's intra-op threads spin between kernels)."""
+        if not self._sgd:
+            return False
+        if self._slices is not None:
+            self._slices.close()
+        self._slices = SlicePool(threads) if threads > 1 else None
+        return True
 
     @property
     def lr(self) -> float:
@@ -107,7 +163,7 @@ class ShardOptimizer:
             self._group["lr"] = lr
         group = self._group
         if self._sgd and not isinstance(group["lr"], torch.Tensor):
-            sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys])
+            sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices)
             return
         group["params"] = [self.chunks[k] for k in keys]
         group.update(self._loop)

@@ -151,6 +151,7 @@ def test_curve_keys_and_an_encrypted_run(tmp_path):
     server = json.loads((tmp_path / "run/metrics/server0.json").read_text())
     share = core_share(saved["workers"] + saved["servers"])  # the launcher's processes share the cores
     assert (server["threads"], server["io_threads"]) == (share, io_threads(share, 2)), server
+    assert server["torch_threads"] == 1, server  # SGD: large keys on the shard's own threads
 
 
 @pytest.mark.multiprocess
