@@ -3,6 +3,8 @@ the paired one the benchmark measured, and the goal line reads the ring's cells.
 
 from __future__ import annotations
 
+import pytest
+
 from experiments.bench.suite import format_allreduce_table
 
 
@@ -123,3 +125,25 @@ def test_ps_sync_and_the_rpc_server_run_in_turn_and_each_pair_gives_a_ratio(monk
                      ("ps-sync", "rpc-pair1", ["ps-sync"], 1), ("rpc", "rpc-pair1", 1),
                      ("ps-sync", "rpc-pair2", ["ps-sync"], 1), ("rpc", "rpc-pair2", 1)]
     assert pairs == {"ps_sync": [300.0, 330.0, 360.0], "rpc_ps": [200.0, 300.0, 180.0], "ratios": [1.5, 1.1, 2.0]}
+
+
+def test_the_update_rows_time_sgd_and_count_the_cores_each_way():
+    """One row of each mode in this process (torch's threads restored after): the update's
+    median and the cores held are measured; the thread counts span a share and the host."""
+    import torch
+
+    from experiments.bench.update_threads import format_update_threads_table, one_row, thread_counts
+
+    before = torch.get_num_threads()
+    try:
+        rows = [one_row(mode, 2, 1 << 16, gap_s=0.001, count=20) for mode in ("torch", "slices")]
+    finally:
+        torch.set_num_threads(before)
+    for row, mode in zip(rows, ("torch", "slices")):
+        assert row["mode"] == mode and row["threads"] == 2 and row["bytes"] == 1 << 16
+        assert 0 < row["update_us"] < 1e6 and 0 <= row["cores"] < 4
+    table = format_update_threads_table(rows)
+    assert "  64 KiB        2   torch" in table and "slices" in table.splitlines()[-1]
+    assert thread_counts(16) == [2, 8, 16] and thread_counts(2) == [2] and thread_counts(3) == [2, 3]
+    with pytest.raises(ValueError, match="mode 'omp'"):
+        one_row("omp", 2, 1 << 16)

@@ -1,0 +1,104 @@
+"""What a shard's update costs its host's cores, on torch's intra-op threads against the
+shard's own slice threads (ps/shard/slices.py): `psar bench`'s table of it.
+
+torch's intra-op threads (OpenMP) spin after every kernel, waiting for the next one, and a
+shard updates a key per message with its sockets' waits between: each of those threads
+then holds a core it does not use, one its host's ZeroMQ I/O threads and other processes
+need. Each row runs in a process of its own (torch's threads are a process's): an SGD update
+of a key of N bytes (p -= lr * g, float32) every UPDATE_GAP_S, UPDATE_COUNT times; the
+median update and the cores the process held over the run, gaps included (its CPU time over
+the wall time). `python -m experiments.bench.update_threads MODE THREADS BYTES` runs one row
+and prints it as JSON: MODE torch (intra-op threads) or slices (torch on one thread, a key
+of at least 2 * MIN_SLICE_BYTES split over the shard's own threads).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from experiments.bench import size_label
+from ps.cores import host_cores
+
+UPDATE_SIZES = (1 << 20, 16 << 20)
+"""A key below the slice threads' least split (ps.shard.slices.MIN_SLICE_BYTES: 2 x 4 MiB)
+and one above it."""
+UPDATE_GAP_S = 0.002
+"""Between two updates: a shard waiting for the next message."""
+UPDATE_COUNT = 200
+MODES = ("torch", "slices")
+
+
+def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, count: int = UPDATE_COUNT) -> dict:
+    """The row of this process (it sets torch's threads): see the module's docstring."""
+    import statistics
+
+    import torch
+
+    from ps.shard.optim import sgd_step
+    from ps.shard.slices import SlicePool
+
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    torch.set_num_threads(threads if mode == "torch" else 1)
+    slices = SlicePool(threads) if mode == "slices" and threads > 1 else None
+    p = torch.zeros(nbytes // 4)
+    p.grad = torch.ones_like(p)
+    group = {"lr": 1e-6, "weight_decay": 0.0, "maximize": False, "momentum": 0.0, "dampening": 0.0,
+             "nesterov": False}
+    for _ in range(5):  # the threads started, the pages touched
+        sgd_step({}, group, [p], slices)
+    took = []
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(count):
+        time.sleep(gap_s)
+        start = time.perf_counter()
+        sgd_step({}, group, [p], slices)
+        took.append(time.perf_counter() - start)
+    cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    if slices is not None:
+        slices.close()
+    return {"mode": mode, "threads": threads, "bytes": nbytes, "gap_s": gap_s,
+            "update_us": statistics.median(took) * 1e6, "cores": cores}
+
+
+def thread_counts(cores: int | None = None) -> list[int]:
+    """2, half the host's cores and all of them (at least 2): a shard's share on a shared host
+    and alone on it."""
+    cores = cores or host_cores()
+    return sorted({2, max(2, cores // 2), max(2, cores)})
+
+
+def update_threads_table(timeout_s: float = 120.0) -> list[dict]:
+    """Every mode, size and thread count (thread_counts), and one thread as the yardstick, each
+    in a process of its own, one after the other."""
+    cases = [("torch", 1, n) for n in UPDATE_SIZES]
+    cases += [(mode, t, n) for n in UPDATE_SIZES for t in thread_counts() for mode in MODES]
+    rows = []
+    for mode, threads, nbytes in cases:
+        done = subprocess.run([sys.executable, "-m", "experiments.bench.update_threads", mode, str(threads),
+                               str(nbytes)], capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"psar bench: the update row {mode} x{threads} {size_label(nbytes)} failed: "
+                               f"{done.stderr.strip()[-500:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def format_update_threads_table(rows: list[dict]) -> str:
+    gap = rows[0]["gap_s"] * 1e3 if rows else UPDATE_GAP_S * 1e3
+    lines = [f"a shard's update: SGD on one key every {gap:g} ms, on torch's intra-op threads (which spin after "
+             "each kernel) or on the shard's own threads (torch on one; a key of 8 MiB or more split over them): "
+             "the median update, and the cores the process held over the run",
+             f"{'size':>8} {'threads':>8} {'mode':>7} {'update(us)':>11} {'cores held':>11}"]
+    for r in rows:
+        lines.append(f"{size_label(r['bytes']):>8} {r['threads']:>8} {r['mode']:>7} {r['update_us']:>11.1f} "
+                     f"{r['cores']:>11.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    mode, threads, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    print(json.dumps(one_row(mode, threads, nbytes)))
