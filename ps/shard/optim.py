@@ -63,8 +63,8 @@ def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: Slice
         grad = p.grad
         if grad is None:
             continue
-        cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None and _flat(p, grad) else None
-        if cuts is not None and len(cuts) > 2:
+        cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None else None
+        if cuts is not None and len(cuts) > 2 and _flat(p, grad):
             _sgd_slices(state, group, p, grad, slices, cuts)
             continue
         if maximize:
