@@ -14,7 +14,7 @@ from ps.shard.slices import ALIGN, MIN_SLICE_BYTES, SlicePool
 
 
 @pytest.fixture
-def pool():
+def slice_pool():
     made = []
 
     def make(threads: int) -> SlicePool:
@@ -26,23 +26,23 @@ def pool():
         p.close()
 
 
-def test_a_small_key_or_one_thread_is_not_split(pool):
+def test_a_small_key_or_one_thread_is_not_split(slice_pool):
     big = 8 * MIN_SLICE_BYTES // 4
-    assert pool(4).cuts(2 * MIN_SLICE_BYTES // 4 - 1, 4) == [0, 2 * MIN_SLICE_BYTES // 4 - 1]
-    assert pool(1).cuts(big, 4) == [0, big]
+    assert slice_pool(4).cuts(2 * MIN_SLICE_BYTES // 4 - 1, 4) == [0, 2 * MIN_SLICE_BYTES // 4 - 1]
+    assert slice_pool(1).cuts(big, 4) == [0, big]
 
 
 @pytest.mark.parametrize("numel,threads,pieces", [(2 * MIN_SLICE_BYTES // 8 + 13, 4, 2),
                                                   (8 * MIN_SLICE_BYTES // 8 + 77, 3, 3),
                                                   (8 * MIN_SLICE_BYTES // 8 + 77, 16, 8)])
-def test_slices_cover_the_key_from_aligned_starts(pool, numel, threads, pieces):
-    cuts = pool(threads).cuts(numel, 8)
+def test_slices_cover_the_key_from_aligned_starts(slice_pool, numel, threads, pieces):
+    cuts = slice_pool(threads).cuts(numel, 8)
     assert cuts[0] == 0 and cuts[-1] == numel and len(cuts) == pieces + 1
     assert all(a % ALIGN == 0 and a < b for a, b in zip(cuts, cuts[1:]))
 
 
-def test_each_slice_runs_once_the_last_on_the_callers_thread(pool):
-    p, seen, lock = pool(3), [], threading.Lock()
+def test_each_slice_runs_once_the_last_on_the_callers_thread(slice_pool):
+    p, seen, lock = slice_pool(3), [], threading.Lock()
 
     def fn(a, b):
         with lock:
@@ -60,8 +60,8 @@ def test_each_slice_runs_once_the_last_on_the_callers_thread(pool):
 
 
 @pytest.mark.parametrize("failing", [0, 2])
-def test_an_error_in_any_slice_is_raised_after_all_have_run(pool, failing):
-    p, done = pool(3), []
+def test_an_error_in_any_slice_is_raised_after_all_have_run(slice_pool, failing):
+    p, done = slice_pool(3), []
 
     def fn(a, b):
         if a == failing:
