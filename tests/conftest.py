@@ -163,8 +163,14 @@ def pytest_collection_modifyitems(items):
     """Whichever test first asks for the pool runs every module's jobs in its set-up: each
     test that may be first gets the time for that."""
     for item in items:
-        if "pool" in getattr(item, "fixturenames", ()):
+        if _pooled(item):
             item.add_marker(pytest.mark.timeout(POOL_TIMEOUT_S), append=False)
+
+
+def _pooled(item) -> bool:
+    """Whether a test asks for the pool: a fixture named pool, in a module with pooled jobs (a
+    module's own fixture of that name is not this one)."""
+    return "pool" in getattr(item, "fixturenames", ()) and hasattr(getattr(item, "module", None), "POOL_JOBS")
 
 
 @pytest.fixture(scope="session")
@@ -172,7 +178,7 @@ def pool(request, tmp_path_factory) -> Pool:
     """Pool of the modules whose selected tests use this fixture."""
     modules = {}
     for item in request.session.items:
-        if "pool" in getattr(item, "fixturenames", ()) and item.module.__name__ not in modules:
+        if _pooled(item) and item.module.__name__ not in modules:
             modules[item.module.__name__] = item.module.POOL_JOBS()
     return Pool(tmp_path_factory.mktemp("pool"), modules)
 
