@@ -7,9 +7,10 @@ then holds a core it does not use, one its host's ZeroMQ I/O threads and other p
 need. Each row runs in a process of its own (torch's threads are a process's): an SGD update
 of a key of N bytes (p -= lr * g, float32) every UPDATE_GAP_S, UPDATE_COUNT times; the
 median update and the cores the process held over the run, gaps included (its CPU time over
-the wall time). `python -m experiments.bench.update_threads MODE THREADS BYTES` runs one row
-and prints it as JSON: MODE torch (intra-op threads) or slices (torch on one thread, a key
-of at least 2 * MIN_SLICE_BYTES split over the shard's own threads).
+the wall time). `python -m experiments.bench.update_threads MODE THREADS` runs the rows of
+every size, one after the other, and prints them as JSON lines: MODE torch (intra-op threads)
+or slices (torch on one thread, a key of at least 2 * MIN_SLICE_BYTES split over the shard's
+own threads).
 """
 
 from __future__ import annotations
@@ -72,19 +73,17 @@ def thread_counts(cores: int | None = None) -> list[int]:
 
 
 def update_threads_table(timeout_s: float = 120.0) -> list[dict]:
-    """Every mode, size and thread count (thread_counts), and one thread as the yardstick, each
-    in a process of its own, one after the other."""
-    cases = [("torch", 1, n) for n in UPDATE_SIZES]
-    cases += [(mode, t, n) for n in UPDATE_SIZES for t in thread_counts() for mode in MODES]
+    """Every size on one thread (the yardstick), then in each mode on each thread count
+    (thread_counts): a process for each mode and count, one after the other; the rows by size."""
+    cases = [("torch", 1)] + [(mode, t) for t in thread_counts() for mode in MODES]
     rows = []
-    for mode, threads, nbytes in cases:
-        done = subprocess.run([sys.executable, "-m", "experiments.bench.update_threads", mode, str(threads),
-                               str(nbytes)], capture_output=True, text=True, timeout=timeout_s)
+    for mode, threads in cases:
+        done = subprocess.run([sys.executable, "-m", "experiments.bench.update_threads", mode, str(threads)],
+                              capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
-            raise RuntimeError(f"psar bench: the update row {mode} x{threads} {size_label(nbytes)} failed: "
-                               f"{done.stderr.strip()[-500:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return rows
+            raise RuntimeError(f"psar bench: the update rows {mode} x{threads} failed: {done.stderr.strip()[-500:]}")
+        rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return sorted(rows, key=lambda r: r["bytes"])  # stable: each size's rows in the order they ran
 
 
 def format_update_threads_table(rows: list[dict]) -> str:
@@ -100,5 +99,5 @@ def format_update_threads_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    mode, threads, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps(one_row(mode, threads, nbytes)))
+    for size in UPDATE_SIZES:
+        print(json.dumps(one_row(sys.argv[1], int(sys.argv[2]), size)), flush=True)
