@@ -1,9 +1,10 @@
 """How many of its host's cores a shard takes: threads for its updates, and ZeroMQ's I/O
 threads for its connections.
 
-A shard's work on a key is the update (torch kernels, which release the GIL: with SGD, a key
-of 8 MiB or more split over threads of the shard's own, torch on one thread, ps/shard/slices.py;
-with other optimizers, over torch's intra-op threads, which split a key above 32768 elements)
+A shard's work on a key is the update (torch kernels, which release the GIL: with SGD, Adam,
+AdamW or Adagrad, a key of 8 MiB or more split over threads of the shard's own, torch on one
+thread, ps/shard/slices.py; with other optimizers, over torch's intra-op threads, which split a
+key above 32768 elements)
 and the bytes' way through the kernel (ZeroMQ's I/O threads; each connection is
 served by one of them, so a shard answering many workers can use as many as it has
 workers). Neither needs more Python threads: a shard's Python work per message stays on

@@ -102,8 +102,8 @@ class RunConfig:
     """Torch intra-op threads per process; 0: each takes its share of its host's cores, a worker
     among the ranks on its host, a shard among the ranks and shards launched there (alone on its
     host, as `psar server` runs it, all of them, and as many ZeroMQ I/O threads as it has
-    workers, at most 4: ps/cores.py). A shard whose optimizer is SGD spends its share on threads
-    of its own for large keys and keeps torch on one (ps/shard/slices.py)."""
+    workers, at most 4: ps/cores.py). A shard (with sgd, adam, adamw or adagrad) spends its share on
+    threads of its own for large keys and keeps torch on one (ps/shard/slices.py)."""
     timeout_s: float = 30.0
     """Longest wait on any peer (rendezvous, collective) before the run fails."""
     eval_batch_size: int = 512

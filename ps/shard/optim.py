@@ -15,8 +15,10 @@ Checkpoints keep one state dict per key, as a one-chunk optimizer would write it
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -25,6 +27,9 @@ from ps.protocol_state import STATE_SLOTS
 from ps.shard.slices import SlicePool
 
 SETUP_METHODS = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+"""Optimizers whose step over a key is elementwise, beside a scalar step count: a slice's
+update, with its slices of the key's state, is the whole key's bit for bit."""
 
 
 def skip_compile_guards() -> None:
@@ -120,6 +125,17 @@ def _sgd_slices(state: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, s
     slices.run(piece, cuts)
 
 
+def _slices_with(chunk: torch.Tensor, name: str, value: Any) -> bool:
+    """Whether a state entry slices with its key: a tensor shaped as the key (dense, in one run)
+    or a 0-d tensor, under a name the shards know (ps.protocol_state.STATE_SLOTS)."""
+    kind = STATE_SLOTS.get(name)
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return False
+    if kind == "scalar":
+        return value.dim() == 0
+    return kind == "key" and value.shape == chunk.shape and value.dtype == chunk.dtype and value.is_contiguous()
+
+
 class ShardOptimizer:
     def __init__(self, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  chunks: dict[int, torch.Tensor]) -> None:
@@ -139,13 +155,18 @@ class ShardOptimizer:
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
         self._sgd = on_cpu and replays_sgd(self.optimizer)
+        group = self._group
+        self._elementwise = (on_cpu and type(self.optimizer) in ELEMENTWISE and self._step is not None
+                             and not group.get("foreach") and not group.get("fused") and not group.get("capturable"))
         self._slices: SlicePool | None = None
+        self._clones: list[torch.optim.Optimizer] = []  # one a slice: each thread steps its own
 
     def take_threads(self, threads: int) -> bool:
         """Update large keys on `threads` threads of the optimizer's own (ps.shard.slices), if
-        it runs the optimizer's arithmetic itself (SGD): whether it does, and so whether the
-        process may keep torch on one thread (torch's intra-op threads spin between kernels)."""
-        if not self._sgd:
+        its step is elementwise (SGD, whose arithmetic it runs itself; Adam, AdamW, Adagrad,
+        whose step it runs on each slice): whether it does, and so whether the process may keep
+        torch on one thread (torch's intra-op threads spin between kernels)."""
+        if not (self._sgd or self._elementwise):
             return False
         if self._slices is not None:
             self._slices.close()
@@ -165,6 +186,10 @@ class ShardOptimizer:
         if self._sgd and not isinstance(group["lr"], torch.Tensor):
             sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices)
             return
+        if self._slices is not None and self._elementwise and not isinstance(group["lr"], torch.Tensor):
+            keys = self._step_large(keys)
+            if not keys:
+                return
         group["params"] = [self.chunks[k] for k in keys]
         group.update(self._loop)
         try:
@@ -177,6 +202,46 @@ class ShardOptimizer:
             group["params"] = self._all
             if self._loop:
                 group["foreach"] = None
+
+    def _step_large(self, keys) -> list:
+        """Step each key of `keys` large enough to slice, whose state exists (a key's first
+        step makes it, whole), in slices (_step_slices); the keys left to step whole."""
+        whole = []
+        for k in keys:
+            chunk = self.chunks[k]
+            state, grad = self.optimizer.state.get(chunk), chunk.grad
+            cuts = self._slices.cuts(chunk.numel(), chunk.element_size())
+            if grad is None or len(cuts) <= 2 or not state or not _flat(chunk, grad) \
+                    or not all(_slices_with(chunk, name, t) for name, t in state.items()):
+                whole.append(k)
+            else:
+                self._step_slices(chunk, grad, state, cuts)
+        return whole
+
+    def _step_slices(self, chunk: torch.Tensor, grad: torch.Tensor, state: dict, cuts: list[int]) -> None:
+        """The optimizer's own step (unwrapped) over each slice of chunk, on the pool's threads,
+        each with an optimizer of its own holding that slice and its slices of the state; the
+        scalar state (the step count) advanced once, as the slices each advanced a copy."""
+        hyper = {n: v for n, v in self._group.items() if n != "params"} | self._loop
+        values, scalars = chunk.detach(), {}
+        while len(self._clones) < len(cuts) - 1:
+            self._clones.append(copy.copy(self.optimizer))
+
+        def piece(a: int, b: int) -> None:
+            opt, part = self._clones[cuts.index(a)], values[a:b]
+            part.grad = grad[a:b]
+            opt.state = defaultdict(dict)
+            opt.state[part] = {n: t[a:b] if STATE_SLOTS[n] == "key" else t.clone() for n, t in state.items()}
+            opt.param_groups = [{**hyper, "params": [part]}]
+            with torch.no_grad():  # a thread's own grad mode
+                self._step(opt)
+            if a == 0:
+                scalars.update((n, t) for n, t in opt.state[part].items() if STATE_SLOTS[n] == "scalar")
+            opt.state, part.grad = defaultdict(dict), None
+
+        self._slices.run(piece, cuts)
+        for name, value in scalars.items():
+            state[name].copy_(value)
 
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """{key: the state dict a one-chunk optimizer of that key would have}."""

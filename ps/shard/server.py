@@ -428,9 +428,9 @@ class ShardServer(ShardState):
                        version=self.version)
 
     def use_cores(self, threads: int) -> int:
-        """Update on `threads` cores: on threads of the optimizer's own where it runs SGD's
-        arithmetic itself (ps.shard.slices), with torch on one thread of this process, else on
-        torch's intra-op threads. Call it once, from the process the shard serves in (it sets
+        """Update on `threads` cores: on threads of the optimizer's own where its step is
+        elementwise (SGD, Adam, AdamW, Adagrad: ps.shard.slices), with torch on one thread of
+        this process, else on torch's intra-op threads. Call it once, from the process the shard serves in (it sets
         torch's threads for the whole process); the threads torch runs on."""
         torch.set_num_threads(1 if self.optimizer.take_threads(threads) else threads)
         return torch.get_num_threads()

@@ -11,10 +11,12 @@ a process forked from the launcher's zygote cannot take OMP_WAIT_POLICY (libgomp
 when torch loads), and the ranks, whose kernels follow one another, are faster spinning (a
 forward and backward of a 3-layer MLP on 2 threads: 21 to 24 ms spinning, 28 to 34 passive).
 
-So a shard whose optimizer's arithmetic it runs itself (SGD, ps.shard.optim.sgd_step) keeps
-torch on one thread and splits a key of at least 2 * MIN_SLICE_BYTES into slices, one a
-thread of its own (SlicePool), which block on a queue between updates. The arithmetic is
-elementwise, so a slice's values are the whole key's bit for bit (tests/unit/test_slices.py).
+So a shard whose optimizer's step is elementwise (SGD, whose arithmetic it runs itself,
+ps.shard.optim.sgd_step; Adam, AdamW and Adagrad, whose own step it runs on each slice with
+the slices of the key's state) keeps torch on one thread and splits a key of at least
+2 * MIN_SLICE_BYTES into slices, one a thread of its own (SlicePool), which block on a queue
+between updates. A slice's values are the whole key's bit for bit (tests/unit/test_slices.py).
+Other optimizers keep torch's threads.
 """
 
 from __future__ import annotations

@@ -83,37 +83,49 @@ SGDS = {
 }
 
 
-@pytest.mark.parametrize("name", SGDS)
-def test_sgd_in_slices_is_torchs_sgd_bit_for_bit(name):
-    """Keys of 2 and 3 slices (8 threads offered) and a small one, float64, over steps that
-    make the momentum buffers and then use them: the same values and state as torch's SGD on
-    the whole keys, and the large keys did go through the pool."""
+SIZES = {0: 2 * MIN_SLICE_BYTES // 8 + 5, 1: 3 * MIN_SLICE_BYTES // 8 + 131, 2: 1000}
+"""float64 keys of 2 and 3 slices on 8 threads offered, and one too small to split."""
+STEPS = ([0, 1, 2], [1], [0, 2], [0, 1, 2])
+
+
+def step_both(make):
+    """A shard's optimizer (make) on 8 slice threads and torch's own on the whole keys, over
+    STEPS with the same gradients: asserts the same values and state, and returns how many
+    slices each call through the pool had."""
     torch.manual_seed(0)
-    sizes = {0: 2 * MIN_SLICE_BYTES // 8 + 5, 1: 3 * MIN_SLICE_BYTES // 8 + 131, 2: 1000}
-    ours = {k: torch.randn(n, dtype=torch.float64) for k, n in sizes.items()}
+    ours = {k: torch.randn(n, dtype=torch.float64) for k, n in SIZES.items()}
     theirs = {k: t.clone() for k, t in ours.items()}
-    shard = ShardOptimizer(lambda ps: torch.optim.SGD(ps, **SGDS[name]), ours)
+    shard, reference = ShardOptimizer(make, ours), make(list(theirs.values()))
     assert shard.take_threads(8)
-    reference = torch.optim.SGD(list(theirs.values()), **SGDS[name])
     calls = []
     run = shard._slices.run
     shard._slices.run = lambda fn, cuts: (calls.append(len(cuts) - 1), run(fn, cuts))
-    for keys in ([0, 1, 2], [1], [0, 2], [0, 1, 2]):
+    for keys in STEPS:
         for k in keys:
-            grad = torch.randn(sizes[k], dtype=torch.float64)
+            grad = torch.randn(SIZES[k], dtype=torch.float64)
             ours[k].grad, theirs[k].grad = grad.clone(), grad.clone()
         shard.step(keys)
-        reference.step()
+        reference.step()  # torch steps the keys with a gradient
         for t in (*ours.values(), *theirs.values()):
             t.grad = None
+    shard._slices.close()
     for k in ours:
-        assert torch.equal(ours[k], theirs[k]), (name, k)
+        assert torch.equal(ours[k], theirs[k]), k
     mine, ref = shard.optimizer.state_dict()["state"], reference.state_dict()["state"]
     assert set(mine) == set(ref)
     for i, s in ref.items():
-        assert torch.equal(mine[i]["momentum_buffer"], s["momentum_buffer"]), (name, i)
+        assert set(mine[i]) == set(s)
+        for slot, value in s.items():
+            assert (mine[i][slot] is None) if value is None else torch.equal(mine[i][slot], value), (i, slot)
+    return calls
+
+
+@pytest.mark.parametrize("name", SGDS)
+def test_sgd_in_slices_is_torchs_sgd_bit_for_bit(name):
+    """Steps that make the momentum buffers and then use them: every step of the large keys
+    went through the pool."""
+    calls = step_both(lambda ps: torch.optim.SGD(ps, **SGDS[name]))
     assert sorted(set(calls)) == [2, 3] and len(calls) == 6  # keys 0 and 1, each time they stepped
-    shard._slices.close()
 
 
 def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices():
@@ -129,8 +141,30 @@ def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices():
     before = torch.get_num_threads()
     try:
         sgd, adam = server(lambda ps: torch.optim.SGD(ps, lr=0.1)), server(lambda ps: torch.optim.Adam(ps, lr=0.1))
+        rms = server(lambda ps: torch.optim.RMSprop(ps, lr=0.1))  # not one the shards slice
         assert sgd.use_cores(4) == 1 and sgd.optimizer._slices.threads == 4
-        assert adam.use_cores(3) == 3 and adam.optimizer._slices is None
+        assert adam.use_cores(3) == 1 and adam.optimizer._slices.threads == 3
+        assert rms.use_cores(3) == 3 and rms.optimizer._slices is None
         assert sgd.use_cores(1) == 1 and sgd.optimizer._slices is None
     finally:
         torch.set_num_threads(before)
+
+
+OTHERS = {
+    "adam": (torch.optim.Adam, dict(lr=0.01), 4),
+    "adam-amsgrad-decay-maximize": (torch.optim.Adam, dict(lr=0.01, amsgrad=True, weight_decay=0.1, maximize=True), 4),
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.05), 4),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.5,
+                                          weight_decay=0.01), 6),
+}
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_elementwise_optimizers_in_slices_are_torchs_bit_for_bit(name):
+    """Adam, AdamW and Adagrad step each slice with torch's own step and the slices of the
+    key's state, the step count advanced once. Adam's first step of a key makes its state
+    whole; later steps (Adagrad's from the first: its state is made with it) go through the
+    pool."""
+    cls, kwargs, sliced = OTHERS[name]
+    calls = step_both(lambda ps: cls(ps, **kwargs))
+    assert len(calls) == sliced and set(calls) == {2, 3}
