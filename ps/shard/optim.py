@@ -15,7 +15,6 @@ Checkpoints keep one state dict per key, as a one-chunk optimizer would write it
 
 from __future__ import annotations
 
-import copy
 import inspect
 import sys
 from collections import defaultdict
@@ -101,11 +100,9 @@ def _sgd_slices(state: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, s
     momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
     values, buf, fresh = p.detach(), None, False
     if momentum != 0:
-        kept = state[p]
-        buf = kept.get("momentum_buffer")
-        if buf is None:
-            buf = kept["momentum_buffer"] = torch.empty_like(grad)  # torch: a clone of the gradient
-            fresh = True
+        buf = state[p].get("momentum_buffer")
+        if buf is None:  # torch: a clone of the gradient, kept once every slice has filled it
+            buf, fresh = torch.empty_like(grad), True
 
     def piece(a: int, b: int) -> None:
         g = grad[a:b]
@@ -123,6 +120,8 @@ def _sgd_slices(state: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, s
         values[a:b].add_(g, alpha=-lr)
 
     slices.run(piece, cuts)
+    if fresh:
+        state[p]["momentum_buffer"] = buf
 
 
 def _slices_with(chunk: torch.Tensor, name: str, value: Any) -> bool:
@@ -225,7 +224,10 @@ class ShardOptimizer:
         hyper = {n: v for n, v in self._group.items() if n != "params"} | self._loop
         values, scalars = chunk.detach(), {}
         while len(self._clones) < len(cuts) - 1:
-            self._clones.append(copy.copy(self.optimizer))
+            # the optimizer's class and fields, not its __setstate__ (which would walk the live state)
+            clone = object.__new__(type(self.optimizer))
+            clone.__dict__.update(self.optimizer.__dict__)
+            self._clones.append(clone)
 
         def piece(a: int, b: int) -> None:
             opt, part = self._clones[cuts.index(a)], values[a:b]
@@ -295,3 +297,6 @@ class ShardOptimizer:
         state = {i: s for i, k in enumerate(self.keys) for s in saved[k]["state"].values()}
         self.optimizer.load_state_dict({"state": state,
                                         "param_groups": [{**hyper, "params": list(range(len(self.keys)))}]})
+        # torch puts a new dict in param_groups: a push's lr and every step read that one
+        self._group = self.optimizer.param_groups[0]
+        self._all = self._group["params"]

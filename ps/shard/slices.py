@@ -36,7 +36,9 @@ ALIGN = 64
 class SlicePool:
     """`threads` threads for one key's update (the caller's own among them): run(fn, cuts)
     calls fn(start, end) for each slice, the last on the caller's thread. The other threads
-    start with the first key large enough to split and sleep on a queue between slices."""
+    start with the first key large enough to split and sleep on a queue between slices. One
+    caller at a time (a shard's serve loop); a run that raises has still waited for every
+    slice, but slices that succeeded beside one that failed have written their part."""
 
     def __init__(self, threads: int) -> None:
         if threads < 1:
@@ -87,9 +89,9 @@ class SlicePool:
         while len(self._queues) < count:
             q: queue.SimpleQueue = queue.SimpleQueue()
             t = threading.Thread(target=self._serve, args=(q,), name=f"slice {len(self._queues) + 1}", daemon=True)
+            t.start()  # a queue is taken only with its thread running
             self._queues.append(q)
             self._workers.append(t)
-            t.start()
 
     def _serve(self, q: queue.SimpleQueue) -> None:
         while (job := q.get()) is not None:

@@ -120,3 +120,17 @@ def test_sgd_is_replayed_bit_for_bit_with_torchs_state(name):
     assert set(mine["state"]) == set(ref["state"])
     for i, s in ref["state"].items():
         assert torch.equal(mine["state"][i]["momentum_buffer"], s["momentum_buffer"])
+
+
+def test_after_a_checkpoint_is_loaded_a_pushs_learning_rate_is_still_used():
+    """torch's load_state_dict puts a new parameter group in place: the learning rate a push
+    brings goes to that one (it went to the former group, and the loaded lr stayed)."""
+    values = chunks(0)
+    saved = ShardOptimizer(lambda ps: torch.optim.SGD(ps, lr=0.5), chunks(0)).state_dict()
+    shard = ShardOptimizer(lambda ps: torch.optim.SGD(ps, lr=0.01), values)
+    shard.load_state_dict(saved)
+    assert shard.lr == 0.5
+    start = values[1].clone()
+    values[1].grad = torch.ones_like(values[1])
+    shard.step([1], lr=0.25)
+    assert torch.equal(values[1], start - 0.25) and shard.lr == 0.25

@@ -168,3 +168,20 @@ def test_elementwise_optimizers_in_slices_are_torchs_bit_for_bit(name):
     cls, kwargs, sliced = OTHERS[name]
     calls = step_both(lambda ps: cls(ps, **kwargs))
     assert len(calls) == sliced and set(calls) == {2, 3}
+
+
+def test_a_first_momentum_buffer_is_kept_only_once_every_slice_filled_it():
+    """A slice that fails leaves no half-filled buffer for the next step to take as momentum."""
+    values = {0: torch.zeros(SIZES[0], dtype=torch.float64)}
+    shard = ShardOptimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), values)
+    assert shard.take_threads(2)
+
+    def fail_after_first(fn, cuts):
+        fn(cuts[0], cuts[1])
+        raise RuntimeError("a slice failed")
+
+    shard._slices.run = fail_after_first
+    values[0].grad = torch.ones_like(values[0])
+    with pytest.raises(RuntimeError, match="a slice failed"):
+        shard.step([0])
+    assert shard.optimizer.state[values[0]].get("momentum_buffer") is None
