@@ -61,7 +61,8 @@ def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, c
     cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     if slices is not None:
         slices.close()
-    return {"mode": mode, "threads": threads, "bytes": nbytes, "gap_s": gap_s,
+    pieces = len(slices.cuts(p.numel(), 4)) - 1 if slices is not None else None
+    return {"mode": mode, "threads": threads, "bytes": nbytes, "gap_s": gap_s, "slices": pieces,
             "update_us": statistics.median(took) * 1e6, "cores": cores}
 
 
@@ -90,11 +91,13 @@ def format_update_threads_table(rows: list[dict]) -> str:
     gap = rows[0]["gap_s"] * 1e3 if rows else UPDATE_GAP_S * 1e3
     lines = [f"a shard's update: SGD on one key every {gap:g} ms, on torch's intra-op threads (which spin after "
              "each kernel) or on the shard's own threads (torch on one; a key of 8 MiB or more split over them): "
-             "the median update, and the cores the process held over the run",
-             f"{'size':>8} {'threads':>8} {'mode':>7} {'update(us)':>11} {'cores held':>11}"]
+             "the median update, the slices it took (at most one a 4 MiB), and the cores the process held over "
+             "the run",
+             f"{'size':>8} {'threads':>8} {'mode':>7} {'slices':>7} {'update(us)':>11} {'cores held':>11}"]
     for r in rows:
-        lines.append(f"{size_label(r['bytes']):>8} {r['threads']:>8} {r['mode']:>7} {r['update_us']:>11.1f} "
-                     f"{r['cores']:>11.2f}")
+        pieces = "-" if r.get("slices") is None else str(r["slices"])
+        lines.append(f"{size_label(r['bytes']):>8} {r['threads']:>8} {r['mode']:>7} {pieces:>7} "
+                     f"{r['update_us']:>11.1f} {r['cores']:>11.2f}")
     return "\n".join(lines)
 
 
