@@ -61,29 +61,42 @@ def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: Slice
     update (8 of 10 us for 1 KiB). The momentum buffers live in the optimizer's state, as
     torch keeps them (checkpoints are unchanged). With slices, a large dense key is updated
     in slices on the pool's threads (ps.shard.slices), the same ops on each."""
-    lr, weight_decay, maximize = group["lr"], group["weight_decay"], group["maximize"]
-    momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
+    h = (group["lr"], group["weight_decay"], group["maximize"], group["momentum"], group["dampening"],
+         group["nesterov"])
     for p in params:
         grad = p.grad
         if grad is None:
             continue
         cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None else None
         if cuts is not None and len(cuts) > 2 and _flat(p, grad):
-            _sgd_slices(state, group, p, grad, slices, cuts)
+            _sgd_slices(state, h, p, grad, slices, cuts)
             continue
-        if maximize:
-            grad = -grad
-        if weight_decay != 0:
-            grad = grad.add(p, alpha=weight_decay)
-        if momentum != 0:
-            kept = state[p]
-            buf = kept.get("momentum_buffer")
-            if buf is None:
-                buf = kept["momentum_buffer"] = grad.detach().clone()
-            else:
-                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-            grad = grad.add(buf, alpha=momentum) if nesterov else buf
-        p.add_(grad, alpha=-lr)
+        buf = state[p].get("momentum_buffer") if h[3] != 0 else None
+        made = _sgd_ops(p, grad, buf, h)
+        if made is not buf:  # a first momentum buffer
+            state[p]["momentum_buffer"] = made
+
+
+def _sgd_ops(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, h: tuple, fill: bool = False):
+    """SGD's ops (torch's single-tensor loop) on p, a key or a slice of one, with its gradient
+    and its momentum buffer buf over the same span (None: none yet, and a clone of the
+    gradient is made); h: (lr, weight_decay, maximize, momentum, dampening, nesterov). fill:
+    buf is a first one, to be filled from the gradient. Returns the momentum buffer."""
+    lr, weight_decay, maximize, momentum, dampening, nesterov = h
+    if maximize:
+        grad = -grad
+    if weight_decay != 0:
+        grad = grad.add(p, alpha=weight_decay)
+    if momentum != 0:
+        if buf is None:
+            buf = grad.detach().clone()
+        elif fill:
+            buf.copy_(grad)
+        else:
+            buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(buf, alpha=momentum) if nesterov else buf
+    p.add_(grad, alpha=-lr)
+    return buf
 
 
 def _flat(p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -92,34 +105,16 @@ def _flat(p: torch.Tensor, grad: torch.Tensor) -> bool:
             and p.is_contiguous() and grad.is_contiguous())
 
 
-def _sgd_slices(state: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, slices: SlicePool,
+def _sgd_slices(state: dict, h: tuple, p: torch.Tensor, grad: torch.Tensor, slices: SlicePool,
                 cuts: list[int]) -> None:
-    """sgd_step's ops on one key, each slice on a thread of its own: elementwise, so the
-    whole key's bits. A first momentum buffer is made whole and filled slice by slice."""
-    lr, weight_decay, maximize = group["lr"], group["weight_decay"], group["maximize"]
-    momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
-    values, buf, fresh = p.detach(), None, False
-    if momentum != 0:
-        buf = state[p].get("momentum_buffer")
-        if buf is None:  # torch: a clone of the gradient, kept once every slice has filled it
-            buf, fresh = torch.empty_like(grad), True
-
-    def piece(a: int, b: int) -> None:
-        g = grad[a:b]
-        if maximize:
-            g = -g
-        if weight_decay != 0:
-            g = g.add(values[a:b], alpha=weight_decay)
-        if buf is not None:
-            kept = buf[a:b]
-            if fresh:
-                kept.copy_(g)
-            else:
-                kept.mul_(momentum).add_(g, alpha=1 - dampening)
-            g = g.add(kept, alpha=momentum) if nesterov else kept
-        values[a:b].add_(g, alpha=-lr)
-
-    slices.run(piece, cuts)
+    """_sgd_ops on each slice of one key, on a thread of its own: elementwise, so the whole
+    key's bits. A first momentum buffer is made whole, filled slice by slice, and kept once
+    every slice has filled it."""
+    values, buf = p.detach(), state[p].get("momentum_buffer") if h[3] != 0 else None
+    fresh = h[3] != 0 and buf is None
+    if fresh:
+        buf = torch.empty_like(grad)
+    slices.run(lambda a, b: _sgd_ops(values[a:b], grad[a:b], None if buf is None else buf[a:b], h, fresh), cuts)
     if fresh:
         state[p]["momentum_buffer"] = buf
 
