@@ -47,8 +47,7 @@ def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, c
     slices = SlicePool(threads) if mode == "slices" and threads > 1 else None
     p = torch.zeros(nbytes // 4)
     p.grad = torch.ones_like(p)
-    group = {"lr": 1e-6, "weight_decay": 0.0, "maximize": False, "momentum": 0.0, "dampening": 0.0,
-             "nesterov": False}
+    group = torch.optim.SGD([p], lr=1e-6).param_groups[0]  # a shard's SGD, as ps.shard.optim replays it
     for _ in range(5):  # the threads started, the pages touched
         sgd_step({}, group, [p], slices)
     took = []
