@@ -55,9 +55,10 @@ class Host(Protocol):
     counters: dict[str, int]  # a rule counts "updates", "row_collisions" and "dropped_keys"
 
     def apply(self, keys: Sequence[int], label: Callable[[], str] | str, count: bool = True,
-              lr: float | None = None) -> None:
-        """One optimizer step over the chunks of keys, whose .grad the rule has set (label: what
-        a trace calls it, or a function that says, called only where there is a trace)."""
+              lr: float | None = None, grads: Sequence[torch.Tensor] | None = None) -> None:
+        """One optimizer step over the chunks of keys with grads, one a key, each shaped as its
+        chunk (label: what a trace calls it, or a function that says, called only where there
+        is a trace)."""
 
     def bump(self) -> None:
         """The version goes up by one."""
@@ -166,12 +167,13 @@ class AsyncRule(Rule):
         host = self.host
         live = len(host.workers.ids) - len(host.workers.lost)
         scale = 1.0 / live if host.config.async_scale == "mean" else 1.0
+        given = []  # the gradients as the chunks are shaped (grad_of); optimizers only read them
         for k, g, i in zip(keys, grads, ids):
             g = g * scale if scale != 1.0 else g
             if i is not None:
                 host.counters["row_collisions"] += self.rows.count(k, w, i, host.counters["updates"] + 1)
-            host.chunks[k].grad = grad_of(host.chunks[k].shape, g, i)  # optimizers only read it
-        host.apply(keys, lambda: f"apply push of worker {w} (step {step})", lr=lr)
+            given.append(grad_of(host.chunks[k].shape, g, i))
+        host.apply(keys, lambda: f"apply push of worker {w} (step {step})", lr=lr, grads=given)
         if host.workers.note_keys(w, step, keys):
             host.bump()
 
@@ -315,6 +317,7 @@ class SyncRule(Rule):
                  and k not in self._held and len(live & pushed[k]) >= needed]
         if ready and self.readied is not None:
             self.readied.update(ready)
+        given = []  # the averaged gradients of ready, in its order, for host.apply
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed
@@ -328,7 +331,7 @@ class SyncRule(Rule):
             if self._step_hold:
                 self._held[k] = grad
             else:
-                host.chunks[k].grad = grad
+                given.append(grad)
         if self._step_hold:
             if ready and len(self._held) == len(host.keys):  # the step's gradient is complete here
                 self._sq[host.version] = float(sum(self._held[k].double().pow(2).sum() for k in host.keys))
@@ -336,7 +339,7 @@ class SyncRule(Rule):
         if ready:
             named = f"key {ready[0]}" if len(ready) == 1 else f"keys {ready[0]}..{ready[-1]} ({len(ready)})"
             host.apply(ready, lambda: f"update {named} (step {host.version}, {len(live)} workers)", count=False,
-                       lr=self._step_lr)
+                       lr=self._step_lr, grads=given)
             self._updated.update(ready)
         if len(self._updated) == len(host.keys):
             self._end_step()
@@ -379,10 +382,10 @@ class SyncRule(Rule):
         if step != host.version or step not in self._sq:
             raise Reject(f"worker {msg.worker} sent a clip scale for step {step}, but this shard (at step "
                          f"{host.version}) holds {'no' if not self._held else 'an incomplete'} step to scale")
-        for k, g in self._held.items():
-            host.chunks[k].grad = g.mul_(scale) if scale != 1.0 else g
         keys = list(self._held)
-        host.apply(keys, f"update, clipped by {scale:.6g} (step {step})", count=False, lr=self._step_lr)
+        given = [g.mul_(scale) if scale != 1.0 else g for g in self._held.values()]
+        host.apply(keys, f"update, clipped by {scale:.6g} (step {step})", count=False, lr=self._step_lr,
+                   grads=given)
         self._scale[step] = scale
         for kept in (self._scale, self._sq):
             for old in [s for s in kept if s < step - HELD_STEPS_KEPT]:

@@ -55,16 +55,18 @@ def replays_sgd(optimizer: torch.optim.Optimizer) -> bool:
             and not group.get("differentiable"))
 
 
-def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: SlicePool | None = None) -> None:
+def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: SlicePool | None = None,
+             grads: list[torch.Tensor] | None = None) -> None:
     """torch.optim.SGD's step (its single-tensor loop, torch/optim/sgd.py) over params, op for
     op, so the same bits; without its per-call setup, which costs a small key more than the
     update (8 of 10 us for 1 KiB). The momentum buffers live in the optimizer's state, as
     torch keeps them (checkpoints are unchanged). With slices, a large dense key is updated
-    in slices on the pool's threads (ps.shard.slices), the same ops on each."""
+    in slices on the pool's threads (ps.shard.slices), the same ops on each. grads: each
+    param's gradient, in their order (None: each param's .grad)."""
     h = (group["lr"], group["weight_decay"], group["maximize"], group["momentum"], group["dampening"],
          group["nesterov"])
-    for p in params:
-        grad = p.grad
+    for i, p in enumerate(params):
+        grad = p.grad if grads is None else grads[i]
         if grad is None:
             continue
         cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None else None
@@ -171,15 +173,23 @@ class ShardOptimizer:
     def lr(self) -> float:
         return self._group["lr"]
 
-    def step(self, keys, lr: float | None = None) -> None:
-        """One optimizer step over the chunks of `keys` (their .grad set), with learning rate
-        lr (None: the group's own; a given one stays the group's, as a scheduler leaves it)."""
+    @property
+    def replays(self) -> bool:
+        """Whether a step replays torch's SGD (sgd_step), which takes gradients as they are given."""
+        return self._sgd and not isinstance(self._group["lr"], torch.Tensor)
+
+    def step(self, keys, lr: float | None = None, grads: list[torch.Tensor] | None = None) -> None:
+        """One optimizer step over the chunks of `keys` (their .grad set, or grads given, one a
+        key shaped as its chunk: only where the step replays SGD), with learning rate lr (None:
+        the group's own; a given one stays the group's, as a scheduler leaves it)."""
         if lr is not None:
             self._group["lr"] = lr
         group = self._group
         if self._sgd and not isinstance(group["lr"], torch.Tensor):
-            sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices)
+            sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices, grads)
             return
+        if grads is not None:
+            raise ValueError("gradients are given to a step only where it replays SGD (ShardOptimizer.replays)")
         if self._slices is not None and self._elementwise and not isinstance(group["lr"], torch.Tensor):
             keys = self._step_large(keys)
             if not keys:
