@@ -134,3 +134,35 @@ def test_after_a_checkpoint_is_loaded_a_pushs_learning_rate_is_still_used():
     values[1].grad = torch.ones_like(values[1])
     shard.step([1], lr=0.25)
     assert torch.equal(values[1], start - 0.25) and shard.lr == 0.25
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n.startswith("sgd")])
+def test_gradients_given_to_sgds_replay_are_torchs_bits_and_leave_no_grad(name):
+    """A shard hands a push's gradients to SGD's replay as they are (ShardServer.apply):
+    torch.optim.SGD's bits and state over .grad, and no chunk's .grad is set."""
+    make = OPTIMIZERS[name]
+    ours, theirs = chunks(0), chunks(0)
+    shard, reference = ShardOptimizer(make, ours), make(list(theirs.values()))
+    assert shard.replays
+    torch.manual_seed(3)
+    for keys in ([0, 1, 2, 3], [3, 1], [0], [2, 3, 0]):
+        grads = [torch.randn_like(theirs[k]) for k in keys]
+        for k, g in zip(keys, grads):
+            theirs[k].grad = g.clone()
+        shard.step(keys, grads=grads)
+        reference.step()
+        for t in theirs.values():
+            t.grad = None
+        assert all(t.grad is None for t in ours.values())
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), (name, k)
+    for i, s in reference.state_dict()["state"].items():
+        assert torch.equal(shard.optimizer.state_dict()["state"][i]["momentum_buffer"], s["momentum_buffer"])
+
+
+def test_only_sgds_replay_takes_gradients_as_given():
+    values = chunks(0)
+    shard = ShardOptimizer(OPTIMIZERS["adam"], values)
+    assert not shard.replays
+    with pytest.raises(ValueError, match="replays SGD"):
+        shard.step([0], grads=[torch.ones_like(values[0])])
