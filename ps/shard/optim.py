@@ -185,7 +185,7 @@ class ShardOptimizer:
         if lr is not None:
             self._group["lr"] = lr
         group = self._group
-        if self._sgd and not isinstance(group["lr"], torch.Tensor):
+        if self.replays:
             sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices, grads)
             return
         if grads is not None:

@@ -397,18 +397,17 @@ class ShardServer(ShardState):
     # -- state ---------------------------------------------------------------------------------
 
     def apply(self, keys: Sequence[int], label: Callable[[], str] | str, count: bool = True,
-              lr: float | None = None, grads: Sequence[torch.Tensor] | None = None) -> None:
-        """One optimizer step over the chunks of `keys`, whose grads are set (the optimizers
-        skip every chunk without one), or given: grads, one a key, each shaped as its chunk;
-        at learning rate lr (None: the optimizer's). count: it is an update of the shard (the
-        counter). label: the trace's name for it, or a function giving it (called only with a
-        trace: a push's update does not format its name). Given grads reach SGD's replay
-        (ps.shard.optim.sgd_step) as they are: a chunk's .grad set and cleared cost a 1 KiB
-        key's update 14 of its 73 us on a core that had just slept."""
+              lr: float | None = None, *, grads: Sequence[torch.Tensor]) -> None:
+        """One optimizer step over the chunks of `keys` with grads, one a key, each shaped as
+        its chunk, at learning rate lr (None: the optimizer's). count: it is an update of the
+        shard (the counter). label: the trace's name for it, or a function giving it (called
+        only with a trace: a push's update does not format its name). SGD's replay
+        (ps.shard.optim.sgd_step) takes the grads as they are; other steps read them as the
+        chunks' .grad, set here and cleared after (which cost a 1 KiB key's update 14 of its
+        73 us on a core that had just slept)."""
         start = time.time() if self.trace is not None else 0.0
-        direct = grads is not None and self.pulls is None and self.optimizer.replays \
-            and self.sparse_keys.isdisjoint(keys)
-        if grads is not None and not direct:
+        direct = self.pulls is None and self.optimizer.replays and self.sparse_keys.isdisjoint(keys)
+        if not direct:
             for k, g in zip(keys, grads):
                 self.chunks[k].grad = g
         if self.pulls is not None:  # the update applies what its pull will carry
