@@ -159,12 +159,15 @@ def _settings(job: dict) -> str:
 POOL_TIMEOUT_S = 900
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the group off the marks
 def pytest_collection_modifyitems(items):
     """Whichever test first asks for the pool runs every module's jobs in its set-up: each
-    test that may be first gets the time for that."""
+    test that may be first gets the time for that. Under pytest-xdist (`make test` runs two
+    workers) every pooled test goes to one worker, so that the pool runs once."""
     for item in items:
         if _pooled(item):
             item.add_marker(pytest.mark.timeout(POOL_TIMEOUT_S), append=False)
+            item.add_marker(pytest.mark.xdist_group("pool"))  # one worker runs the pool, once
 
 
 def _pooled(item) -> bool:
