@@ -53,6 +53,7 @@ class Job:
 
     def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path, resume: bool = False,
                  steps: int | None = None) -> None:
+        keep_freed_pages()  # every engine's workers alike, before any thread allocates (ps/allocator.py)
         # The first optimizer imports it (1 s of CPU in a fresh interpreter, forks from the
         # zygote have it): here it counts as the process's start, not as its rendezvous.
         import torch._dynamo  # noqa: F401
@@ -63,7 +64,6 @@ class Job:
         self._restarts = env.restarts
         self._faults = Faults(cfg.fault, env.rank, env.restarts, self.run_dir)
         set_threads(cfg, env)
-        keep_freed_pages()  # every engine's workers alike (ps/allocator.py)
         self.device = pick_device(cfg, env)
         self._checkpoints = WorkerCheckpoints(self.run_dir, env.rank, cfg.checkpoint.every, resume)
         self._tracer = Tracer(self.run_dir, f"rank {env.rank}", cfg.trace)

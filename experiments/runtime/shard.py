@@ -56,10 +56,10 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
         raise ValueError(f"engine {cfg.engine!r} has no servers; expected one of {', '.join(served)}")
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+    keep_freed_pages()  # as the workers, before any thread allocates (ps/allocator.py)
     threads = core_share(local_processes(), cfg.threads)  # ps/cores.py: the update's cores
     torch.set_num_threads(threads)  # until the server says how it updates (use_cores)
     io = use_io_threads(io_threads(threads, cfg.workers))  # the connections': before any socket
-    keep_freed_pages()  # as the workers (ps/allocator.py)
     tracer = Tracer(run_dir or ".", f"server {shard}", cfg.trace and run_dir is not None)
     path = server_path(run_dir, shard) if run_dir is not None else None
 
