@@ -85,7 +85,8 @@ def summarize(run_dir: Path, config: dict, eval_metrics: dict, wall_s: float, sh
     (a compressed push and its pull, or an all-gather, differ).
     compress_s_per_step: seconds a worker spent per step compressing, decompressing and on
     error feedback (compress.method on allreduce and ps-*), None where not measured.
-    peak_rss_mb: each rank's peak resident memory (MiB) as of its last step.
+    peak_rss_mb: each rank's peak resident memory (MiB) as of its last step, freed memory its
+    heap keeps for reuse included (ps/allocator.py); memory_bytes_per_worker counts tensors.
     memory_bytes_per_worker: the most bytes of parameters, gradients, optimizer state and
     communication buffers any rank held (experiments/rundir/memory.py), where counted.
     """
