@@ -1,17 +1,25 @@
 """The compression comparison: each method against the uncompressed run of its engine on
 links of the same rate, and the rate above which it no longer pays.
 
-Cost model (the algorithm's, not a fit): a step costs its compute c (measured, of the
-uncompressed run), its compression compute k (measured: a worker's compress_s, plus under
-ps-sync a shard's decompression of the pushes and compression of the pull, per step) and its
-bytes b on the busier direction of a worker's link over the rate R (medians over the steps
-after the first). Uncompressed, the gradients leave during backward (bucketed, from hooks),
-so communication hides behind the backward pass, two thirds of c (a backward costs twice a
-forward): t_0(R) = c/3 + max(2c/3, b_0/R). Compressed, the hooks compress on the same cores
-and little is left to hide: t_m(R) = c + k + b_m/R. The method pays while t_m < t_0; on a
-link-bound step that is R < R* = (b_0 - b_m) / (2c/3 + k), its predicted crossover. The
-measured crossover puts a line t = a + b / R through each series' step times at two rates
-(the slowest and fastest measured) and solves t_m(R) = t_0(R).
+Cost model (the algorithm's, not a fit), from a pair of runs at one rate R_0: a step costs
+its compute c (measured, of the uncompressed run: the step less the exchange it waited for)
+and its bytes b on the busier direction of a worker's link over the rate R (medians over the
+steps after the first). Uncompressed, the gradients leave during backward as its buckets
+become ready (bucketed, from hooks): the step is c and what of the exchange is left after
+backward, each bucket's share of b_0/R sent once it is ready and the one before it is done,
+at the bucket times the run recorded (analysis.overlap); a run without them has one bucket
+ready as backward begins, two thirds of c (a backward costs twice a forward): t_0(R) = c/3 +
+max(2c/3, b_0/R). Compressed, the hooks compress on the same cores and little is left to
+hide: the step is the compute, the compression compute k (measured: a worker's compress_s,
+plus under ps-sync a shard's decompression of the pushes and compression of the pull, per
+step) and an exchange of few bytes, as the compressed run measured them at R_0, its bytes
+moved to R: t_m(R) = t_m(R_0) + b_m/R - b_m/R_0 (c + k + b_m/R where the exchange is its
+bytes alone). The method pays while t_m < t_0, up to R*, its predicted crossover, where
+they are equal (R* = (b_0 - b_m) / (2c/3 + k) on a link-bound step of one bucket). The
+measured crossover solves t_m(R) = t_0(R) with lines t = a + b / R: the method's through
+its step times at every rate measured (least squares), the uncompressed run's through its
+step times at the two rates around the crossover (the neighbours where the method stops
+paying; the slowest and fastest measured where it never does).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from experiments.settings.net import parse_rate
 
 from .plots import loss_over_time, save_figure  # first: analysis.style selects the Agg backend
 from .costmodel import compute_time, measured_step
+from .overlap import exposed, timeline
 from .results import Run, median, time_to_target
 from .table import markdown as table_markdown
 from .table import rate_of, write_report
@@ -77,39 +86,94 @@ def _series(runs: list[Run]) -> dict[tuple[str, str], dict[str, Run]]:
     return out
 
 
-def step_model(base: Run, run: Run, rate_bits: float) -> tuple[float, float] | None:
-    """(t_0, t_m): the model's uncompressed and compressed step at rate_bits; None without k."""
-    k, c = codec_s(run), compute_time(base)
-    if k is None:
+def uncompressed_step(base: Run, rate_bits: float) -> float:
+    """t_0(R): c and the exchange left after backward, from base's bucket times where it
+    recorded them (analysis.overlap), else from one bucket as backward begins."""
+    c, seconds = compute_time(base), 8 * _bytes(base) / rate_bits
+    line = timeline(base)
+    if line is None:
+        return c / 3 + max(2 * c / 3, seconds)
+    return c + exposed(line, lambda share: share * seconds)
+
+
+def compressed_step(run: Run, rate_bits: float) -> float | None:
+    """t_m(R): the method's step as measured on its own links (rate R_0), its bytes moved to
+    R: + 8 b_m (1/R - 1/R_0); None for a run on loopback."""
+    own = rate_of(run)
+    if not own:
         return None
-    return (c / 3 + max(2 * c / 3, 8 * _bytes(base) / rate_bits),
-            c + k + 8 * _bytes(run) / rate_bits)
+    return measured_step(run) + 8 * _bytes(run) * (1 / rate_bits - 1 / parse_rate(own))
+
+
+def step_model(base: Run, run: Run, rate_bits: float) -> tuple[float, float] | None:
+    """(t_0, t_m): the model's uncompressed and compressed step at rate_bits; None without a
+    measured compression compute k or a link rate."""
+    t_m = compressed_step(run, rate_bits) if codec_s(run) is not None else None
+    return None if t_m is None else (uncompressed_step(base, rate_bits), t_m)
 
 
 def predicted_crossover(base: Run, run: Run) -> float | None:
-    """R* = (b_0 - b_m) / (2c/3 + k) in bit/s; None without a measured compression time or a
-    saving."""
+    """R* in bit/s, where t_m(R) = t_0(R) (t_m - t_0 grows with R: the method saves bytes);
+    None without a measured compression time, a link rate or a saving, or where the method
+    does not pay even at 1 kbit/s."""
     k = codec_s(run)
-    saved = 8 * (_bytes(base) - _bytes(run))
-    return saved / (2 * compute_time(base) / 3 + k) if k and k > 0 and saved > 0 else None
+    if not k or k <= 0 or _bytes(base) <= _bytes(run) or not rate_of(run):
+        return None
+
+    def pays(rate: float) -> bool:
+        t_0, t_m = step_model(base, run, rate)
+        return t_m < t_0
+
+    low, high = 1e3, 1e15
+    if not pays(low):
+        return None
+    for _ in range(200):  # on a log scale, to a relative 1e-12
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if pays(mid) else (low, mid)
+        if high / low < 1 + 1e-12:
+            break
+    return (low * high) ** 0.5
 
 
-def measured_crossover(base: dict[str, Run], series: dict[str, Run]) -> float | None:
-    """Where the lines t = a + b / R through the slowest and fastest rate's step times of the
-    method and of the uncompressed run meet, in bit/s; None with fewer than two rates on both,
-    or where they do not meet at a positive rate."""
+def _line(runs: dict[str, Run], rates: list[str]) -> tuple[float, float]:
+    """(a, b) of the least-squares line t = a + b / R through runs' step times at rates (the
+    line through them where there are two)."""
+    xs = [1 / parse_rate(r) for r in rates]
+    ts = [measured_step(runs[r]) for r in rates]
+    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+    b = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+    return mt - b * mx, b
+
+
+def crossover_bracket(base: dict[str, Run], series: dict[str, Run]) -> tuple[str, str] | None:
+    """The two rates the uncompressed run's line is drawn between: the first neighbours, in
+    rising rate, where the method goes from faster than it to slower; the slowest and fastest
+    rate where it never does (the lines then extrapolate); None with fewer than two rates on
+    both. The method's step is its line through all rates (measured_crossover)."""
     rates = sorted((r for r in series if r and r in base), key=parse_rate)
     if len(rates) < 2:
         return None
-    lo, hi = rates[0], rates[-1]
+    a_m, b_m = _line(series, rates)
+    pays = [a_m + b_m / parse_rate(r) < measured_step(base[r]) for r in rates]
+    for i in range(len(rates) - 1):
+        if pays[i] and not pays[i + 1]:
+            return rates[i], rates[i + 1]
+    return rates[0], rates[-1]
 
-    def line(runs: dict[str, Run]) -> tuple[float, float]:
-        x0, x1 = 1 / parse_rate(lo), 1 / parse_rate(hi)
-        t0, t1 = measured_step(runs[lo]), measured_step(runs[hi])
-        b = (t0 - t1) / (x0 - x1)
-        return t1 - b * x1, b
 
-    (a_0, b_0), (a_m, b_m) = line(base), line(series)
+def measured_crossover(base: dict[str, Run], series: dict[str, Run]) -> float | None:
+    """Where the method's step and the uncompressed run's meet, in bit/s: the method's as the
+    least-squares line t = a + b / R through its step times at every rate (it hides nothing
+    behind backward, so one line holds at all of them, and each run's noise weighs less), the
+    uncompressed run's as the line through its step times at the two rates of
+    crossover_bracket (above the rate where its exchange hides behind its backward, its step
+    no longer falls with 1/R, so a line holds between two rates at most); None with fewer
+    than two rates on both, or where they do not meet at a positive rate."""
+    bracket = crossover_bracket(base, series)
+    if bracket is None:
+        return None
+    rates = sorted((r for r in series if r and r in base), key=parse_rate)
+    (a_0, b_0), (a_m, b_m) = _line(base, list(bracket)), _line(series, rates)
     if a_m <= a_0 or b_0 <= b_m:
         return None
     return (b_0 - b_m) / (a_m - a_0)
@@ -205,8 +269,10 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
                 points = sorted((parse_rate(r), measured_step(base[r]) / measured_step(run))
                                 for r, run in series[(label, method)].items() if r and r in base)
                 ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], "o-", color=colour, label=method)
-                one = next(iter(series[(label, method)].values()))
-                b0 = next(iter(base.values()))
+                common = sorted((r for r in series[(label, method)] if r and r in base), key=parse_rate)
+                if not common:
+                    continue
+                one, b0 = series[(label, method)][common[0]], base[common[0]]  # the model from the slowest rate's pair
                 if codec_s(one):
                     model = [step_model(b0, one, g) for g in grid]
                     ax.plot([g / 1e6 for g in grid], [t0 / tm for t0, tm in model], ":", color=colour, linewidth=1)

@@ -7,7 +7,7 @@ against the one measured.
    its final accuracy within one point.
 2. ps-sync with top-k 1% moves at most 5% of the dense bytes per worker per step each way.
 3. The predicted crossover (bytes saved over compression compute) within 25% of the measured
-   one (step-time lines through two rates that bracket it).
+   one (step-time lines through the two rates around it, of CROSSOVER_RATES).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from analysis.compression import measured_crossover, predicted_crossover
+from analysis.compression import crossover_bracket, measured_crossover, predicted_crossover
 from analysis.costmodel import measured_step
 from analysis.results import load_run, time_to_target
 from experiments.runtime.launcher import launch_batch
@@ -27,7 +27,11 @@ STEPS = 600
 """Long enough for both runs to converge: at 120 steps top-k 1% was 7.5 points of accuracy
 behind on allreduce, at 400 3.1 behind, at 600 0.8 ahead (loopback, 2 workers)."""
 TOPK = ("compress.method=topk", "compress.ratio=0.01")
-CROSSOVER_RATES = ("1gbit", "4gbit")
+CROSSOVER_RATES = ("250mbit", "500mbit", "1gbit", "2gbit", "4gbit")
+"""Rates around both engines' crossovers: measured between the two where top-k stops paying
+(analysis.compression.crossover_bracket). With 1gbit and 4gbit alone, ps-sync's crossover
+(490 to 660 Mbit/s measured between rates around it, 2026-11-28) lay below both and its line
+was extrapolated: 466 to 564 Mbit/s against 794 to 821 predicted."""
 CROSSOVER_STEPS = 15
 
 
@@ -76,9 +80,12 @@ def compression_goals(out: Path, echo: Callable[[str], None] = print) -> dict:
         measured = measured_crossover(base, topk)
         off = predicted / measured - 1 if predicted and measured else None
         report[f"{engine}_crossover"] = {"predicted_bits": predicted, "measured_bits": measured, "off": off}
+        bracket = crossover_bracket(base, topk)
+        report[f"{engine}_crossover"]["between"] = bracket
         steps = ", ".join(f"{r}: {1e3 * measured_step(base[r]):.1f} ms uncompressed, "
                           f"{1e3 * measured_step(topk[r]):.1f} ms top-k" for r in CROSSOVER_RATES)
         echo(f"  {engine} crossover of top-k 1%: predicted {predicted and predicted / 1e6 or float('nan'):.0f} "
              f"Mbit/s, measured {measured and measured / 1e6 or float('nan'):.0f} Mbit/s"
-             + (f" = {100 * off:+.0f}% (goal within 25%)" if off is not None else "") + f" ({steps})")
+             + (f" = {100 * off:+.0f}% (goal within 25%)" if off is not None else "")
+             + (f", between {bracket[0]} and {bracket[1]}" if bracket else "") + f" ({steps})")
     return report

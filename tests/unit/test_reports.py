@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from analysis.compression import markdown, measured_crossover, predicted_crossover, report, rows
+from analysis.compression import (crossover_bracket, markdown, measured_crossover, predicted_crossover, report,
+                                  rows, uncompressed_step)
 from analysis.results import Run
+from experiments.settings.net import parse_rate
 
 COMPUTE = 0.015
 
 
 def _run(method: str, rate: str, sent: float, compress_s: float | None, accuracy: float = 0.9,
          steps: int = 12) -> Run:
-    bits = {"100mbit": 100e6, "1gbit": 1e9}[rate]
+    bits = parse_rate(rate)
     # the cost model, exactly: uncompressed, the link hides the backward (2/3 of compute)
     step = COMPUTE + compress_s + 8 * sent / bits if compress_s else \
         COMPUTE / 3 + max(2 * COMPUTE / 3, 8 * sent / bits)
@@ -53,6 +55,36 @@ def test_crossover_where_saved_link_time_equals_compression_compute(tmp_path):
     assert "| 100mbit | allreduce/library | topk 0.01 |" in text and text == markdown(table)
     assert {p.name for p in paths} == {"compression.md", "compression.csv", "compression_loss_vs_time.png",
                                        "compression_speedup_vs_rate.png"}
+
+
+def test_the_measured_crossover_is_read_between_the_rates_around_it():
+    """Above 2 Gbit/s the uncompressed exchange hides behind the backward and its step stops
+    falling with 1/R: a line through the slowest and fastest rates would miss the crossover
+    (980 Mbit/s), the one through the rates around it does not."""
+    rates = ("100mbit", "500mbit", "1gbit", "4gbit")
+    dense = {r: _run("none", r, 2.5e6, None) for r in rates}
+    topk = {r: _run("topk", r, 5e4, 0.01) for r in rates}
+    assert crossover_bracket(dense, topk) == ("500mbit", "1gbit")
+    assert measured_crossover(dense, topk) == pytest.approx(0.98e9, rel=1e-9)
+    ends = {r: dense[r] for r in ("100mbit", "4gbit")}, {r: topk[r] for r in ("100mbit", "4gbit")}
+    assert crossover_bracket(*ends) == ("100mbit", "4gbit")  # the only rates around it: 1283 Mbit/s
+    assert measured_crossover(*ends) != pytest.approx(0.98e9, rel=0.25)
+    for r in topk["1gbit"].metrics[0]:  # one run of the method 20% slow (both ranks share the list)
+        r["step_s"] *= 1.2
+    # its line through all four rates moves the crossover 8% (the line through 500mbit and 1gbit alone: 16%)
+    assert measured_crossover(dense, topk) == pytest.approx(0.98e9, rel=0.1)
+
+
+def test_the_uncompressed_step_sends_its_buckets_as_backward_makes_them():
+    """With the buckets' times on record (1 MB ready 2 ms into a 10 ms backward, 1.5 MB at 9
+    ms), each is sent once ready and the one before it is done: at 1gbit the second waits for
+    the first until 10 ms and ends 12 ms after backward (t_0 = 15 + 12 ms, where one bucket as
+    backward begins gives 25 ms); the step pays for top-k up to 1.96e7 / 0.018 bit/s."""
+    dense, topk = _run("none", "1gbit", 2.5e6, None), _run("topk", "1gbit", 5e4, 0.01)
+    for r in dense.metrics[0]:  # both ranks share the list
+        r.update(backward_s=0.010, buckets=[[0.002, 1e6], [0.009, 1.5e6]], comm_s=r["step_s"] - COMPUTE)
+    assert uncompressed_step(dense, 1e9) == pytest.approx(0.027, rel=1e-12)
+    assert predicted_crossover(dense, topk) == pytest.approx(1.96e7 / 0.018, rel=1e-9)
 
 
 def test_no_crossover_without_a_saving_or_a_measured_compute():
