@@ -17,7 +17,7 @@ moved to R: t_m(R) = t_m(R_0) + b_m/R - b_m/R_0 (c + k + b_m/R where the exchang
 bytes alone). The method pays while t_m < t_0, up to R*, its predicted crossover, where
 they are equal (R* = (b_0 - b_m) / (2c/3 + k) on a link-bound step of one bucket). The
 measured crossover solves t_m(R) = t_0(R) with lines t = a + b / R: the method's through
-its step times at every rate measured (least squares), the uncompressed run's through its
+its step times at every rate measured (Theil-Sen), the uncompressed run's through its
 step times at the two rates around the crossover (the neighbours where the method stops
 paying; the slowest and fastest measured where it never does).
 """
@@ -136,13 +136,13 @@ def predicted_crossover(base: Run, run: Run) -> float | None:
 
 
 def _line(runs: dict[str, Run], rates: list[str]) -> tuple[float, float]:
-    """(a, b) of the least-squares line t = a + b / R through runs' step times at rates (the
-    line through them where there are two)."""
+    """(a, b) of the line t = a + b / R through runs' step times at rates (Theil-Sen: b the
+    median of the slopes between every two rates, a the median of t - b / R; the line through
+    them where there are two), which one run's stall on a shared machine does not tilt."""
     xs = [1 / parse_rate(r) for r in rates]
     ts = [measured_step(runs[r]) for r in rates]
-    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
-    b = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
-    return mt - b * mx, b
+    b = median([(ts[j] - ts[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))])
+    return median([t - b * x for x, t in zip(xs, ts)]), b
 
 
 def crossover_bracket(base: dict[str, Run], series: dict[str, Run]) -> tuple[str, str] | None:
@@ -163,7 +163,7 @@ def crossover_bracket(base: dict[str, Run], series: dict[str, Run]) -> tuple[str
 
 def measured_crossover(base: dict[str, Run], series: dict[str, Run]) -> float | None:
     """Where the method's step and the uncompressed run's meet, in bit/s: the method's as the
-    least-squares line t = a + b / R through its step times at every rate (it hides nothing
+    line t = a + b / R through its step times at every rate (_line; it hides nothing
     behind backward, so one line holds at all of them, and each run's noise weighs less), the
     uncompressed run's as the line through its step times at the two rates of
     crossover_bracket (above the rate where its exchange hides behind its backward, its step
