@@ -25,6 +25,7 @@ paying; the slowest and fastest measured where it never does).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from experiments.settings.net import parse_rate
 
@@ -86,42 +87,41 @@ def _series(runs: list[Run]) -> dict[tuple[str, str], dict[str, Run]]:
     return out
 
 
-def uncompressed_step(base: Run, rate_bits: float) -> float:
-    """t_0(R): c and the exchange left after backward, from base's bucket times where it
-    recorded them (analysis.overlap), else from one bucket as backward begins."""
-    c, seconds = compute_time(base), 8 * _bytes(base) / rate_bits
-    line = timeline(base)
+def _uncompressed(base: Run) -> Callable[[float], float]:
+    """R -> t_0(R): c and the exchange left after backward, from base's bucket times where
+    it recorded them (analysis.overlap), else from one bucket as backward begins."""
+    c, bits, line = compute_time(base), 8 * _bytes(base), timeline(base)
     if line is None:
-        return c / 3 + max(2 * c / 3, seconds)
-    return c + exposed(line, lambda share: share * seconds)
+        return lambda rate: c / 3 + max(2 * c / 3, bits / rate)
+    return lambda rate: c + exposed(line, lambda share: share * bits / rate)
 
 
-def compressed_step(run: Run, rate_bits: float) -> float | None:
-    """t_m(R): the method's step as measured on its own links (rate R_0), its bytes moved to
-    R: + 8 b_m (1/R - 1/R_0); None for a run on loopback."""
+def uncompressed_step(base: Run, rate_bits: float) -> float:
+    """t_0 at rate_bits (_uncompressed)."""
+    return _uncompressed(base)(rate_bits)
+
+
+def step_model(base: Run, run: Run) -> Callable[[float], tuple[float, float]] | None:
+    """R -> (t_0, t_m), the model's uncompressed and compressed step, t_m(R) the method's step
+    as measured on its own links (rate R_0), its bytes moved to R: + 8 b_m (1/R - 1/R_0);
+    None without a measured compression compute k or a link rate. Read off the runs once."""
     own = rate_of(run)
-    if not own:
+    if codec_s(run) is None or not own:
         return None
-    return measured_step(run) + 8 * _bytes(run) * (1 / rate_bits - 1 / parse_rate(own))
-
-
-def step_model(base: Run, run: Run, rate_bits: float) -> tuple[float, float] | None:
-    """(t_0, t_m): the model's uncompressed and compressed step at rate_bits; None without a
-    measured compression compute k or a link rate."""
-    t_m = compressed_step(run, rate_bits) if codec_s(run) is not None else None
-    return None if t_m is None else (uncompressed_step(base, rate_bits), t_m)
+    t_0, step, bits, r_0 = _uncompressed(base), measured_step(run), 8 * _bytes(run), parse_rate(own)
+    return lambda rate: (t_0(rate), step + bits * (1 / rate - 1 / r_0))
 
 
 def predicted_crossover(base: Run, run: Run) -> float | None:
     """R* in bit/s, where t_m(R) = t_0(R) (t_m - t_0 grows with R: the method saves bytes);
     None without a measured compression time, a link rate or a saving, or where the method
     does not pay even at 1 kbit/s."""
-    k = codec_s(run)
-    if not k or k <= 0 or _bytes(base) <= _bytes(run) or not rate_of(run):
+    k, model = codec_s(run), step_model(base, run)
+    if not k or k <= 0 or _bytes(base) <= _bytes(run) or model is None:
         return None
 
     def pays(rate: float) -> bool:
-        t_0, t_m = step_model(base, run, rate)
+        t_0, t_m = model(rate)
         return t_m < t_0
 
     low, high = 1e3, 1e15
@@ -133,6 +133,11 @@ def predicted_crossover(base: Run, run: Run) -> float | None:
         if high / low < 1 + 1e-12:
             break
     return (low * high) ** 0.5
+
+
+def _common_rates(base: dict[str, Run], series: dict[str, Run]) -> list[str]:
+    """The link rates both series were measured at, slowest first (loopback left out)."""
+    return sorted((r for r in series if r and r in base), key=parse_rate)
 
 
 def _line(runs: dict[str, Run], rates: list[str]) -> tuple[float, float]:
@@ -150,7 +155,7 @@ def crossover_bracket(base: dict[str, Run], series: dict[str, Run]) -> tuple[str
     rising rate, where the method goes from faster than it to slower; the slowest and fastest
     rate where it never does (the lines then extrapolate); None with fewer than two rates on
     both. The method's step is its line through all rates (measured_crossover)."""
-    rates = sorted((r for r in series if r and r in base), key=parse_rate)
+    rates = _common_rates(base, series)
     if len(rates) < 2:
         return None
     a_m, b_m = _line(series, rates)
@@ -172,8 +177,7 @@ def measured_crossover(base: dict[str, Run], series: dict[str, Run]) -> float | 
     bracket = crossover_bracket(base, series)
     if bracket is None:
         return None
-    rates = sorted((r for r in series if r and r in base), key=parse_rate)
-    (a_0, b_0), (a_m, b_m) = _line(base, list(bracket)), _line(series, rates)
+    (a_0, b_0), (a_m, b_m) = _line(base, list(bracket)), _line(series, _common_rates(base, series))
     if a_m <= a_0 or b_0 <= b_m:
         return None
     return (b_0 - b_m) / (a_m - a_0)
@@ -269,13 +273,14 @@ def speedup_vs_rate(runs: list[Run], out_dir: Path) -> Path | None:
                 points = sorted((parse_rate(r), measured_step(base[r]) / measured_step(run))
                                 for r, run in series[(label, method)].items() if r and r in base)
                 ax.plot([p[0] / 1e6 for p in points], [p[1] for p in points], "o-", color=colour, label=method)
-                common = sorted((r for r in series[(label, method)] if r and r in base), key=parse_rate)
+                common = _common_rates(base, series[(label, method)])
                 if not common:
                     continue
                 one, b0 = series[(label, method)][common[0]], base[common[0]]  # the model from the slowest rate's pair
-                if codec_s(one):
-                    model = [step_model(b0, one, g) for g in grid]
-                    ax.plot([g / 1e6 for g in grid], [t0 / tm for t0, tm in model], ":", color=colour, linewidth=1)
+                model = step_model(b0, one)
+                if model is not None:
+                    steps = [model(g) for g in grid]
+                    ax.plot([g / 1e6 for g in grid], [t0 / tm for t0, tm in steps], ":", color=colour, linewidth=1)
                     crossover = predicted_crossover(b0, one)
                     if crossover and lo < crossover < hi:
                         ax.axvline(crossover / 1e6, color=colour, linestyle=":", linewidth=0.8)
