@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 
 import pytest
 
@@ -63,13 +62,16 @@ def test_ps_trace_has_pushes_pulls_and_server_updates(runs):
     assert updates and len(updates) % 6 == 0 and {e["args"]["version"] for e in updates} == set(range(6))
 
 
-def _comm(run_dir):
+def _fastest_step(run_dir):
+    # The fastest step, not the median: a delay that every message pays sets a floor under
+    # each step, while a busy machine only lengthens some steps (a CI run's median fast
+    # step was 19 ms against 2.5 ms here, its slow one 53 ms).
     records = [json.loads(line) for line in (run_dir / "metrics/rank0.jsonl").read_text().splitlines()]
-    return statistics.median(r["comm_s"] + r["compute_s"] for r in records[1:])
+    return min(r["comm_s"] + r["compute_s"] for r in records[1:])
 
 
 def test_delay_slows_every_message(runs):
     # quickstart's all-reduce is one bucket: 2(N-1) = 2 ring messages of 20 ms each.
-    assert _comm(runs / "ring-slow") - _comm(runs / "ring-fast") > 0.035
+    assert _fastest_step(runs / "ring-slow") - _fastest_step(runs / "ring-fast") > 0.035
     # A parameter-server round trip pays the delay on the request and on the reply.
-    assert _comm(runs / "ps-slow") - _comm(runs / "ps-fast") > 0.035
+    assert _fastest_step(runs / "ps-slow") - _fastest_step(runs / "ps-fast") > 0.035
