@@ -95,6 +95,47 @@ def test_topk_indices_are_int32():
     assert c.compress(grad(10), Context()).frames[1].dtype == torch.int32
 
 
+def _same_as_topk(mag, k):
+    """largest(mag, k) names k distinct entries whose values are the k largest, as torch.topk's."""
+    from experiments.compression.topk import largest
+
+    got = largest(mag, k)
+    assert got.dtype == torch.int64 and got.numel() == k and got.unique().numel() == k
+    torch.testing.assert_close(mag[got].sort().values, torch.topk(mag, k).values.sort().values,
+                               rtol=0, atol=0, equal_nan=True)
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,ratio", [(1000, 0.01), (20000, 0.01), (65536, 0.01), (401408, 0.01), (262144, 0.001),
+                                     (200000, 0.1), (300000, 0.2)])
+def test_topk_selection_is_torch_topk_s(dtype, n, ratio):
+    mag = grad(n, seed=n, dtype=dtype).abs()
+    got = _same_as_topk(mag, count(ratio, n))
+    if dtype != torch.float16:  # distinct values: the very same set
+        assert set(got.tolist()) == set(torch.topk(mag, count(ratio, n)).indices.tolist())
+
+
+def test_topk_selection_with_ties_nans_and_a_sample_that_overshoots():
+    from experiments.compression import topk
+
+    n = 1 << 20
+    sparse = torch.zeros(n, dtype=F64)  # 0.5% nonzero, k = 1%: the k-th largest is a tie at 0
+    sparse[torch.randperm(n, generator=torch.Generator().manual_seed(1))[: n // 200]] = 1.0
+    _same_as_topk(sparse, n // 100)
+    nans = grad(n, seed=2).abs()
+    nans[::1000] = float("nan")  # torch.topk counts NaN largest: so does the selection
+    got = _same_as_topk(nans, n // 100)
+    assert int(torch.isnan(nans[got]).sum()) == len(range(0, n, 1000))
+    # Every sampled entry large, k beyond the sample: the threshold overshoots the k-th largest.
+    stride = n // topk.SAMPLE | 1
+    over = torch.ones(n, dtype=F64)
+    over[::stride] = 10.0
+    over[1::7] += torch.rand(len(range(1, n, 7)), dtype=F64, generator=torch.Generator().manual_seed(3))
+    assert len(range(0, n, stride)) < n // 100
+    _same_as_topk(over, n // 100)
+
+
 def test_bits_pack_eight_per_byte_msb_first():
     b = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.bool)
     packed = bits.pack(b)
