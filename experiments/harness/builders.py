@@ -80,7 +80,3 @@ def compression(cfg: RunConfig):
     carry it themselves; None for none and the casts (the engines' own wire dtypes)."""
     return cfg.compress.build() if cfg.compress.method not in ("none", *CASTS) else None
 
-
-def compresses_pulls(cfg: RunConfig) -> bool:
-    """Whether the shards send pulls as compressed changes (ps-sync, compress.pull)."""
-    return compression(cfg) is not None and cfg.compress.pull and get_engine(cfg.engine).consistency == "sync"

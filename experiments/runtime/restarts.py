@@ -32,13 +32,12 @@ from experiments.rundir.starts import read_starts
 def check_restartable(cfg) -> None:
     """ValueError naming what keeps a run of cfg (a RunConfig) from restarting a worker."""
     from experiments.engines import get_engine
-    from experiments.harness.builders import compresses_pulls
 
     spec = get_engine(cfg.engine)
     if spec.reads_setting("ps.easgd_tau"):
         raise ValueError(f"--max-restarts with {cfg.engine}: each worker's own model is tied to the centre, "
                          "and a new process would start from the centre without it")
-    if compresses_pulls(cfg):
+    if cfg.compresses_pulls():
         raise ValueError(f"--max-restarts with compress.method={cfg.compress.method} and compress.pull: each "
                          "worker steps its own optimizer on the pulled gradients, whose state a new process "
                          "cannot get back; set compress.pull=false")

@@ -40,7 +40,7 @@ from experiments.rundir.tensorboard_log import ShardBoard
 from experiments.settings.overrides import to_dict
 from experiments.rundir.trace import Tracer
 from experiments.runtime.worker import SERVERS_FILE
-from experiments.harness.builders import compresses_pulls, compression
+from experiments.harness.builders import compression
 
 
 def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
@@ -76,7 +76,7 @@ def serve_shard(cfg: RunConfig, shard: int, num_shards: int, bind: str,
                            save=lambda state: save_atomic(state, path),
                            settings=agreement.settings(cfg, for_server=True),
                            compressor=compressed[0] if compressed else None,
-                           compress_pulls=compresses_pulls(cfg))
+                           compress_pulls=cfg.compresses_pulls())
 
     curve = load_server_keys(cfg.ps.curve_dir) if cfg.ps.curve_dir else None
     transport = ServerTransport(bind, cfg.ps.max_message_bytes, cfg.ps.timeout_s, curve=curve)

@@ -163,6 +163,22 @@ def test_a_runs_tables_take_the_largest_keys_whatever_the_link():
     assert given.key_mb() == given.sparse_key_mb() == 1
 
 
+def test_keys_are_sized_by_the_bytes_their_messages_carry():
+    from experiments.settings.presets import build_config
+
+    def cfg(engine, *extra):
+        return build_config("mlp-mid", ("net.rate=100mbit", *extra), engine=engine, workers=2, servers=2)
+
+    assert cfg("ps-sync").wire_share() == 1.0 and cfg("ps-sync").key_mb() == 0.125
+    topk = cfg("ps-sync", "compress.method=topk", "compress.ratio=0.01")
+    assert topk.wire_share() == pytest.approx(0.02, rel=0.01) and topk.key_mb() == 4.0  # values and int32 indices
+    assert cfg("ps-sync", "compress.method=qsgd").key_mb() == 0.25 and cfg("ps-sync", "compress.method=fp16").wire_share() == 0.5
+    # Pulls of whole values (ps-async, compress.pull=false) carry the key's bytes: keys as uncompressed.
+    for dense_pulls in (cfg("ps-async", "compress.method=topk"), cfg("ps-sync", "compress.method=topk", "compress.pull=false")):
+        assert dense_pulls.wire_share() == 1.0 and dense_pulls.key_mb() == 0.125
+    assert cfg("ps-sync", "compress.method=topk", "ps.chunk_mb=1").key_mb() == 1
+
+
 def test_row_sparse_layout_refuses_torn_rows_and_flat_params():
     wire = build_layout(TABLES, 2, 1000, sparse=[0]).to_wire()
     first, second = wire["keys"][0], wire["keys"][1]
