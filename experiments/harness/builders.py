@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from experiments.settings.config import CASTS, RunConfig
+from experiments.settings.config import RunConfig
 from experiments.harness.distenv import DistEnv
 from experiments.engines import Engine, Trace, get_engine
 
@@ -78,5 +78,5 @@ def ps(cfg: RunConfig, env: DistEnv, device: torch.device, trace: Trace | None) 
 def compression(cfg: RunConfig):
     """(compressor, error-feedback memory or None) of compress.method, for the engines that
     carry it themselves; None for none and the casts (the engines' own wire dtypes)."""
-    return cfg.compress.build() if cfg.compress.method not in ("none", *CASTS) else None
+    return cfg.compress.build() if cfg.carries_compressor() else None
 

@@ -208,7 +208,7 @@ class RunConfig:
                              "worker's push (at most workers - 1 backups)")
         if self.ps.downpour:
             raise ValueError(f"ps.backup_workers={b} with ps.push_every/ps.fetch_every above 1: one at a time")
-        if self.compress.method not in ("none", *CASTS) and self.compress.pull:
+        if self.carries_compressor() and self.compress.pull:
             raise ValueError(f"ps.backup_workers={b} with compress.method={self.compress.method} and "
                              "compress.pull: each worker applies every update's gradient itself, and one "
                              "whose push came late would skip some; set compress.pull=false")
@@ -217,7 +217,7 @@ class RunConfig:
         """Compressed pulls leave each worker's optimizer to step on its own; a worker that
         rejoins restarted shards would not get its state back (after every override)."""
         method = self.compress.method
-        if method not in ("none", *CASTS) and get_engine(self.engine).reads_setting("compress.pull") \
+        if self.carries_compressor() and get_engine(self.engine).reads_setting("compress.pull") \
                 and self.compress.pull and self.ps.reconnect_s:
             raise ValueError(f"compress.method={method} with ps.reconnect_s={self.ps.reconnect_s:g}: under "
                              "compressed pulls each worker steps its own optimizer, whose state a worker "
@@ -287,10 +287,14 @@ class RunConfig:
         rate = parse_rate(self.net.rate) if self.net.rate else None
         return key_mb(self.ps.chunk_mb, rate / self.wire_share() if rate and not self.ps.chunk_mb else rate)
 
+    def carries_compressor(self) -> bool:
+        """Whether compress.method is a compressor the engines carry themselves: neither none
+        nor a cast (the casts set the engines' own wire dtypes)."""
+        return self.compress.method not in ("none", *CASTS)
+
     def compresses_pulls(self) -> bool:
         """Whether the shards send pulls as compressed changes (ps-sync, compress.pull)."""
-        return self.compress.method not in ("none", *CASTS) and self.compress.pull \
-            and get_engine(self.engine).consistency == "sync"
+        return self.carries_compressor() and self.compress.pull and get_engine(self.engine).consistency == "sync"
 
     def wire_share(self) -> float:
         """The bytes of a key's busier message, a push or its pull's reply, over the key's own

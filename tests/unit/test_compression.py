@@ -109,7 +109,7 @@ def _same_as_topk(mag, k):
 @pytest.mark.parametrize("dtype", [torch.float32, F64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n,ratio", [(1000, 0.01), (20000, 0.01), (65536, 0.01), (401408, 0.01), (262144, 0.001),
                                      (200000, 0.1), (300000, 0.2)])
-def test_topk_selection_is_torch_topk_s(dtype, n, ratio):
+def test_topk_selects_what_torch_topk_selects(dtype, n, ratio):
     mag = grad(n, seed=n, dtype=dtype).abs()
     got = _same_as_topk(mag, count(ratio, n))
     if dtype != torch.float16:  # distinct values: the very same set
@@ -128,7 +128,7 @@ def test_topk_selection_with_ties_nans_and_a_sample_that_overshoots():
     got = _same_as_topk(nans, n // 100)
     assert int(torch.isnan(nans[got]).sum()) == len(range(0, n, 1000))
     # Every sampled entry large, k beyond the sample: the threshold overshoots the k-th largest.
-    stride = n // topk.SAMPLE | 1
+    stride = topk.sample_stride(n)
     over = torch.ones(n, dtype=F64)
     over[::stride] = 10.0
     over[1::7] += torch.rand(len(range(1, n, 7)), dtype=F64, generator=torch.Generator().manual_seed(3))
