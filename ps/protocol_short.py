@@ -28,12 +28,12 @@ class WholeKeys:
     bytes its frame must have."""
 
     def __init__(self, layout: Layout, keys: Iterable[int], limits: Limits = Limits()) -> None:
-        self._table: dict[int, tuple[str, list[int], int, torch.dtype]] = {}
+        self.table: dict[int, tuple[str, list[int], int, torch.dtype]] = {}
         for k in keys:
             dtype, shape = layout.key_dtype[k], layout.key_wire_shape[k]
             nbytes = shape[0] * ITEMSIZE[dtype]
             if 0 < nbytes <= limits.max_tensor_bytes:  # an empty frame is decode's to read
-                self._table[k] = (dtype, shape, nbytes, TORCH_DTYPES[dtype])
+                self.table[k] = (dtype, shape, nbytes, TORCH_DTYPES[dtype])
         self._unpack = limits.unpack_options()
         self._max_header = limits.max_header_bytes
 
@@ -55,7 +55,7 @@ class WholeKeys:
         if type(keys) is not list or not keys or type(dtypes) is not list or type(shapes) is not list \
                 or not len(keys) == len(dtypes) == len(shapes) == len(frames) - 1:
             return None
-        table, out = self._table, []
+        table, out = self.table, []
         for i, k in enumerate(keys):
             e = table.get(k) if type(k) is int else None
             view = frames[i + 1]

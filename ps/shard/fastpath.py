@@ -29,6 +29,7 @@ import torch
 from ps.protocol import pack_header, pull_of
 from ps.protocol_schema import PROTOCOL_VERSION, Message
 from ps.protocol_short import WholeKeys, ints
+from ps.shard.compiled import compiled_path
 from ps.shard.reject import Reject
 
 _REQUIRED = frozenset(("v", "op", "worker", "req", "step", "version", "keys", "dtypes", "shapes", "pull"))
@@ -44,8 +45,16 @@ class PushPullPath:
         dense = [k for k, c in server.chunks.items() if c.dim() == 1 and c.device.type == "cpu"]
         self._whole = WholeKeys(server.layout, dense, server._dispatch.limits)
         self._wire = server.config.wire_dtype  # the config is fixed for the shard's life
+        self.compiled = compiled_path(server, self._whole.table)  # None: this shard's are Python's
 
     def __call__(self, peer: bytes, frames: list) -> list | None:
+        if self.compiled is not None:
+            replies = self.compiled(peer, frames)
+            if replies is not None:
+                return replies
+        return self._python(peer, frames)
+
+    def _python(self, peer: bytes, frames: list) -> list | None:
         s = self.server
         if s.aborted or s.codec is not None or s.pulls is not None or self._wire:
             return None
@@ -54,7 +63,8 @@ class PushPullPath:
                 or h["v"] != PROTOCOL_VERSION:
             return None
         w, req, step, version, lr = h["worker"], h["req"], h["step"], h["version"], h.get("lr")
-        if not ints(h["v"], h["pull"], w, req, step, version, h.get("min_version"), h.get("clock")) \
+        if None in (w, req, step, version) \
+                or not ints(h["v"], h["pull"], w, req, step, version, h.get("min_version"), h.get("clock")) \
                 or lr is not None and (type(lr) is not float or not 0.0 <= lr < float("inf")):
             return None
         workers, keys, grads = s.workers, h["keys"], self._whole.tensors(h, frames)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy
 import torch
 
 from ps.protocol import as_array
@@ -47,7 +48,8 @@ class SnapshotPool:
         self.chunks, self.wire = chunks, wire
         self._snap: dict[int, dict] = {}  # key -> {wire dtype: its values as of its last update}
         self._spare: dict[tuple, list[torch.Tensor]] = {}  # (key, wire dtype or None) -> former buffers
-        self._arrays: dict[int, object] = {}  # key -> a numpy view of its chunk (reply_bytes), until the chunk moves
+        self._arrays: dict[int, object] = {}  # key -> a numpy view of its chunk's bytes (reply_bytes), until it moves
+        self.lent: set[int] = set()  # keys whose chunk a reply of snapshot() may still point at, until own() looks
 
     def snapshot(self, k: int, exact: bool = False) -> torch.Tensor:
         """The values of chunk k as of its last update, to leave in a reply: the chunk itself
@@ -55,6 +57,7 @@ class SnapshotPool:
         reply until the next update."""
         if exact or self.wire is None:
             # A view of its own (detach), so that the reply counts as a use of the memory (in_use).
+            self.lent.add(k)
             flat = self.chunks[k].detach()
             return flat if flat.dim() == 1 else flat.reshape(-1)
         copies = self._snap.setdefault(k, {})
@@ -74,8 +77,8 @@ class SnapshotPool:
         array = self._arrays.get(k)
         if array is None:
             flat = self.chunks[k].detach()
-            array = self._arrays[k] = as_array(flat if flat.dim() == 1 else flat.reshape(-1))
-        return memoryview(array).cast("B")
+            array = self._arrays[k] = as_array(flat if flat.dim() == 1 else flat.reshape(-1)).view(numpy.uint8)
+        return memoryview(array)
 
     def own(self, k: int) -> bool:
         """Make chunk k's memory the shard's alone before it is written: if a reply still
@@ -86,7 +89,9 @@ class SnapshotPool:
         chunk, array = self.chunks[k], self._arrays.get(k)
         replied = array is not None and sys.getrefcount(array) > 3  # beyond the dict's, this name's, the call's
         if not replied and not in_use(chunk, kept=array is not None):
+            self.lent.discard(k)
             return False
+        self.lent.discard(k)  # moved: nothing else points at the new memory
         self._arrays.pop(k, None)  # a reply keeps the array, and through it the former memory
         spare = self._take((k, None))
         moved = spare.copy_(chunk.detach()) if spare is not None else chunk.detach().clone()

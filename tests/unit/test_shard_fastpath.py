@@ -5,13 +5,15 @@ and the short path does take the messages it is for."""
 
 import random
 
+import msgpack
+
 import pytest
 import torch
 
 from ps.config import PSConfig
 from ps.layout import ParamSpec, build_layout, split_values
 from ps.protocol import decode, encode
-from ps.shard import ShardServer
+from ps.shard import ShardServer, compiled
 
 SPECS = [ParamSpec("w", (4, 3), "float64"), ParamSpec("b", (3,), "float64"), ParamSpec("e", (6,), "float64")]
 LAYOUT = build_layout(SPECS, 2, 5)  # keys on two shards; shard 0 is tested
@@ -27,12 +29,17 @@ class Clock:
         return self.now
 
 
-def shard(mode, workers, optimizer, short):
+def shard(mode, workers, optimizer, short, compiled_path=True):
+    """A shard whose handle either may take the short paths (short; with compiled_path, the
+    compiled one first where it is built) or never does; and the list of, per message, whether
+    a short path took it."""
     torch.manual_seed(0)
     init = [torch.randn(s.shape, dtype=torch.float64) for s in SPECS]
     server = ShardServer(0, LAYOUT, split_values(LAYOUT, init, 0), optimizer, mode, workers,
                          PSConfig(staleness=1), clock=Clock())
     taken = []
+    if not compiled_path:
+        server._short.compiled = None
     if short:
         path = server._short
 
@@ -40,6 +47,7 @@ def shard(mode, workers, optimizer, short):
             replies = path(peer, frames)
             taken.append(replies is not None)
             return replies
+        counted.compiled = path.compiled
         server._short = counted
     else:
         server._short = lambda peer, frames: None
@@ -55,7 +63,7 @@ def frames_of(header, tensors):
 def bad(rng, header, tensors):
     """One way or another, a push+pull the protocol or the shard refuses (or reads the long way)."""
     h, t = dict(header), list(tensors)
-    kind = rng.randrange(14)
+    kind = rng.randrange(15)
     if kind == 0:
         h["version"] = h["version"] + 5  # a version the shard has not reached
     elif kind == 1:
@@ -82,6 +90,8 @@ def bad(rng, header, tensors):
         h["lr"] = 0.25  # a learning rate of its own (sync: unlike the step's)
     elif kind == 12:
         h["v"] = 2
+    elif kind == 13:
+        h[rng.choice(["worker", "req", "step", "version"])] = None  # nil where an int must be
     else:
         h["clock"] = -1
     frames = encode({k: v for k, v in h.items() if k not in ("dtypes", "shapes")}, t) if kind not in (8, 9) else \
@@ -94,6 +104,7 @@ def bad(rng, header, tensors):
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd-decay": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01, maximize=True),
     "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),
 }
@@ -101,10 +112,15 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optimizer):
+@pytest.mark.parametrize("path", ["python", "compiled"])
+def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optimizer, path):
+    """path: Python's short path alone, or the compiled one before it (ps.shard.compiled),
+    which takes the push+pulls of async and ssp under SGD without momentum."""
+    if path == "compiled" and not compiled.available():
+        pytest.skip("ps.shard._compiled is not built")
     rng = random.Random(f"{mode}-{optimizer}")
     workers = 3
-    a, taken = shard(mode, workers, OPTIMIZERS[optimizer], short=True)
+    a, taken = shard(mode, workers, OPTIMIZERS[optimizer], short=True, compiled_path=path == "compiled")
     b, _ = shard(mode, workers, OPTIMIZERS[optimizer], short=False)
     req = 0
 
@@ -151,6 +167,8 @@ def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optim
     assert a.stats() == b.stats()
     assert a.version == b.version > 0
     assert any(taken) and not all(taken)  # the short path took some, the general one the rest
+    took = a._short.compiled.taken if a._short.compiled is not None else 0
+    assert took > 0 if path == "compiled" and mode != "sync" and optimizer.startswith("sgd") else took == 0
 
 
 def test_short_path_takes_a_push_pull_and_its_reply_decodes():
@@ -200,3 +218,88 @@ def test_a_short_reply_still_held_keeps_its_values_and_one_let_go_costs_no_copy(
         push_pull(req)
     assert server.chunks[k].data_ptr() == where  # nothing held: written in place
     assert torch.equal(server.chunks[k].reshape(-1), newer - 0.1 - 0.1 - 0.1) and all(taken[1:])
+
+
+def mangled(rng, header_bytes):
+    """header_bytes with a byte changed, dropped or added, or cut short."""
+    b = bytearray(header_bytes)
+    i = rng.randrange(len(b))
+    kind = rng.randrange(4)
+    if kind == 0:
+        b[i] = rng.randrange(256)
+    elif kind == 1:
+        del b[i]
+    elif kind == 2:
+        b.insert(i, rng.randrange(256))
+    else:
+        del b[i:]
+    return bytes(b)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_compiled_path_reads_mangled_headers_as_the_general_path(mode):
+    """Push+pulls whose header has a byte changed, dropped or added (or a float32 lr, or ints
+    of every width as the requests grow): a shard whose compiled path may take them answers
+    each as a shard that reads every message the general way, byte for byte, and ends with the
+    same parameters and counters."""
+    if not compiled.available():
+        pytest.skip("ps.shard._compiled is not built")
+    rng = random.Random(mode)
+    a, _ = shard(mode, 2, OPTIMIZERS["sgd-decay"], short=True)
+    b, _ = shard(mode, 2, OPTIMIZERS["sgd-decay"], short=False)
+
+    def both(peer, frames):
+        copy = [f if isinstance(f, bytes) else memoryview(bytearray(f)) for f in frames]
+        ra, rb = a.handle(peer, frames), b.handle(peer, copy)
+        assert [(p, [bytes(f) for f in fs]) for p, fs in ra] == [(p, [bytes(f) for f in fs]) for p, fs in rb]
+
+    for w in range(2):
+        both(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
+    for req in range(1, 700):
+        clocks = a.workers.clocks
+        w = rng.randrange(2) if clocks[0] == clocks[1] or rng.random() < 0.1 else min(clocks, key=clocks.get)
+        keys = rng.sample(MINE, rng.randrange(1, len(MINE) + 1))
+        step = a.workers.clocks[w]
+        header = {"op": "push", "worker": w, "req": req, "step": step, "version": a.version, "keys": keys, "pull": 1,
+                  "clock": step + 1}
+        if rng.random() < 0.3:
+            header["lr"] = rng.choice([0.05, 0.3, 1e-3])
+        grads = [torch.randn(LAYOUT.keys[k].numel, dtype=torch.float64) for k in keys]
+        frames = frames_of(header, grads)
+        if rng.random() < 0.3:
+            frames[0] = msgpack.packb(msgpack.unpackb(frames[0]), use_single_float=True)
+        if rng.random() < 0.6:
+            frames[0] = mangled(rng, frames[0])
+        both(f"w{w}".encode(), frames)
+    for k in MINE:
+        assert torch.equal(a.chunks[k], b.chunks[k]), k
+    assert a.stats() == b.stats() and a.version == b.version > 20
+    assert a._short.compiled.taken > 20
+
+
+def test_compiled_path_leaves_a_key_that_another_reply_still_points_at():
+    """A pull's reply (the general path's) points into its keys' memory; while it is held, a
+    push+pull of those keys is not written under it: the compiled path leaves it to the Python
+    path, which moves the chunk first, and takes the next one, on the chunk's new memory."""
+    if not compiled.available():
+        pytest.skip("ps.shard._compiled is not built")
+    server, taken = shard("async", 1, OPTIMIZERS["sgd"], short=True)
+    server.handle(b"w0", encode({"op": "join", "worker": 0, "req": 0}))
+    k, ones = MINE[0], [torch.ones(LAYOUT.keys[MINE[0]].numel, dtype=torch.float64)]
+
+    def push_pull(req):
+        (_, frames), = server.handle(b"w0", frames_of({"op": "push", "worker": 0, "req": req, "step": req - 1,
+                                                      "version": server.version, "keys": [k], "pull": 1,
+                                                      "clock": req}, ones))
+        return bytes(frames[1])
+
+    push_pull(1)  # the Python path (the join's reply lent the key), then the compiled one
+    push_pull(2)
+    assert server._short.compiled.taken == 1
+    (_, held), = server.handle(b"w0", encode({"op": "pull", "worker": 0, "req": 3, "keys": [k]}))
+    before = bytes(held[1])
+    after = push_pull(4)  # the Python path: the chunk moves, the reply keeps the former memory
+    assert bytes(held[1]) == before != after and server._short.compiled.taken == 1
+    assert server.counters["moved_keys"] == 1
+    push_pull(5)  # nothing points at the chunk's new memory: the compiled path's again
+    assert bytes(held[1]) == before and server._short.compiled.taken == 2 and server.counters["moved_keys"] == 1

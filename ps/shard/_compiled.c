@@ -1,0 +1,925 @@
+/* A shard's compiled path for a push+pull of whole dense keys under async or ssp with
+ * torch's SGD (ps/shard/compiled.py builds it and says when it is used).
+ *
+ * It does what the Python short path (ps/shard/fastpath.py) does to the shard's state, on the
+ * same Python objects, in one call: it reads the msgpack header without making a dict, checks
+ * the keys against a table built once, updates the keys with SGD's arithmetic (fused
+ * multiply-adds, as torch's CPU kernels round them: compiled.py checks it against torch before
+ * using it), counts what the shard counts, and writes the reply's header. Where anything is
+ * not as the fast case needs it (a field it does not read, a check that fails, a pull that
+ * would wait, a reply still holding a key), it returns None before it has changed anything,
+ * and the Python paths take the message: they name what is wrong.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- SGD arithmetic */
+
+/* p -= lr * g as torch.optim.SGD's single-tensor loop rounds it, without momentum:
+ * g = g * scale (async_scale="mean"), g = -g (maximize), g = g + wd * p (weight decay, a fused
+ * multiply-add as torch's add with alpha), p = p + (-lr) * g (the same). */
+#define SGD_BODY(T, FMA)                                                            \
+    for (Py_ssize_t i = 0; i < n; i++) {                                            \
+        T x = g[i];                                                                 \
+        if (scaled) x = x * scale;                                                  \
+        if (maximize) x = -x;                                                       \
+        if (decay) x = FMA(wd, p[i], x);                                            \
+        p[i] = FMA(neg_lr, x, p[i]);                                                \
+    }
+
+#define SGD_FN(NAME, T, FMA, ATTR)                                                  \
+    ATTR static void NAME(T *restrict p, const T *restrict g, Py_ssize_t n, T scale, \
+                          int scaled, int maximize, int decay, T wd, T neg_lr) {   \
+        SGD_BODY(T, FMA)                                                            \
+    }
+
+SGD_FN(sgd_f32_fma, float, __builtin_fmaf, __attribute__((target("avx2,fma"))))
+SGD_FN(sgd_f64_fma, double, __builtin_fma, __attribute__((target("avx2,fma"))))
+SGD_FN(sgd_f32_any, float, fmaf, )
+SGD_FN(sgd_f64_any, double, fma, )
+
+static int have_fma = 0;
+
+static void sgd(int f64, void *p, const void *g, Py_ssize_t n, double scale, int scaled, int maximize,
+                double wd, double lr) {
+    int decay = wd != 0.0;
+    if (f64) {
+        (have_fma ? sgd_f64_fma : sgd_f64_any)((double *)p, (const double *)g, n, scale, scaled, maximize,
+                                               decay, wd, -lr);
+    } else {
+        (have_fma ? sgd_f32_fma : sgd_f32_any)((float *)p, (const float *)g, n, (float)scale, scaled,
+                                               maximize, decay, (float)wd, (float)(-lr));
+    }
+}
+
+/* ---------------------------------------------------------------- msgpack, read */
+
+typedef struct {
+    const uint8_t *p, *end;
+} Reader;
+
+static int rd_byte(Reader *r, uint8_t *out) {
+    if (r->p >= r->end) return 0;
+    *out = *r->p++;
+    return 1;
+}
+
+static int rd_be(Reader *r, int n, uint64_t *out) {
+    if (r->end - r->p < n) return 0;
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | r->p[i];
+    r->p += n;
+    *out = v;
+    return 1;
+}
+
+/* A non-negative int below limit, in any of msgpack's int forms. 0: not one (or a bool,
+ * float, nil, negative...). */
+static int rd_uint(Reader *r, uint64_t limit, uint64_t *out) {
+    uint8_t b;
+    uint64_t v;
+    if (!rd_byte(r, &b)) return 0;
+    if (b <= 0x7f) {
+        v = b;
+    } else if (b >= 0xcc && b <= 0xcf) {
+        if (!rd_be(r, 1 << (b - 0xcc), &v)) return 0;
+    } else if (b >= 0xd0 && b <= 0xd3) {
+        int n = 1 << (b - 0xd0);
+        if (!rd_be(r, n, &v)) return 0;
+        if (v >> (8 * n - 1)) return 0; /* negative */
+    } else {
+        return 0;
+    }
+    if (v >= limit) return 0;
+    *out = v;
+    return 1;
+}
+
+static int rd_nil(Reader *r) {
+    if (r->p < r->end && *r->p == 0xc0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+static int rd_str(Reader *r, Py_ssize_t max_len, const char **s, Py_ssize_t *len) {
+    uint8_t b;
+    uint64_t n;
+    if (!rd_byte(r, &b)) return 0;
+    if ((b & 0xe0) == 0xa0) {
+        n = b & 0x1f;
+    } else if (b >= 0xd9 && b <= 0xdb) {
+        if (!rd_be(r, 1 << (b - 0xd9), &n)) return 0;
+    } else {
+        return 0;
+    }
+    if ((uint64_t)(r->end - r->p) < n || n > (uint64_t)max_len) return 0;
+    *s = (const char *)r->p;
+    *len = (Py_ssize_t)n;
+    r->p += n;
+    return 1;
+}
+
+/* The length of an array (fix 0x90, tag16 0xdc) or a map (0x80, 0xde), at most max_len. */
+static int rd_count(Reader *r, Py_ssize_t max_len, uint8_t fix, uint8_t tag16, Py_ssize_t *len) {
+    uint8_t b;
+    uint64_t n;
+    if (!rd_byte(r, &b)) return 0;
+    if ((b & 0xf0) == fix) {
+        n = b & 0x0f;
+    } else if (b == tag16 || b == tag16 + 1) {
+        if (!rd_be(r, b == tag16 ? 2 : 4, &n)) return 0;
+    } else {
+        return 0;
+    }
+    if (n > (uint64_t)max_len) return 0;
+    *len = (Py_ssize_t)n;
+    return 1;
+}
+
+#define rd_array(r, max_len, len) rd_count(r, max_len, 0x90, 0xdc, len)
+#define rd_map(r, max_len, len) rd_count(r, max_len, 0x80, 0xde, len)
+
+/* A float (msgpack float32 or float64) that is finite and not negative, as the short path
+ * takes a push's lr. */
+static int rd_lr(Reader *r, double *out) {
+    uint8_t b;
+    uint64_t v;
+    if (!rd_byte(r, &b)) return 0;
+    if (b == 0xcb) {
+        if (!rd_be(r, 8, &v)) return 0;
+        double d;
+        memcpy(&d, &v, 8);
+        *out = d;
+    } else if (b == 0xca) {
+        if (!rd_be(r, 4, &v)) return 0;
+        uint32_t u = (uint32_t)v;
+        float f;
+        memcpy(&f, &u, 4);
+        *out = f;
+    } else {
+        return 0;
+    }
+    return *out >= 0.0 && *out < INFINITY;
+}
+
+/* ---------------------------------------------------------------- msgpack, write */
+
+typedef struct {
+    uint8_t *buf;
+    Py_ssize_t len, cap;
+} Writer;
+
+static int wr_reserve(Writer *w, Py_ssize_t n) {
+    if (w->len + n <= w->cap) return 1;
+    Py_ssize_t cap = (w->cap + n) * 2;
+    uint8_t *b = PyMem_Realloc(w->buf, cap);
+    if (!b) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    w->buf = b;
+    w->cap = cap;
+    return 1;
+}
+
+static void wr_raw(Writer *w, const void *s, Py_ssize_t n) {
+    memcpy(w->buf + w->len, s, n);
+    w->len += n;
+}
+
+static void wr_be(Writer *w, uint8_t tag, uint64_t v, int n) {
+    w->buf[w->len++] = tag;
+    for (int i = n - 1; i >= 0; i--) w->buf[w->len++] = (uint8_t)(v >> (8 * i));
+}
+
+/* As msgpack's Packer writes a non-negative int: the shortest form. */
+static int wr_uint(Writer *w, uint64_t v) {
+    if (!wr_reserve(w, 9)) return 0;
+    if (v < 0x80) w->buf[w->len++] = (uint8_t)v;
+    else if (v < 0x100) wr_be(w, 0xcc, v, 1);
+    else if (v < 0x10000) wr_be(w, 0xcd, v, 2);
+    else if (v < 0x100000000ULL) wr_be(w, 0xce, v, 4);
+    else wr_be(w, 0xcf, v, 8);
+    return 1;
+}
+
+static int wr_str(Writer *w, const char *s, Py_ssize_t n) {
+    if (!wr_reserve(w, n + 5)) return 0;
+    if (n < 32) w->buf[w->len++] = (uint8_t)(0xa0 | n);
+    else if (n < 0x100) wr_be(w, 0xd9, n, 1);
+    else if (n < 0x10000) wr_be(w, 0xda, n, 2);
+    else wr_be(w, 0xdb, n, 4);
+    wr_raw(w, s, n);
+    return 1;
+}
+
+static int wr_array(Writer *w, Py_ssize_t n) {
+    if (!wr_reserve(w, 5)) return 0;
+    if (n < 16) w->buf[w->len++] = (uint8_t)(0x90 | n);
+    else if (n < 0x10000) wr_be(w, 0xdc, n, 2);
+    else wr_be(w, 0xdd, n, 4);
+    return 1;
+}
+
+#define WR_KEY(w, s) wr_str(w, s, (Py_ssize_t)(sizeof(s) - 1))
+
+/* ---------------------------------------------------------------- the path */
+
+typedef struct {
+    PyObject *obj;     /* the key id (int) */
+    Py_ssize_t nbytes; /* of its frame */
+    int f64;           /* float64, else float32 */
+    const char *dtype; /* its dtype's name, as the header says it */
+    Py_ssize_t dtype_len;
+    uint64_t numel;
+    uint64_t stamp; /* the call that last named it (a key named twice) */
+} Key;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *server;
+    Key *keys;
+    Py_ssize_t *index; /* key id -> entry of keys, or -1 */
+    Py_ssize_t max_id, nkeys;
+    int ssp;           /* the rule waits a pull on the slowest clock */
+    int mean;          /* async_scale="mean" */
+    uint64_t staleness;
+    uint64_t version_tag; /* PROTOCOL_VERSION */
+    uint64_t max_int;
+    Py_ssize_t max_header, max_keys, max_str_len, max_map_len;
+    Py_ssize_t num_workers, shard_keys;
+    uint64_t calls;
+    Py_ssize_t taken;
+    Writer out;
+} Path;
+
+static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_workers, *s_seen, *s_lost,
+    *s_left, *s_joining, *s_clocks, *s__partial, *s_counters, *s_staleness, *s_max_clock_gap, *s_save,
+    *s_bump, *s_snapshots, *s__arrays, *s_lent, *s_optimizer, *s__group, *s_lr, *s_momentum,
+    *s_weight_decay, *s_maximize, *s_clock, *s_rule, *s_rows, *s__read_at, *s_bytes_in, *s_bytes_out,
+    *s_pushes, *s_pulls, *s_updates;
+
+enum { F_V, F_OP, F_WORKER, F_REQ, F_STEP, F_VERSION, F_KEYS, F_DTYPES, F_SHAPES, F_PULL, F_MIN_VERSION, F_CLOCK,
+       F_LR, NFIELDS };
+static const char *FIELD_NAMES[NFIELDS] = {"v", "op", "worker", "req", "step", "version", "keys", "dtypes",
+                                           "shapes", "pull", "min_version", "clock", "lr"};
+#define REQUIRED ((1u << F_MIN_VERSION) - 1)
+
+typedef struct {
+    uint64_t worker, req, step, version, min_version, clock;
+    int has_min_version, has_clock, has_lr;
+    double lr;
+    Py_ssize_t nkeys;
+    Py_ssize_t *entry; /* per key named, its entry of Path.keys */
+} Push;
+
+static int field_of(const char *s, Py_ssize_t n) {
+    for (int f = 0; f < NFIELDS; f++)
+        if ((Py_ssize_t)strlen(FIELD_NAMES[f]) == n && memcmp(FIELD_NAMES[f], s, n) == 0) return f;
+    return -1;
+}
+
+/* The header of a push+pull of whole keys of the table: 1, or 0 where the Python paths must
+ * read it (a field, form or value this path does not take). */
+static int read_push(Path *self, const uint8_t *data, Py_ssize_t size, Push *m, Py_ssize_t *entries,
+                     Py_ssize_t entries_len) {
+    Reader r = {data, data + size};
+    Py_ssize_t n;
+    unsigned seen = 0;
+    Py_ssize_t nk = -1, nd = -1, ns = -1;
+    if (!rd_map(&r, self->max_map_len, &n)) return 0;
+    self->calls++;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *s;
+        Py_ssize_t len;
+        if (!rd_str(&r, self->max_str_len, &s, &len)) return 0;
+        int f = field_of(s, len);
+        if (f < 0 || seen & (1u << f)) return 0;
+        seen |= 1u << f;
+        uint64_t v;
+        switch (f) {
+        case F_V:
+            if (!rd_uint(&r, self->max_int, &v) || v != self->version_tag) return 0;
+            break;
+        case F_PULL:
+            if (!rd_uint(&r, self->max_int, &v) || v != 1) return 0;
+            break;
+        case F_OP:
+            if (!rd_str(&r, self->max_str_len, &s, &len) || len != 4 || memcmp(s, "push", 4) != 0) return 0;
+            break;
+        case F_WORKER: if (!rd_uint(&r, self->max_int, &m->worker)) return 0; break;
+        case F_REQ: if (!rd_uint(&r, self->max_int, &m->req)) return 0; break;
+        case F_STEP: if (!rd_uint(&r, self->max_int, &m->step)) return 0; break;
+        case F_VERSION: if (!rd_uint(&r, self->max_int, &m->version)) return 0; break;
+        case F_MIN_VERSION:
+            if (!rd_nil(&r)) {
+                if (!rd_uint(&r, self->max_int, &m->min_version)) return 0;
+                m->has_min_version = 1;
+            }
+            break;
+        case F_CLOCK:
+            if (!rd_nil(&r)) {
+                if (!rd_uint(&r, self->max_int, &m->clock)) return 0;
+                m->has_clock = 1;
+            }
+            break;
+        case F_LR:
+            if (!rd_nil(&r)) {
+                if (!rd_lr(&r, &m->lr)) return 0;
+                m->has_lr = 1;
+            }
+            break;
+        case F_KEYS:
+            if (!rd_array(&r, self->max_keys, &nk) || nk < 1 || nk > entries_len) return 0;
+            for (Py_ssize_t j = 0; j < nk; j++) {
+                if (!rd_uint(&r, self->max_int, &v) || v > (uint64_t)self->max_id) return 0;
+                Py_ssize_t e = self->index[v];
+                if (e < 0 || self->keys[e].stamp == self->calls) return 0; /* not in the table, or twice */
+                self->keys[e].stamp = self->calls;
+                entries[j] = e;
+            }
+            break;
+        case F_DTYPES:
+            if (nk < 0 || !rd_array(&r, self->max_keys, &nd) || nd != nk) return 0; /* keys come first */
+            for (Py_ssize_t j = 0; j < nd; j++) {
+                Key *k = &self->keys[entries[j]];
+                if (!rd_str(&r, self->max_str_len, &s, &len) || len != k->dtype_len || memcmp(s, k->dtype, len) != 0)
+                    return 0;
+            }
+            break;
+        case F_SHAPES:
+            if (nk < 0 || !rd_array(&r, self->max_keys, &ns) || ns != nk) return 0;
+            for (Py_ssize_t j = 0; j < ns; j++) {
+                if (!rd_array(&r, self->max_keys, &len) || len != 1 || !rd_uint(&r, self->max_int, &v) ||
+                    v != self->keys[entries[j]].numel)
+                    return 0;
+            }
+            break;
+        }
+    }
+    if (r.p != r.end || (seen & REQUIRED) != REQUIRED) return 0;
+    m->nkeys = nk;
+    return 1;
+}
+
+static int get_i64(PyObject *o, long long *out) {
+    if (!o || !PyLong_CheckExact(o)) return 0;
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(o, &overflow);
+    return !overflow && !(*out == -1 && PyErr_Occurred());
+}
+
+/* d[name] += by; 0 with an error set. */
+static int add_count(PyObject *d, PyObject *name, long long by) {
+    long long now;
+    if (!get_i64(PyDict_GetItemWithError(d, name), &now)) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "counter %R is not an int", name);
+        return 0;
+    }
+    PyObject *v = PyLong_FromLongLong(now + by);
+    if (!v) return 0;
+    int rc = PyDict_SetItem(d, name, v);
+    Py_DECREF(v);
+    return rc == 0;
+}
+
+static PyObject *attr(PyObject *o, PyObject *name) { return o ? PyObject_GetAttr(o, name) : NULL; }
+
+/* The slowest live worker's clock, with worker w's clock taken as w_clock; -1: none live. */
+static long long slowest_clock(Path *self, PyObject *workers, long long w, long long w_clock, int *err) {
+    PyObject *lost = attr(workers, s_lost), *left = attr(workers, s_left), *joining = attr(workers, s_joining),
+             *clocks = attr(workers, s_clocks);
+    long long best = -1;
+    *err = 1;
+    if (!lost || !left || !joining || !clocks || !PyDict_Check(lost) || !PyAnySet_Check(left) ||
+        !PyAnySet_Check(joining) || !PyDict_Check(clocks))
+        goto done;
+    for (Py_ssize_t i = 0; i < self->num_workers; i++) {
+        PyObject *id = PyLong_FromSsize_t(i);
+        if (!id) goto done;
+        int out = PyDict_Contains(lost, id) || PySet_Contains(left, id) || PySet_Contains(joining, id);
+        long long c = w_clock;
+        if (!out && i != w && !get_i64(PyDict_GetItem(clocks, id), &c)) {
+            Py_DECREF(id);
+            goto done;
+        }
+        Py_DECREF(id);
+        if (!out && (best < 0 || c < best)) best = c;
+    }
+    *err = 0;
+done:
+    Py_XDECREF(lost);
+    Py_XDECREF(left);
+    Py_XDECREF(joining);
+    Py_XDECREF(clocks);
+    return best;
+}
+
+#define MAX_KEYS_ON_STACK 64
+
+/* Path(peer, frames) -> [(peer, frames)] or None (see the top of the file). */
+static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
+    PyObject *peer, *frames;
+    if (!PyArg_ParseTuple(args, "OO", &peer, &frames)) return NULL;
+    if (!PyList_CheckExact(frames)) Py_RETURN_NONE;
+    Py_ssize_t nframes = PyList_GET_SIZE(frames);
+    if (nframes < 2 || nframes - 1 > MAX_KEYS_ON_STACK) Py_RETURN_NONE;
+    PyObject *head = PyList_GET_ITEM(frames, 0);
+    if (!PyBytes_CheckExact(head) || PyBytes_GET_SIZE(head) > self->max_header) Py_RETURN_NONE;
+
+    Py_ssize_t entries[MAX_KEYS_ON_STACK];
+    Py_buffer grads[MAX_KEYS_ON_STACK], values[MAX_KEYS_ON_STACK];
+    PyObject *arrays_of[MAX_KEYS_ON_STACK];
+    Py_ssize_t ngrads = 0, nvalues = 0;
+    Push m;
+    memset(&m, 0, sizeof m);
+    if (!read_push(self, (const uint8_t *)PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), &m, entries,
+                   nframes - 1) ||
+        m.nkeys != nframes - 1)
+        Py_RETURN_NONE;
+
+    PyObject *result = NULL, *s = self->server;
+    PyObject *aborted = NULL, *trace = NULL, *waiting = NULL, *waiters = NULL, *version_o = NULL, *workers = NULL,
+             *seen = NULL, *lost = NULL, *clocks = NULL, *partials = NULL, *counters = NULL, *staleness = NULL,
+             *snapshots = NULL, *arrays = NULL, *lent = NULL, *optimizer = NULL, *group = NULL, *w_obj = NULL,
+             *step_obj = NULL, *save = NULL, *rule = NULL, *rows = NULL, *read_at = NULL, *gap_o = NULL;
+    int mutated = 0;
+    long long version_s, clock_w;
+
+#define GET(var, obj, name)                    \
+    if (!(var = attr(obj, name))) goto error;
+#define PASS goto pass
+    GET(aborted, s, s_aborted);
+    GET(trace, s, s_trace);
+    if (aborted != Py_None || trace != Py_None) PASS;
+    GET(waiting, s, s_waiting);
+    GET(waiters, waiting, s__waiting);
+    if (!PyList_CheckExact(waiters) || PyList_GET_SIZE(waiters)) PASS; /* a waiting pull may go on: Python's */
+    for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+        PyObject *f = PyList_GET_ITEM(frames, j + 1);
+        Key *k = &self->keys[entries[j]];
+        if (!PyMemoryView_Check(f) || Py_TYPE(f) != &PyMemoryView_Type) PASS;
+        Py_buffer *b = PyMemoryView_GET_BUFFER(f);
+        if (b->readonly || b->ndim != 1 || (b->format && strcmp(b->format, "B") != 0) || b->len != k->nbytes ||
+            !PyBuffer_IsContiguous(b, 'C'))
+            PASS;
+    }
+    GET(workers, s, s_workers);
+    GET(seen, workers, s_seen);
+    GET(lost, workers, s_lost);
+    if (!PyDict_Check(seen) || !PyDict_Check(lost)) PASS;
+    if (!(w_obj = PyLong_FromUnsignedLongLong(m.worker))) goto error;
+    if (PyDict_Contains(seen, w_obj) != 1 || PyDict_Contains(lost, w_obj) != 0) PASS;
+    GET(version_o, s, s_version);
+    if (!get_i64(version_o, &version_s) || (long long)m.version > version_s) PASS;
+    GET(clocks, workers, s_clocks);
+    if (!PyDict_Check(clocks) || !get_i64(PyDict_GetItem(clocks, w_obj), &clock_w) || (long long)m.step < clock_w)
+        PASS;
+    GET(partials, workers, s__partial);
+    PyObject *partial = PyDict_Check(partials) ? PyDict_GetItem(partials, w_obj) : NULL; /* borrowed */
+    if (!partial || !PyDict_Check(partial)) PASS;
+    if (!(step_obj = PyLong_FromUnsignedLongLong(m.step))) goto error;
+    PyObject *done = PyDict_GetItem(partial, step_obj); /* borrowed */
+    if (done && !PyAnySet_CheckExact(done)) PASS;
+    for (Py_ssize_t j = 0; done && j < m.nkeys; j++) {
+        int in = PySet_Contains(done, self->keys[entries[j]].obj);
+        if (in < 0) goto error;
+        if (in) PASS; /* a key pushed twice in a step: refused, by the Python paths */
+    }
+    Py_ssize_t done_n = done ? PySet_GET_SIZE(done) : 0;
+    int completes = done_n + m.nkeys >= self->shard_keys;
+    long long version_after = version_s + completes;
+    if (m.has_min_version && version_after < (long long)m.min_version) PASS; /* the pull waits */
+    long long slowest = -1;
+    if (m.has_clock) {
+        int err;
+        slowest = slowest_clock(self, workers, (long long)m.worker, completes ? (long long)m.step + 1 : clock_w, &err);
+        if (err) PASS;
+        if (self->ssp && slowest >= 0 && (long long)m.clock - slowest > (long long)self->staleness) PASS;
+    }
+    /* the optimizer: SGD without momentum, a float learning rate */
+    GET(optimizer, s, s_optimizer);
+    GET(group, optimizer, s__group);
+    if (!PyDict_CheckExact(group)) PASS;
+    PyObject *lr_o = PyDict_GetItem(group, s_lr), *mom = PyDict_GetItem(group, s_momentum),
+             *wd_o = PyDict_GetItem(group, s_weight_decay), *max_o = PyDict_GetItem(group, s_maximize);
+    if (!lr_o || !PyFloat_CheckExact(lr_o) || !mom || !(PyFloat_CheckExact(mom) || PyLong_CheckExact(mom)) ||
+        PyObject_IsTrue(mom) != 0 || !wd_o || !(PyFloat_CheckExact(wd_o) || PyLong_CheckExact(wd_o)) || !max_o ||
+        !PyBool_Check(max_o))
+        PASS;
+    double lr = m.has_lr ? m.lr : PyFloat_AS_DOUBLE(lr_o);
+    double wd = PyFloat_CheckExact(wd_o) ? PyFloat_AS_DOUBLE(wd_o) : PyLong_AsDouble(wd_o);
+    if (wd == -1.0 && PyErr_Occurred()) goto error;
+    int maximize = max_o == Py_True;
+    /* each key's memory: the numpy view its replies lend (SnapshotPool.reply_bytes), which no
+     * reply holds now, of a chunk no other reply was given (SnapshotPool.lent) */
+    GET(snapshots, s, s_snapshots);
+    GET(arrays, snapshots, s__arrays);
+    GET(lent, snapshots, s_lent);
+    if (!PyDict_Check(arrays) || !PyAnySet_Check(lent)) PASS;
+    for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+        Key *k = &self->keys[entries[j]];
+        PyObject *a = PyDict_GetItem(arrays, k->obj); /* borrowed */
+        int in = PySet_Contains(lent, k->obj);
+        if (in < 0) goto error;
+        if (!a || Py_REFCNT(a) != 1 || in) PASS;
+        arrays_of[j] = a;
+    }
+    for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+        if (PyObject_GetBuffer(arrays_of[j], &values[j], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto error;
+        nvalues++;
+        if (values[j].len != self->keys[entries[j]].nbytes) PASS;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(frames, j + 1), &grads[j], PyBUF_SIMPLE) < 0) goto error;
+        ngrads++;
+    }
+    GET(counters, s, s_counters);
+    GET(staleness, s, s_staleness);
+    GET(save, s, s_save);
+    GET(rule, s, s_rule);
+    GET(rows, rule, s_rows);
+    GET(read_at, rows, s__read_at);
+    GET(gap_o, s, s_max_clock_gap);
+    long long gap;
+    if (!PyDict_CheckExact(counters) || !PyDict_CheckExact(staleness) || !PyDict_Check(read_at) ||
+        !get_i64(gap_o, &gap))
+        PASS;
+
+    /* Every check of the Python paths holds: from here on the push is applied, as they do. */
+    mutated = 1;
+    Py_ssize_t in_bytes = PyBytes_GET_SIZE(head);
+    for (Py_ssize_t j = 0; j < m.nkeys; j++) in_bytes += grads[j].len;
+    if (!add_count(counters, s_bytes_in, in_bytes)) goto error;
+    {
+        PyObject *clock = PyObject_GetAttr(s, s_clock);
+        if (!clock) goto error;
+        PyObject *now = PyObject_CallNoArgs(clock);
+        Py_DECREF(clock);
+        if (!now) goto error;
+        int rc = PyDict_SetItem(seen, w_obj, now);
+        Py_DECREF(now);
+        if (rc < 0) goto error;
+    }
+    long long stale = version_s - (long long)m.version;
+    {
+        PyObject *st = PyLong_FromLongLong(stale);
+        if (!st) goto error;
+        long long had = 0;
+        PyObject *was = PyDict_GetItem(staleness, st);
+        if (was && !get_i64(was, &had)) {
+            Py_DECREF(st);
+            goto error;
+        }
+        PyObject *now = PyLong_FromLongLong(had + 1);
+        int rc = now ? PyDict_SetItem(staleness, st, now) : -1;
+        Py_XDECREF(now);
+        Py_DECREF(st);
+        if (rc < 0) goto error;
+    }
+    if (!add_count(counters, s_pushes, 1)) goto error;
+    Py_ssize_t live = self->num_workers - PyDict_GET_SIZE(lost);
+    double scale = self->mean ? 1.0 / (double)live : 1.0;
+    if (m.has_lr) {
+        PyObject *v = PyFloat_FromDouble(m.lr);
+        int rc = v ? PyDict_SetItem(group, s_lr, v) : -1;
+        Py_XDECREF(v);
+        if (rc < 0) goto error;
+    }
+    for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+        Key *k = &self->keys[entries[j]];
+        sgd(k->f64, values[j].buf, grads[j].buf, (Py_ssize_t)k->numel, scale, scale != 1.0, maximize, wd, lr);
+    }
+    if (!add_count(counters, s_updates, 1)) goto error;
+    /* Workers.note_keys, then the rule's bump where the step is complete */
+    if (!done) {
+        PyObject *fresh = PySet_New(NULL);
+        if (!fresh) goto error;
+        int rc = PyDict_SetItem(partial, step_obj, fresh);
+        Py_DECREF(fresh);
+        if (rc < 0) goto error;
+        done = PyDict_GetItem(partial, step_obj);
+    }
+    for (Py_ssize_t j = 0; j < m.nkeys; j++)
+        if (PySet_Add(done, self->keys[entries[j]].obj) < 0) goto error;
+    if (!completes) {
+        while (PyDict_GET_SIZE(partial) > 64) { /* Workers' PARTIAL_STEPS */
+            PyObject *kk, *vv, *least = NULL;
+            Py_ssize_t pos = 0;
+            long long lo = 0;
+            while (PyDict_Next(partial, &pos, &kk, &vv)) {
+                long long x;
+                if (!get_i64(kk, &x)) goto error;
+                if (!least || x < lo) {
+                    least = kk;
+                    lo = x;
+                }
+            }
+            if (PyDict_DelItem(partial, least) < 0) goto error;
+        }
+    } else {
+        PyObject *next = PyLong_FromLongLong((long long)m.step + 1);
+        int rc = next ? PyDict_SetItem(clocks, w_obj, next) : -1;
+        Py_XDECREF(next);
+        if (rc < 0) goto error;
+        PyObject *later = PyDict_New(), *kk, *vv;
+        Py_ssize_t pos = 0;
+        if (!later) goto error;
+        while (PyDict_Next(partial, &pos, &kk, &vv)) {
+            long long x;
+            if (!get_i64(kk, &x) || (x > (long long)m.step && PyDict_SetItem(later, kk, vv) < 0)) {
+                Py_DECREF(later);
+                goto error;
+            }
+        }
+        rc = PyDict_SetItem(partials, w_obj, later);
+        Py_DECREF(later);
+        if (rc < 0) goto error;
+        if (save != Py_None) { /* a checkpoint may be due: the shard's own bump */
+            PyObject *r = PyObject_CallMethodNoArgs(s, s_bump);
+            if (!r) goto error;
+            Py_DECREF(r);
+        } else {
+            PyObject *v = PyLong_FromLongLong(version_s + 1);
+            int rc2 = v ? PyObject_SetAttr(s, s_version, v) : -1;
+            Py_XDECREF(v);
+            if (rc2 < 0) goto error;
+        }
+    }
+    if (!add_count(counters, s_pulls, 1)) goto error;
+    if (m.has_clock && slowest >= 0 && (long long)m.clock - slowest > gap) {
+        PyObject *v = PyLong_FromLongLong((long long)m.clock - slowest);
+        int rc = v ? PyObject_SetAttr(s, s_max_clock_gap, v) : -1;
+        Py_XDECREF(v);
+        if (rc < 0) goto error;
+    }
+    {   /* rule.read: rows.read(w, updates) */
+        PyObject *updates = PyDict_GetItem(counters, s_updates);
+        if (!updates || PyDict_SetItem(read_at, w_obj, updates) < 0) goto error;
+    }
+    /* the reply: {"v", "op", "worker", "req", "version", "keys", "staleness", "dtypes", "shapes"} as
+     * ps.protocol.pack_header writes it, then each key's bytes */
+    {
+        Writer *o = &self->out;
+        o->len = 0;
+        long long version_now = version_after;
+        if (save != Py_None) {
+            PyObject *v = attr(s, s_version);
+            int ok = get_i64(v, &version_now);
+            Py_XDECREF(v);
+            if (!ok) goto error;
+        }
+        if (!wr_reserve(o, 16) || !(o->buf[o->len++] = 0x89, 1) || !WR_KEY(o, "v") || !wr_uint(o, self->version_tag) ||
+            !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") || !wr_uint(o, m.worker) ||
+            !WR_KEY(o, "req") || !wr_uint(o, m.req) || !WR_KEY(o, "version") || !wr_uint(o, version_now) ||
+            !WR_KEY(o, "keys") || !wr_array(o, m.nkeys))
+            goto error;
+        for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+            long long id = PyLong_AsLongLong(self->keys[entries[j]].obj);
+            if (!wr_uint(o, (uint64_t)id)) goto error;
+        }
+        if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, m.nkeys))
+            goto error;
+        for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+            Key *k = &self->keys[entries[j]];
+            if (!wr_str(o, k->dtype, k->dtype_len)) goto error;
+        }
+        if (!WR_KEY(o, "shapes") || !wr_array(o, m.nkeys)) goto error;
+        for (Py_ssize_t j = 0; j < m.nkeys; j++)
+            if (!wr_array(o, 1) || !wr_uint(o, self->keys[entries[j]].numel)) goto error;
+        PyObject *out = PyList_New(m.nkeys + 1);
+        if (!out) goto error;
+        PyObject *hb = PyBytes_FromStringAndSize((const char *)o->buf, o->len);
+        if (!hb) {
+            Py_DECREF(out);
+            goto error;
+        }
+        PyList_SET_ITEM(out, 0, hb);
+        Py_ssize_t out_bytes = o->len;
+        for (Py_ssize_t j = 0; j < m.nkeys; j++) {
+            PyObject *mv = PyMemoryView_FromObject(arrays_of[j]);
+            if (!mv) {
+                Py_DECREF(out);
+                goto error;
+            }
+            PyList_SET_ITEM(out, j + 1, mv);
+            out_bytes += self->keys[entries[j]].nbytes;
+        }
+        if (!add_count(counters, s_bytes_out, out_bytes)) {
+            Py_DECREF(out);
+            goto error;
+        }
+        PyObject *pair = PyTuple_Pack(2, peer, out);
+        Py_DECREF(out);
+        if (!pair) goto error;
+        result = PyList_New(1);
+        if (!result) {
+            Py_DECREF(pair);
+            goto error;
+        }
+        PyList_SET_ITEM(result, 0, pair);
+    }
+    self->taken++;
+    goto done;
+pass:
+    result = Py_None;
+    Py_INCREF(result);
+    goto done;
+error:
+    if (!mutated) { /* nothing changed: the Python paths take it and say what is wrong */
+        PyErr_Clear();
+        result = Py_None;
+        Py_INCREF(result);
+    } else { /* as the Python paths: an error reply, never a dead shard */
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the shard's state is not as its compiled path reads it");
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyObject *dispatch = PyObject_GetAttrString(s, "_dispatch");
+        PyObject *reply = dispatch ? PyObject_CallMethod(dispatch, "failed", "OKKsO", peer,
+                                                         (unsigned long long)m.worker, (unsigned long long)m.req,
+                                                         "push", value ? value : Py_None)
+                                   : NULL;
+        Py_XDECREF(dispatch);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (reply) {
+            result = PyList_New(1);
+            if (result) PyList_SET_ITEM(result, 0, reply);
+            else Py_DECREF(reply);
+        }
+    }
+done:
+    for (Py_ssize_t j = 0; j < nvalues; j++) PyBuffer_Release(&values[j]);
+    for (Py_ssize_t j = 0; j < ngrads; j++) PyBuffer_Release(&grads[j]);
+    Py_XDECREF(aborted);
+    Py_XDECREF(trace);
+    Py_XDECREF(waiting);
+    Py_XDECREF(waiters);
+    Py_XDECREF(version_o);
+    Py_XDECREF(workers);
+    Py_XDECREF(seen);
+    Py_XDECREF(lost);
+    Py_XDECREF(clocks);
+    Py_XDECREF(partials);
+    Py_XDECREF(counters);
+    Py_XDECREF(staleness);
+    Py_XDECREF(snapshots);
+    Py_XDECREF(arrays);
+    Py_XDECREF(lent);
+    Py_XDECREF(optimizer);
+    Py_XDECREF(group);
+    Py_XDECREF(w_obj);
+    Py_XDECREF(step_obj);
+    Py_XDECREF(save);
+    Py_XDECREF(rule);
+    Py_XDECREF(rows);
+    Py_XDECREF(read_at);
+    Py_XDECREF(gap_o);
+    return result;
+#undef GET
+#undef PASS
+}
+
+/* Path(server, table, ssp, mean, staleness, version, max_int, max_header, max_keys, max_str_len,
+ *      max_map_len, num_workers, shard_keys): table is [(key id, nbytes, float64?, dtype name, numel)]. */
+static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
+    PyObject *server, *table;
+    unsigned long long staleness, version, max_int;
+    if (!PyArg_ParseTuple(args, "OO!ppKKKnnnnnn", &server, &PyList_Type, &table, &self->ssp, &self->mean, &staleness,
+                          &version, &max_int, &self->max_header, &self->max_keys, &self->max_str_len,
+                          &self->max_map_len, &self->num_workers, &self->shard_keys))
+        return -1;
+    self->staleness = staleness;
+    self->version_tag = version;
+    self->max_int = max_int;
+    Py_INCREF(server);
+    Py_XSETREF(self->server, server);
+    Py_ssize_t n = PyList_GET_SIZE(table);
+    self->nkeys = n;
+    self->max_id = -1;
+    self->keys = PyMem_Calloc(n ? n : 1, sizeof(Key));
+    if (!self->keys) return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Key *k = &self->keys[i];
+        PyObject *id;
+        unsigned long long numel;
+        int f64;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(table, i), "O!npz#K", &PyLong_Type, &id, &k->nbytes, &f64, &k->dtype,
+                              &k->dtype_len, &numel))
+            return -1;
+        Py_ssize_t v = PyLong_AsSsize_t(id);
+        if (v < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a key id is negative");
+            return -1;
+        }
+        char *name = PyMem_Malloc(k->dtype_len + 1);
+        if (!name) return PyErr_NoMemory(), -1;
+        memcpy(name, k->dtype, k->dtype_len + 1);
+        k->dtype = name;
+        k->f64 = f64;
+        k->numel = numel;
+        Py_INCREF(id);
+        k->obj = id;
+        if (v > self->max_id) self->max_id = v;
+    }
+    self->index = PyMem_Malloc((self->max_id + 1 > 0 ? self->max_id + 1 : 1) * sizeof(Py_ssize_t));
+    if (!self->index) return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i <= self->max_id; i++) self->index[i] = -1;
+    for (Py_ssize_t i = 0; i < n; i++) self->index[PyLong_AsSsize_t(self->keys[i].obj)] = i;
+    return 0;
+}
+
+static void Path_dealloc(Path *self) {
+    for (Py_ssize_t i = 0; self->keys && i < self->nkeys; i++) {
+        Py_XDECREF(self->keys[i].obj);
+        PyMem_Free((void *)self->keys[i].dtype);
+    }
+    PyMem_Free(self->keys);
+    PyMem_Free(self->index);
+    PyMem_Free(self->out.buf);
+    Py_XDECREF(self->server);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Path_taken(Path *self, void *closure) { return PyLong_FromSsize_t(self->taken); }
+
+static PyGetSetDef Path_getset[] = {
+    {"taken", (getter)Path_taken, NULL, "push+pulls this path took", NULL},
+    {NULL},
+};
+
+static PyTypeObject PathType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ps.shard._compiled.Path",
+    .tp_basicsize = sizeof(Path),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Path_init,
+    .tp_dealloc = (destructor)Path_dealloc,
+    .tp_call = (ternaryfunc)Path_call,
+    .tp_getset = Path_getset,
+    .tp_doc = "A shard's compiled push+pull path (ps.shard.compiled).",
+};
+
+/* sgd(values, grads, float64, lr, weight_decay, maximize, scale): the path's arithmetic on two
+ * writable buffers of one dtype, for the check against torch (compiled.py). */
+static PyObject *py_sgd(PyObject *mod, PyObject *args) {
+    Py_buffer p, g;
+    int f64, maximize;
+    double lr, wd, scale;
+    if (!PyArg_ParseTuple(args, "w*y*pddpd", &p, &g, &f64, &lr, &wd, &maximize, &scale)) return NULL;
+    Py_ssize_t size = f64 ? 8 : 4;
+    if (p.len != g.len || p.len % size) {
+        PyBuffer_Release(&p);
+        PyBuffer_Release(&g);
+        PyErr_SetString(PyExc_ValueError, "values and grads must be buffers of the same whole number of elements");
+        return NULL;
+    }
+    sgd(f64, p.buf, g.buf, p.len / size, scale, scale != 1.0, maximize, wd, lr);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&g);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"sgd", py_sgd, METH_VARARGS, "The compiled path's SGD update of values by grads (for its check)."},
+    {NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ps.shard._compiled", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__compiled(void) {
+    __builtin_cpu_init();
+    have_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    struct {
+        PyObject **var;
+        const char *name;
+    } names[] = {{&s_aborted, "aborted"},   {&s_trace, "trace"},       {&s_waiting, "waiting"},
+                 {&s__waiting, "_waiting"}, {&s_version, "version"},   {&s_workers, "workers"},
+                 {&s_seen, "seen"},         {&s_lost, "lost"},         {&s_left, "left"},
+                 {&s_joining, "joining"},   {&s_clocks, "clocks"},     {&s__partial, "_partial"},
+                 {&s_counters, "counters"}, {&s_staleness, "staleness"}, {&s_max_clock_gap, "max_clock_gap"},
+                 {&s_save, "save"},         {&s_bump, "bump"},         {&s_snapshots, "snapshots"},
+                 {&s__arrays, "_arrays"},   {&s_lent, "lent"},         {&s_optimizer, "optimizer"},
+                 {&s__group, "_group"},     {&s_lr, "lr"},             {&s_momentum, "momentum"},
+                 {&s_weight_decay, "weight_decay"}, {&s_maximize, "maximize"}, {&s_clock, "clock"},
+                 {&s_rule, "rule"},         {&s_rows, "rows"},         {&s__read_at, "_read_at"},
+                 {&s_bytes_in, "bytes_in"}, {&s_bytes_out, "bytes_out"}, {&s_pushes, "pushes"},
+                 {&s_pulls, "pulls"},       {&s_updates, "updates"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!(*names[i].var = PyUnicode_InternFromString(names[i].name))) return NULL;
+    if (PyType_Ready(&PathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&PathType);
+    if (PyModule_AddObject(m, "Path", (PyObject *)&PathType) < 0) {
+        Py_DECREF(&PathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,96 @@
+"""A shard's compiled path for a push+pull of whole dense keys, where the rule is async or ssp
+and the optimizer is torch's SGD without momentum (ps/shard/_compiled.c, built with psar).
+
+Python's short path (ps.shard.fastpath) still makes about 90 calls a push+pull, each several
+times dearer on a core that has just slept in a poll than in a loop; with nothing done at all
+between its receive and its send, the shard's part of a 1 KiB push+pull fell from 130-220 to
+35-50 us. This path is one call: it reads the header's bytes without a dict, checks the keys
+against a table built here once, updates the keys' memory with SGD's arithmetic, counts and
+notes on the shard's own objects what the Python paths do, and writes the reply's header.
+Anything it does not take (another field, a failed check, a pull that would wait, a key a
+reply still points at, momentum) it leaves, unchanged, to the Python paths, which say what is
+wrong: tests/unit/test_shard_fastpath.py holds the three to the same bytes, parameters and
+counters.
+
+Its arithmetic is torch's single-tensor SGD loop as torch's CPU kernels round it: a multiply
+by the async scale, then fused multiply-adds for the weight decay and the update. Each process
+checks that on a probe against torch before using the path (`arithmetic_matches`), and keeps
+to Python where a build of torch rounds otherwise. PSAR_COMPILED=0 turns it off (a comparison).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from ps.protocol_schema import _MAX_INT, PROTOCOL_VERSION
+from ps.shard.optim import _sgd_ops
+from ps.shard.slices import MIN_SLICE_BYTES
+
+try:
+    import ps.shard._compiled as _compiled
+except ImportError:  # not built (a copy of the tree without `pip install -e .`): Python's paths
+    _compiled = None
+
+DTYPES = {"float32": False, "float64": True}
+"""The dtypes the compiled path updates: name -> float64."""
+
+
+def available() -> bool:
+    """Whether the compiled module is built and not turned off (PSAR_COMPILED=0)."""
+    return _compiled is not None and os.environ.get("PSAR_COMPILED", "1") != "0"
+
+
+def compiled_path(server: Any, table: dict[int, tuple]) -> Callable[[bytes, list], list | None] | None:
+    """The compiled path of server (a ps.shard.ShardServer) over the keys of `table`
+    (ps.protocol_short.WholeKeys' table: key -> (dtype name, shape, bytes, torch dtype)), or
+    None where it cannot serve this shard: not built, a rule other than async and ssp,
+    compression, an optimizer other than SGD's replay (ps.shard.optim), or torch rounding
+    otherwise than it does. Keys it cannot update itself (another dtype, a key large enough
+    to update in slices) stay with the Python paths."""
+    if not available() or server.rule.name not in ("async", "ssp") or server.codec is not None \
+            or server.pulls is not None or server.config.wire_dtype or not server.optimizer._sgd \
+            or not arithmetic_matches():
+        return None
+    keys = [(k, nbytes, DTYPES[dtype], dtype, shape[0]) for k, (dtype, shape, nbytes, _) in sorted(table.items())
+            if dtype in DTYPES and len(shape) == 1 and nbytes < 2 * MIN_SLICE_BYTES]
+    if not keys:
+        return None
+    limits = server._dispatch.limits
+    return _compiled.Path(server, keys, server.rule.name == "ssp", server.config.async_scale == "mean",
+                          server.config.staleness, PROTOCOL_VERSION, _MAX_INT, limits.max_header_bytes,
+                          limits.max_keys, limits.max_str_len, limits.max_map_len, server.num_workers,
+                          len(server.keys))
+
+
+PROBE_SIZES = (1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 257, 1027)
+"""Sizes of the probe: every tail length of a vector kernel up to 16 lanes, and longer runs."""
+
+
+def arithmetic_matches() -> bool:
+    """Whether the compiled SGD update leaves the bits torch's (the replay, ps.shard.optim._sgd_ops,
+    which tests/unit/test_shard_optim.py holds to torch.optim.SGD) does, in float32 and float64,
+    with and without a scale, weight decay and maximize. Checked once a process."""
+    global _MATCHES
+    if _MATCHES is None:
+        _MATCHES = _compiled is not None and all(_probe(dtype, n, case) for dtype in (torch.float32, torch.float64)
+                                                 for n in PROBE_SIZES for case in _CASES)
+    return _MATCHES
+
+
+_MATCHES: bool | None = None
+_CASES = [(0.1, 0.0, False, 1.0), (1e-6, 0.0, False, 1.0 / 3), (0.0137, 0.01, False, 1.0),
+          (0.25, 0.003, True, 0.5), (3.0, 0.0, True, 1.0 / 7)]  # (lr, weight_decay, maximize, scale)
+
+
+def _probe(dtype: torch.dtype, n: int, case: tuple) -> bool:
+    lr, weight_decay, maximize, scale = case
+    gen = torch.Generator().manual_seed(n)
+    p, g = torch.randn(n, generator=gen, dtype=dtype), torch.randn(n, generator=gen, dtype=dtype) * 3
+    expected = p.clone()
+    _sgd_ops(expected, g * scale if scale != 1.0 else g, None, (lr, weight_decay, maximize, 0, 0, False))
+    got = p.clone()
+    _compiled.sgd(got.numpy(), g.numpy(), dtype is torch.float64, lr, weight_decay, maximize, scale)
+    return got.numpy().tobytes() == expected.numpy().tobytes()
