@@ -18,22 +18,37 @@
 
 /* ---------------------------------------------------------------- SGD arithmetic */
 
-/* p -= lr * g as torch.optim.SGD's single-tensor loop rounds it, without momentum:
- * g = g * scale (async_scale="mean"), g = -g (maximize), g = g + wd * p (weight decay, a fused
- * multiply-add as torch's add with alpha), p = p + (-lr) * g (the same). */
+/* One step of torch.optim.SGD's single-tensor loop, as torch's CPU kernels round it:
+ * g = g * scale (async_scale="mean"), g = -g (maximize), g = g + wd * p (weight decay: a fused
+ * multiply-add, as torch's add with alpha), then with a momentum buffer b (one that exists:
+ * the first step, which makes it, is Python's) b = b * mom (rounded), b = b + damp * g, and
+ * g = g + mom * b (nesterov) or g = b; then p = p + (-lr) * g. */
 #define SGD_BODY(T, FMA)                                                            \
     for (Py_ssize_t i = 0; i < n; i++) {                                            \
         T x = g[i];                                                                 \
-        if (scaled) x = x * scale;                                                  \
-        if (maximize) x = -x;                                                       \
-        if (decay) x = FMA(wd, p[i], x);                                            \
+        if (a->scaled) x = x * scale;                                               \
+        if (a->maximize) x = -x;                                                    \
+        if (a->decay) x = FMA(wd, p[i], x);                                         \
+        if (buf) {                                                                  \
+            T m = buf[i] * mom;                                                     \
+            T b = FMA(damp, x, m);                                                  \
+            buf[i] = b;                                                             \
+            x = a->nesterov ? FMA(mom, b, x) : b;                                   \
+        }                                                                           \
         p[i] = FMA(neg_lr, x, p[i]);                                                \
     }
 
-#define SGD_FN(NAME, T, FMA, ATTR)                                                  \
-    ATTR static void NAME(T *restrict p, const T *restrict g, Py_ssize_t n, T scale, \
-                          int scaled, int maximize, int decay, T wd, T neg_lr) {   \
-        SGD_BODY(T, FMA)                                                            \
+typedef struct {
+    double scale, wd, lr, momentum, dampening;
+    int scaled, maximize, decay, nesterov;
+} Step;
+
+#define SGD_FN(NAME, T, FMA, ATTR)                                                       \
+    ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict buf, Py_ssize_t n, \
+                          const Step *a) {                                               \
+        T scale = (T)a->scale, wd = (T)a->wd, neg_lr = (T)(-a->lr), mom = (T)a->momentum, \
+          damp = (T)(1.0 - a->dampening);                                                \
+        SGD_BODY(T, FMA)                                                                 \
     }
 
 SGD_FN(sgd_f32_fma, float, __builtin_fmaf, __attribute__((target("avx2,fma"))))
@@ -43,16 +58,12 @@ SGD_FN(sgd_f64_any, double, fma, )
 
 static int have_fma = 0;
 
-static void sgd(int f64, void *p, const void *g, Py_ssize_t n, double scale, int scaled, int maximize,
-                double wd, double lr) {
-    int decay = wd != 0.0;
-    if (f64) {
-        (have_fma ? sgd_f64_fma : sgd_f64_any)((double *)p, (const double *)g, n, scale, scaled, maximize,
-                                               decay, wd, -lr);
-    } else {
-        (have_fma ? sgd_f32_fma : sgd_f32_any)((float *)p, (const float *)g, n, (float)scale, scaled,
-                                               maximize, decay, (float)wd, (float)(-lr));
-    }
+/* p, g and buf (NULL: no momentum) of n elements, float64 or float32. */
+static void sgd(int f64, void *p, const void *g, void *buf, Py_ssize_t n, const Step *a) {
+    if (f64)
+        (have_fma ? sgd_f64_fma : sgd_f64_any)((double *)p, (const double *)g, (double *)buf, n, a);
+    else
+        (have_fma ? sgd_f32_fma : sgd_f32_any)((float *)p, (const float *)g, (float *)buf, n, a);
 }
 
 /* ---------------------------------------------------------------- msgpack, read */
@@ -238,11 +249,13 @@ typedef struct {
     Py_ssize_t dtype_len;
     uint64_t numel;
     uint64_t stamp; /* the call that last named it (a key named twice) */
+    PyObject *buf_tensor, *buf_array; /* its momentum buffer, and a writable view of its bytes */
 } Key;
 
 typedef struct {
     PyObject_HEAD
     PyObject *server;
+    PyObject *buffer_bytes; /* (tensor, nbytes, dtype name) -> a writable view of a momentum buffer, or None */
     Key *keys;
     Py_ssize_t *index; /* key id -> entry of keys, or -1 */
     Py_ssize_t max_id, nkeys;
@@ -262,7 +275,7 @@ static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_wo
     *s_left, *s_joining, *s_clocks, *s__partial, *s_counters, *s_staleness, *s_max_clock_gap, *s_save,
     *s_bump, *s_snapshots, *s__arrays, *s_lent, *s_optimizer, *s__group, *s_lr, *s_momentum,
     *s_weight_decay, *s_maximize, *s_clock, *s_rule, *s_rows, *s__read_at, *s_bytes_in, *s_bytes_out,
-    *s_pushes, *s_pulls, *s_updates;
+    *s_pushes, *s_pulls, *s_updates, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov;
 
 enum { F_V, F_OP, F_WORKER, F_REQ, F_STEP, F_VERSION, F_KEYS, F_DTYPES, F_SHAPES, F_PULL, F_MIN_VERSION, F_CLOCK,
        F_LR, NFIELDS };
@@ -422,6 +435,66 @@ done:
 
 #define MAX_KEYS_ON_STACK 64
 
+/* A float, or an int (not a bool) where ints may be: 1, or 0. */
+static int number(PyObject *o, double *out, int float_only) {
+    if (o && PyFloat_CheckExact(o)) {
+        *out = PyFloat_AS_DOUBLE(o);
+        return 1;
+    }
+    if (float_only || !o || !PyLong_CheckExact(o)) return 0;
+    *out = PyLong_AsDouble(o);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+static int flag(PyObject *o, int *out) {
+    if (!o || !PyBool_Check(o)) return 0;
+    *out = o == Py_True;
+    return 1;
+}
+
+/* The momentum buffer of each key of m, as writable buffers in bufs (*nbufs of them taken):
+ * 1, or 0 where one is not there yet (the first step makes it: Python's) or not as this path
+ * updates it, with an error set only where one occurred. A key's buffer is looked up in the
+ * optimizer's state on each call; the view of its bytes is made once per buffer tensor. */
+static int momentum_buffers(Path *self, PyObject *s, PyObject *shard_optimizer, Push *m, Py_ssize_t *entries,
+                            Py_buffer *bufs, Py_ssize_t *nbufs) {
+    int ok = 0;
+    PyObject *chunks = attr(s, s_chunks), *torch_optimizer = attr(shard_optimizer, s_optimizer),
+             *state = attr(torch_optimizer, s_state);
+    if (!chunks || !state || !PyDict_Check(chunks) || !PyDict_Check(state)) goto done;
+    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+        Key *k = &self->keys[entries[j]];
+        PyObject *chunk = PyDict_GetItemWithError(chunks, k->obj);
+        PyObject *param = chunk ? PyDict_GetItemWithError(state, chunk) : NULL;
+        PyObject *buf = param && PyDict_Check(param) ? PyDict_GetItemWithError(param, s_momentum_buffer) : NULL;
+        if (!buf || buf == Py_None) goto done;
+        if (buf != k->buf_tensor) {
+            PyObject *view = PyObject_CallFunction(self->buffer_bytes, "Onz#", buf, k->nbytes, k->dtype, k->dtype_len);
+            if (!view) goto done;
+            if (view == Py_None) {
+                Py_DECREF(view);
+                goto done;
+            }
+            Py_INCREF(buf);
+            Py_XSETREF(k->buf_tensor, buf);
+            Py_XSETREF(k->buf_array, view);
+        }
+        if (PyObject_GetBuffer(k->buf_array, &bufs[j], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        ++*nbufs;
+        if (bufs[j].len != k->nbytes) goto done;
+    }
+    ok = 1;
+done:
+    Py_XDECREF(chunks);
+    Py_XDECREF(torch_optimizer);
+    Py_XDECREF(state);
+    return ok;
+}
+
 /* Path(peer, frames) -> [(peer, frames)] or None (see the top of the file). */
 static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     PyObject *peer, *frames;
@@ -433,9 +506,9 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     if (!PyBytes_CheckExact(head) || PyBytes_GET_SIZE(head) > self->max_header) Py_RETURN_NONE;
 
     Py_ssize_t entries[MAX_KEYS_ON_STACK];
-    Py_buffer grads[MAX_KEYS_ON_STACK], values[MAX_KEYS_ON_STACK];
+    Py_buffer grads[MAX_KEYS_ON_STACK], values[MAX_KEYS_ON_STACK], bufs[MAX_KEYS_ON_STACK];
     PyObject *arrays_of[MAX_KEYS_ON_STACK];
-    Py_ssize_t ngrads = 0, nvalues = 0;
+    Py_ssize_t ngrads = 0, nvalues = 0, nbufs = 0;
     Push m;
     memset(&m, 0, sizeof m);
     if (!read_push(self, (const uint8_t *)PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), &m, entries,
@@ -502,20 +575,22 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         if (err) PASS;
         if (self->ssp && slowest >= 0 && (long long)m.clock - slowest > (long long)self->staleness) PASS;
     }
-    /* the optimizer: SGD without momentum, a float learning rate */
+    /* the optimizer: SGD, a float learning rate; with momentum, each key's buffer made already */
     GET(optimizer, s, s_optimizer);
     GET(group, optimizer, s__group);
     if (!PyDict_CheckExact(group)) PASS;
-    PyObject *lr_o = PyDict_GetItem(group, s_lr), *mom = PyDict_GetItem(group, s_momentum),
-             *wd_o = PyDict_GetItem(group, s_weight_decay), *max_o = PyDict_GetItem(group, s_maximize);
-    if (!lr_o || !PyFloat_CheckExact(lr_o) || !mom || !(PyFloat_CheckExact(mom) || PyLong_CheckExact(mom)) ||
-        PyObject_IsTrue(mom) != 0 || !wd_o || !(PyFloat_CheckExact(wd_o) || PyLong_CheckExact(wd_o)) || !max_o ||
-        !PyBool_Check(max_o))
+    Step a = {0};
+    if (!number(PyDict_GetItem(group, s_lr), &a.lr, 1) || !number(PyDict_GetItem(group, s_momentum), &a.momentum, 0) ||
+        !number(PyDict_GetItem(group, s_weight_decay), &a.wd, 0) ||
+        !number(PyDict_GetItem(group, s_dampening), &a.dampening, 0) ||
+        !flag(PyDict_GetItem(group, s_maximize), &a.maximize) || !flag(PyDict_GetItem(group, s_nesterov), &a.nesterov))
         PASS;
-    double lr = m.has_lr ? m.lr : PyFloat_AS_DOUBLE(lr_o);
-    double wd = PyFloat_CheckExact(wd_o) ? PyFloat_AS_DOUBLE(wd_o) : PyLong_AsDouble(wd_o);
-    if (wd == -1.0 && PyErr_Occurred()) goto error;
-    int maximize = max_o == Py_True;
+    if (m.has_lr) a.lr = m.lr;
+    a.decay = a.wd != 0.0;
+    if (a.momentum != 0.0 && !momentum_buffers(self, s, optimizer, &m, entries, bufs, &nbufs)) {
+        if (PyErr_Occurred()) goto error;
+        PASS;
+    }
     /* each key's memory: the numpy view its replies lend (SnapshotPool.reply_bytes), which no
      * reply holds now, of a chunk no other reply was given (SnapshotPool.lent) */
     GET(snapshots, s, s_snapshots);
@@ -582,7 +657,8 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     }
     if (!add_count(counters, s_pushes, 1)) goto error;
     Py_ssize_t live = self->num_workers - PyDict_GET_SIZE(lost);
-    double scale = self->mean ? 1.0 / (double)live : 1.0;
+    a.scale = self->mean ? 1.0 / (double)live : 1.0;
+    a.scaled = a.scale != 1.0;
     if (m.has_lr) {
         PyObject *v = PyFloat_FromDouble(m.lr);
         int rc = v ? PyDict_SetItem(group, s_lr, v) : -1;
@@ -591,7 +667,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     }
     for (Py_ssize_t j = 0; j < m.nkeys; j++) {
         Key *k = &self->keys[entries[j]];
-        sgd(k->f64, values[j].buf, grads[j].buf, (Py_ssize_t)k->numel, scale, scale != 1.0, maximize, wd, lr);
+        sgd(k->f64, values[j].buf, grads[j].buf, nbufs ? bufs[j].buf : NULL, (Py_ssize_t)k->numel, &a);
     }
     if (!add_count(counters, s_updates, 1)) goto error;
     /* Workers.note_keys, then the rule's bump where the step is complete */
@@ -756,6 +832,7 @@ error:
 done:
     for (Py_ssize_t j = 0; j < nvalues; j++) PyBuffer_Release(&values[j]);
     for (Py_ssize_t j = 0; j < ngrads; j++) PyBuffer_Release(&grads[j]);
+    for (Py_ssize_t j = 0; j < nbufs; j++) PyBuffer_Release(&bufs[j]);
     Py_XDECREF(aborted);
     Py_XDECREF(trace);
     Py_XDECREF(waiting);
@@ -785,12 +862,13 @@ done:
 #undef PASS
 }
 
-/* Path(server, table, ssp, mean, staleness, version, max_int, max_header, max_keys, max_str_len,
+/* Path(server, table, buffer_bytes, ssp, mean, staleness, version, max_int, max_header, max_keys, max_str_len,
  *      max_map_len, num_workers, shard_keys): table is [(key id, nbytes, float64?, dtype name, numel)]. */
 static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
-    PyObject *server, *table;
+    PyObject *server, *table, *buffer_bytes;
     unsigned long long staleness, version, max_int;
-    if (!PyArg_ParseTuple(args, "OO!ppKKKnnnnnn", &server, &PyList_Type, &table, &self->ssp, &self->mean, &staleness,
+    if (!PyArg_ParseTuple(args, "OO!OppKKKnnnnnn", &server, &PyList_Type, &table, &buffer_bytes, &self->ssp, &self->mean,
+                          &staleness,
                           &version, &max_int, &self->max_header, &self->max_keys, &self->max_str_len,
                           &self->max_map_len, &self->num_workers, &self->shard_keys))
         return -1;
@@ -799,6 +877,8 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
     self->max_int = max_int;
     Py_INCREF(server);
     Py_XSETREF(self->server, server);
+    Py_INCREF(buffer_bytes);
+    Py_XSETREF(self->buffer_bytes, buffer_bytes);
     Py_ssize_t n = PyList_GET_SIZE(table);
     self->nkeys = n;
     self->max_id = -1;
@@ -834,7 +914,30 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
+/* The path holds its shard, which holds it: the collector may break the cycle. */
+static int Path_traverse(Path *self, visitproc visit, void *arg) {
+    Py_VISIT(self->server);
+    Py_VISIT(self->buffer_bytes);
+    for (Py_ssize_t i = 0; self->keys && i < self->nkeys; i++) {
+        Py_VISIT(self->keys[i].buf_tensor);
+        Py_VISIT(self->keys[i].buf_array);
+    }
+    return 0;
+}
+
+static int Path_clear(Path *self) {
+    Py_CLEAR(self->server);
+    Py_CLEAR(self->buffer_bytes);
+    for (Py_ssize_t i = 0; self->keys && i < self->nkeys; i++) {
+        Py_CLEAR(self->keys[i].buf_tensor);
+        Py_CLEAR(self->keys[i].buf_array);
+    }
+    return 0;
+}
+
 static void Path_dealloc(Path *self) {
+    PyObject_GC_UnTrack(self);
+    Path_clear(self);
     for (Py_ssize_t i = 0; self->keys && i < self->nkeys; i++) {
         Py_XDECREF(self->keys[i].obj);
         PyMem_Free((void *)self->keys[i].dtype);
@@ -842,7 +945,6 @@ static void Path_dealloc(Path *self) {
     PyMem_Free(self->keys);
     PyMem_Free(self->index);
     PyMem_Free(self->out.buf);
-    Py_XDECREF(self->server);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -856,7 +958,9 @@ static PyGetSetDef Path_getset[] = {
 static PyTypeObject PathType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ps.shard._compiled.Path",
     .tp_basicsize = sizeof(Path),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Path_traverse,
+    .tp_clear = (inquiry)Path_clear,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Path_init,
     .tp_dealloc = (destructor)Path_dealloc,
@@ -865,24 +969,37 @@ static PyTypeObject PathType = {
     .tp_doc = "A shard's compiled push+pull path (ps.shard.compiled).",
 };
 
-/* sgd(values, grads, float64, lr, weight_decay, maximize, scale): the path's arithmetic on two
- * writable buffers of one dtype, for the check against torch (compiled.py). */
+/* sgd(values, grads, buffer or None, float64, lr, weight_decay, maximize, scale, momentum,
+ * dampening, nesterov): the path's arithmetic on writable buffers of one dtype, for the check
+ * against torch (compiled.py). */
 static PyObject *py_sgd(PyObject *mod, PyObject *args) {
-    Py_buffer p, g;
-    int f64, maximize;
-    double lr, wd, scale;
-    if (!PyArg_ParseTuple(args, "w*y*pddpd", &p, &g, &f64, &lr, &wd, &maximize, &scale)) return NULL;
-    Py_ssize_t size = f64 ? 8 : 4;
-    if (p.len != g.len || p.len % size) {
+    Py_buffer p, g, b = {0};
+    PyObject *buf;
+    int f64;
+    Step a = {0};
+    if (!PyArg_ParseTuple(args, "w*y*Opddpdddp", &p, &g, &buf, &f64, &a.lr, &a.wd, &a.maximize, &a.scale,
+                          &a.momentum, &a.dampening, &a.nesterov))
+        return NULL;
+    if (buf != Py_None && PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&p);
         PyBuffer_Release(&g);
-        PyErr_SetString(PyExc_ValueError, "values and grads must be buffers of the same whole number of elements");
         return NULL;
     }
-    sgd(f64, p.buf, g.buf, p.len / size, scale, scale != 1.0, maximize, wd, lr);
+    a.scaled = a.scale != 1.0;
+    a.decay = a.wd != 0.0;
+    Py_ssize_t size = f64 ? 8 : 4;
+    PyObject *result = Py_None;
+    if (p.len != g.len || p.len % size || (buf != Py_None && b.len != p.len)) {
+        PyErr_SetString(PyExc_ValueError, "values, grads and buffer must be buffers of the same whole number of elements");
+        result = NULL;
+    } else {
+        sgd(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
+    }
     PyBuffer_Release(&p);
     PyBuffer_Release(&g);
-    Py_RETURN_NONE;
+    if (buf != Py_None) PyBuffer_Release(&b);
+    Py_XINCREF(result);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -909,7 +1026,9 @@ PyMODINIT_FUNC PyInit__compiled(void) {
                  {&s_weight_decay, "weight_decay"}, {&s_maximize, "maximize"}, {&s_clock, "clock"},
                  {&s_rule, "rule"},         {&s_rows, "rows"},         {&s__read_at, "_read_at"},
                  {&s_bytes_in, "bytes_in"}, {&s_bytes_out, "bytes_out"}, {&s_pushes, "pushes"},
-                 {&s_pulls, "pulls"},       {&s_updates, "updates"}};
+                 {&s_pulls, "pulls"},       {&s_updates, "updates"},   {&s_chunks, "chunks"},
+                 {&s_state, "state"},       {&s_momentum_buffer, "momentum_buffer"},
+                 {&s_dampening, "dampening"}, {&s_nesterov, "nesterov"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].var = PyUnicode_InternFromString(names[i].name))) return NULL;
     if (PyType_Ready(&PathType) < 0) return NULL;

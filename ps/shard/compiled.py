@@ -1,5 +1,5 @@
 """A shard's compiled path for a push+pull of whole dense keys, where the rule is async or ssp
-and the optimizer is torch's SGD without momentum (ps/shard/_compiled.c, built with psar).
+and the optimizer is torch's SGD (ps/shard/_compiled.c, built with psar).
 
 Python's short path (ps.shard.fastpath) still makes about 90 calls a push+pull, each several
 times dearer on a core that has just slept in a poll than in a loop; with nothing done at all
@@ -8,12 +8,14 @@ between its receive and its send, the shard's part of a 1 KiB push+pull fell fro
 against a table built here once, updates the keys' memory with SGD's arithmetic, counts and
 notes on the shard's own objects what the Python paths do, and writes the reply's header.
 Anything it does not take (another field, a failed check, a pull that would wait, a key a
-reply still points at, momentum) it leaves, unchanged, to the Python paths, which say what is
-wrong: tests/unit/test_shard_fastpath.py holds the three to the same bytes, parameters and
-counters.
+reply still points at, a key's first step with momentum, which makes its buffer) it leaves,
+unchanged, to the Python paths, which say what is wrong: tests/unit/test_shard_fastpath.py
+holds the three to the same bytes, parameters and counters.
 
 Its arithmetic is torch's single-tensor SGD loop as torch's CPU kernels round it: a multiply
-by the async scale, then fused multiply-adds for the weight decay and the update. Each process
+by the async scale, then fused multiply-adds for the weight decay, the momentum buffer (after
+its multiply by the momentum) and the update, on the buffer torch's optimizer keeps in its
+state (so checkpoints and the Python paths see the same one). Each process
 checks that on a probe against torch before using the path (`arithmetic_matches`), and keeps
 to Python where a build of torch rounds otherwise. PSAR_COMPILED=0 turns it off (a comparison).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from ps.protocol_schema import _MAX_INT, PROTOCOL_VERSION
@@ -59,10 +62,20 @@ def compiled_path(server: Any, table: dict[int, tuple]) -> Callable[[bytes, list
     if not keys:
         return None
     limits = server._dispatch.limits
-    return _compiled.Path(server, keys, server.rule.name == "ssp", server.config.async_scale == "mean",
+    return _compiled.Path(server, keys, buffer_bytes, server.rule.name == "ssp", server.config.async_scale == "mean",
                           server.config.staleness, PROTOCOL_VERSION, _MAX_INT, limits.max_header_bytes,
                           limits.max_keys, limits.max_str_len, limits.max_map_len, server.num_workers,
                           len(server.keys))
+
+
+def buffer_bytes(t: Any, nbytes: int, dtype: str) -> Any:
+    """A writable numpy view of the bytes of t, a key's momentum buffer as torch's SGD keeps it,
+    if it is one this path updates (a dense CPU tensor of the key's dtype and bytes); None."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided \
+            or str(t.dtype).removeprefix("torch.") != dtype or not t.is_contiguous() \
+            or t.numel() * t.element_size() != nbytes or t.requires_grad:
+        return None
+    return t.detach().numpy().view(numpy.uint8)
 
 
 PROBE_SIZES = (1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 257, 1027)
@@ -81,16 +94,25 @@ def arithmetic_matches() -> bool:
 
 
 _MATCHES: bool | None = None
-_CASES = [(0.1, 0.0, False, 1.0), (1e-6, 0.0, False, 1.0 / 3), (0.0137, 0.01, False, 1.0),
-          (0.25, 0.003, True, 0.5), (3.0, 0.0, True, 1.0 / 7)]  # (lr, weight_decay, maximize, scale)
+_CASES = [(0.1, 0.0, False, 1.0, 0.0, 0.0, False), (1e-6, 0.0, False, 1.0 / 3, 0.0, 0.0, False),
+          (0.0137, 0.01, False, 1.0, 0.9, 0.0, False), (0.25, 0.003, True, 0.5, 0.0, 0.0, False),
+          (3.0, 0.0, True, 1.0 / 7, 0.0, 0.0, False), (0.05, 0.0, False, 0.25, 0.9, 0.1, False),
+          (0.02, 1e-4, False, 1.0, 0.95, 0.0, True), (0.3, 0.0, True, 1.0 / 3, 0.5, 0.2, True)]
+"""(lr, weight_decay, maximize, scale, momentum, dampening, nesterov)"""
 
 
 def _probe(dtype: torch.dtype, n: int, case: tuple) -> bool:
-    lr, weight_decay, maximize, scale = case
+    """A step of the compiled arithmetic against the replay's (with momentum: a second step, on
+    the buffer the first made), bit for bit, values and buffer."""
+    lr, weight_decay, maximize, scale, momentum, dampening, nesterov = case
     gen = torch.Generator().manual_seed(n)
     p, g = torch.randn(n, generator=gen, dtype=dtype), torch.randn(n, generator=gen, dtype=dtype) * 3
-    expected = p.clone()
-    _sgd_ops(expected, g * scale if scale != 1.0 else g, None, (lr, weight_decay, maximize, 0, 0, False))
-    got = p.clone()
-    _compiled.sgd(got.numpy(), g.numpy(), dtype is torch.float64, lr, weight_decay, maximize, scale)
-    return got.numpy().tobytes() == expected.numpy().tobytes()
+    h = (lr, weight_decay, maximize, momentum, dampening, nesterov)
+    buf = _sgd_ops(p, torch.randn(n, generator=gen, dtype=dtype), None, h) if momentum else None
+    expected, got = p.clone(), p.clone()
+    expected_buf, got_buf = (buf.clone(), buf.clone()) if buf is not None else (None, None)
+    _sgd_ops(expected, g * scale if scale != 1.0 else g, expected_buf, h)
+    _compiled.sgd(got.numpy(), g.numpy(), got_buf.numpy() if got_buf is not None else None, dtype is torch.float64,
+                  lr, weight_decay, maximize, scale, momentum, dampening, nesterov)
+    same = got.numpy().tobytes() == expected.numpy().tobytes()
+    return same and (buf is None or got_buf.numpy().tobytes() == expected_buf.numpy().tobytes())
