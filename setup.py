@@ -6,4 +6,5 @@ paths."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ps.shard._compiled", ["ps/shard/_compiled.c"], optional=True,
+                             depends=["ps/shard/_msgpack.h", "ps/shard/_sgd.h"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-std=c11"], libraries=["m"])])
