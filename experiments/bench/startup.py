@@ -28,7 +28,8 @@ def startup(rounds: int, workers: int, out: Path) -> dict:
         imports.append(_wall([sys.executable, "-c", "import torch"], out / f"startup-import-{r}.log"))
         for engine in ENGINES:
             run = [sys.executable, "-m", "experiments.cli", "run", "quickstart", "--engine", engine,
-                   "--workers", str(workers), "--steps", str(STEPS), "--out", str(out / f"startup-{engine}-{r}")]
+                   "--workers", str(workers), "--steps", str(STEPS), "--out", str(out / f"startup-{engine}-{r}"),
+                   "--overwrite"]  # an earlier bench's run is replaced
             ratios[engine].append(_wall(run, out / f"startup-{engine}-{r}.log") / imports[-1])
     return {"import_torch_s": imports, "ratio": ratios}
 
