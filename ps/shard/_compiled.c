@@ -6,7 +6,8 @@
  * (_msgpack.h), checks the keys against a table built once, updates the keys with SGD's
  * arithmetic (_sgd.h: fused multiply-adds, as torch's CPU kernels round them; compiled.py
  * checks it against torch before using it), counts what the shard counts, and writes the
- * reply's header. Where anything is not as the fast case needs it (a field it does not read,
+ * reply's header (requests waiting that the push lets go on, ssp's pulls, are answered by the
+ * shard's own _release, after it). Where anything is not as the fast case needs it (a field it does not read,
  * a check that fails, a pull that would wait, a reply still holding a key, a momentum buffer
  * not made yet), it returns None before it has changed anything, and the Python paths take
  * the message: they name what is wrong.
@@ -55,7 +56,7 @@ static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_wo
     *s_left, *s_joining, *s_clocks, *s__partial, *s_counters, *s_staleness, *s_max_clock_gap, *s_save,
     *s_bump, *s_snapshots, *s__arrays, *s_lent, *s_optimizer, *s__group, *s_lr, *s_momentum,
     *s_weight_decay, *s_maximize, *s_clock, *s_rule, *s_rows, *s__read_at, *s_bytes_in, *s_bytes_out,
-    *s_pushes, *s_pulls, *s_updates, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov;
+    *s_pushes, *s_pulls, *s_updates, *s__release, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov;
 
 enum { F_V, F_OP, F_WORKER, F_REQ, F_STEP, F_VERSION, F_KEYS, F_DTYPES, F_SHAPES, F_PULL, F_MIN_VERSION, F_CLOCK,
        F_LR, NFIELDS };
@@ -300,7 +301,8 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     PyObject *aborted = NULL, *trace = NULL, *waiting = NULL, *waiters = NULL, *version_o = NULL, *workers = NULL,
              *seen = NULL, *lost = NULL, *clocks = NULL, *partials = NULL, *counters = NULL, *staleness = NULL,
              *snapshots = NULL, *arrays = NULL, *lent = NULL, *optimizer = NULL, *group = NULL, *w_obj = NULL,
-             *step_obj = NULL, *save = NULL, *rule = NULL, *rows = NULL, *read_at = NULL, *gap_o = NULL;
+             *step_obj = NULL, *save = NULL, *rule = NULL, *rows = NULL, *read_at = NULL, *gap_o = NULL,
+             *others = NULL;
     int mutated = 0;
     long long version_s, clock_w;
 
@@ -312,7 +314,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     if (aborted != Py_None || trace != Py_None) PASS;
     GET(waiting, s, s_waiting);
     GET(waiters, waiting, s__waiting);
-    if (!PyList_CheckExact(waiters) || PyList_GET_SIZE(waiters)) PASS; /* a waiting pull may go on: Python's */
+    if (!PyList_CheckExact(waiters)) PASS;
     for (Py_ssize_t j = 0; j < m.nkeys; j++) {
         PyObject *f = PyList_GET_ITEM(frames, j + 1);
         Key *k = &self->keys[entries[j]];
@@ -506,6 +508,16 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         }
     }
     if (!add_count(counters, s_pulls, 1)) goto error;
+    if (PyList_GET_SIZE(waiters)) { /* the requests this push lets go on, answered by Python (_release) */
+        others = PyObject_CallMethodOneArg(s, s__release, Py_None);
+        if (!others) goto error;
+        if (!PyList_CheckExact(others)) {
+            PyErr_SetString(PyExc_TypeError, "ShardServer._release gave no list");
+            goto error;
+        }
+        Py_XSETREF(gap_o, attr(s, s_max_clock_gap)); /* their pulls may have widened it */
+        if (!get_i64(gap_o, &gap)) goto error;
+    }
     if (m.has_clock && slowest >= 0 && (long long)m.clock - slowest > gap) {
         PyObject *v = PyLong_FromLongLong((long long)m.clock - slowest);
         int rc = v ? PyObject_SetAttr(s, s_max_clock_gap, v) : -1;
@@ -577,6 +589,10 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
             goto error;
         }
         PyList_SET_ITEM(result, 0, pair);
+        if (others && PyList_SetSlice(result, 1, 1, others) < 0) {
+            Py_CLEAR(result);
+            goto error;
+        }
     }
     self->taken++;
     goto done;
@@ -637,6 +653,7 @@ done:
     Py_XDECREF(rows);
     Py_XDECREF(read_at);
     Py_XDECREF(gap_o);
+    Py_XDECREF(others);
     return result;
 #undef GET
 #undef PASS
@@ -806,7 +823,7 @@ PyMODINIT_FUNC PyInit__compiled(void) {
                  {&s_weight_decay, "weight_decay"}, {&s_maximize, "maximize"}, {&s_clock, "clock"},
                  {&s_rule, "rule"},         {&s_rows, "rows"},         {&s__read_at, "_read_at"},
                  {&s_bytes_in, "bytes_in"}, {&s_bytes_out, "bytes_out"}, {&s_pushes, "pushes"},
-                 {&s_pulls, "pulls"},       {&s_updates, "updates"},   {&s_chunks, "chunks"},
+                 {&s_pulls, "pulls"},       {&s_updates, "updates"},   {&s_chunks, "chunks"}, {&s__release, "_release"},
                  {&s_state, "state"},       {&s_momentum_buffer, "momentum_buffer"},
                  {&s_dampening, "dampening"}, {&s_nesterov, "nesterov"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)

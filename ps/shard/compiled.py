@@ -3,10 +3,11 @@ and the optimizer is torch's SGD (ps/shard/_compiled.c, built with psar).
 
 Python's short path (ps.shard.fastpath) still makes about 90 calls a push+pull, each several
 times dearer on a core that has just slept in a poll than in a loop; with nothing done at all
-between its receive and its send, the shard's part of a 1 KiB push+pull fell from 130-220 to
-35-50 us. This path is one call: it reads the header's bytes without a dict, checks the keys
+between its receive and its send, the shard's part of a 1 KiB push+pull fell from 201-224 to
+35-86 us (docs/results.md). This path is one call: it reads the header's bytes without a dict, checks the keys
 against a table built here once, updates the keys' memory with SGD's arithmetic, counts and
-notes on the shard's own objects what the Python paths do, and writes the reply's header.
+notes on the shard's own objects what the Python paths do, and writes the reply's header
+(requests waiting that the push lets go on, ssp's pulls, it leaves to the shard's _release).
 Anything it does not take (another field, a failed check, a pull that would wait, a key a
 reply still points at, a key's first step with momentum, which makes its buffer) it leaves,
 unchanged, to the Python paths, which say what is wrong: tests/unit/test_shard_fastpath.py

@@ -56,6 +56,17 @@ def shard(mode, workers, optimizer, short, compiled_path=True):
     return server, taken
 
 
+def both_ways(a, b):
+    """A function giving one message to shard a and a copy to shard b, checking that both reply
+    alike, byte for byte; a's replies."""
+    def both(peer, frames):
+        copy = [f if isinstance(f, bytes) else memoryview(bytearray(f)) for f in frames]
+        ra, rb = a.handle(peer, frames), b.handle(peer, copy)
+        assert [(p, [bytes(f) for f in fs]) for p, fs in ra] == [(p, [bytes(f) for f in fs]) for p, fs in rb]
+        return ra
+    return both
+
+
 def frames_of(header, tensors):
     """A message as the transport hands it over: the header as bytes, tensors as writable views."""
     frames = encode(header, tensors)
@@ -127,11 +138,7 @@ def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optim
     b, _ = shard(mode, workers, OPTIMIZERS[optimizer], short=False)
     req = 0
 
-    def both(peer, frames):
-        copy = [f if isinstance(f, bytes) else memoryview(bytearray(f)) for f in frames]
-        ra, rb = a.handle(peer, frames), b.handle(peer, copy)
-        assert [(p, [bytes(f) for f in fs]) for p, fs in ra] == [(p, [bytes(f) for f in fs]) for p, fs in rb]
-        return ra
+    both = both_ways(a, b)
 
     for w in range(workers):
         both(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
@@ -251,10 +258,7 @@ def test_compiled_path_reads_mangled_headers_as_the_general_path(mode):
     a, _ = shard(mode, 2, OPTIMIZERS["sgd-decay"], short=True)
     b, _ = shard(mode, 2, OPTIMIZERS["sgd-decay"], short=False)
 
-    def both(peer, frames):
-        copy = [f if isinstance(f, bytes) else memoryview(bytearray(f)) for f in frames]
-        ra, rb = a.handle(peer, frames), b.handle(peer, copy)
-        assert [(p, [bytes(f) for f in fs]) for p, fs in ra] == [(p, [bytes(f) for f in fs]) for p, fs in rb]
+    both = both_ways(a, b)
 
     for w in range(2):
         both(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
@@ -318,3 +322,34 @@ def test_a_shard_with_a_compiled_path_is_collected():
     del server
     gc.collect()
     assert gone() is None
+
+
+def test_compiled_push_lets_a_waiting_ssp_pull_go_on():
+    """Under ssp a fast worker's pull waits for the slow one; the slow worker's push+pull,
+    taken by the compiled path, answers its own pull and lets the waiting one go on, with the
+    replies and state of a shard that reads everything the general way."""
+    if not compiled.available():
+        pytest.skip("ps.shard._compiled is not built")
+    a, _ = shard("ssp", 2, OPTIMIZERS["momentum"], short=True)
+    b, _ = shard("ssp", 2, OPTIMIZERS["momentum"], short=False)
+
+    both = both_ways(a, b)
+
+    def push_pull(w, req, step):
+        grads = [torch.randn(LAYOUT.keys[k].numel, dtype=torch.float64) for k in MINE]
+        return both(f"w{w}".encode(), frames_of({"op": "push", "worker": w, "req": req, "step": step,
+                                                 "version": a.version, "keys": MINE, "pull": 1, "clock": step + 1},
+                                                grads))
+
+    for w in range(2):
+        both(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
+    push_pull(0, 1, 0)
+    push_pull(1, 1, 0)  # momentum buffers made by the Python path, at each key's first step
+    push_pull(0, 2, 1)
+    assert push_pull(0, 3, 2) == [] and len(a.waiting) == 1  # clock 3, the slow worker's 1: it waits
+    taken = a._short.compiled.taken
+    replies = push_pull(1, 2, 1)
+    assert [peer for peer, _ in replies] == [b"w1", b"w0"] and a._short.compiled.taken == taken + 1
+    assert len(a.waiting) == 0 and a.stats() == b.stats()
+    for k in MINE:
+        assert torch.equal(a.chunks[k], b.chunks[k])
