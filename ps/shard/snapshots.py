@@ -7,6 +7,9 @@ written while a reply may point at it, and the former buffers are kept for reuse
 allocation of a large buffer costs its page faults on every update. The short path's replies
 (ps.shard.fastpath) point into a chunk through a numpy view of it kept from one reply to the
 next (reply_bytes), which whatever holds such a reply references, so own counts those too.
+The compiled path (ps.shard.compiled) writes a chunk without asking torch who holds it: it
+takes only keys whose kept view nothing else references and that no snapshot() reply was
+given since own() last looked (`lent`).
 """
 
 from __future__ import annotations
