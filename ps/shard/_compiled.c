@@ -24,6 +24,7 @@
 
 typedef struct {
     PyObject *obj;     /* the key id (int) */
+    uint64_t id;       /* the same, for the reply */
     Py_ssize_t nbytes; /* of its frame */
     int f64;           /* float64, else float32 */
     const char *dtype; /* its dtype's name, as the header says it */
@@ -69,7 +70,6 @@ typedef struct {
     int has_min_version, has_clock, has_lr;
     double lr;
     Py_ssize_t nkeys;
-    Py_ssize_t *entry; /* per key named, its entry of Path.keys */
 } Push;
 
 static int field_of(const char *s, Py_ssize_t n) {
@@ -168,10 +168,11 @@ static int get_i64(PyObject *o, long long *out) {
     return !overflow && !(*out == -1 && PyErr_Occurred());
 }
 
-/* d[name] += by; 0 with an error set. */
-static int add_count(PyObject *d, PyObject *name, long long by) {
-    long long now;
-    if (!get_i64(PyDict_GetItemWithError(d, name), &now)) {
+/* d[name] += by (a name d lacks counts from 0 where missing_ok); 0 with an error set. */
+static int add_to(PyObject *d, PyObject *name, long long by, int missing_ok) {
+    long long now = 0;
+    PyObject *was = PyDict_GetItemWithError(d, name);
+    if (!(was ? get_i64(was, &now) : missing_ok && !PyErr_Occurred())) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "counter %R is not an int", name);
         return 0;
     }
@@ -410,9 +411,9 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     mutated = 1;
     Py_ssize_t in_bytes = PyBytes_GET_SIZE(head);
     for (Py_ssize_t j = 0; j < m.nkeys; j++) in_bytes += grads[j].len;
-    if (!add_count(counters, s_bytes_in, in_bytes)) goto error;
+    if (!add_to(counters, s_bytes_in, in_bytes, 0)) goto error;
     {
-        PyObject *clock = PyObject_GetAttr(s, s_clock);
+        PyObject *clock = attr(s, s_clock);
         if (!clock) goto error;
         PyObject *now = PyObject_CallNoArgs(clock);
         Py_DECREF(clock);
@@ -424,20 +425,11 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     long long stale = version_s - (long long)m.version;
     {
         PyObject *st = PyLong_FromLongLong(stale);
-        if (!st) goto error;
-        long long had = 0;
-        PyObject *was = PyDict_GetItem(staleness, st);
-        if (was && !get_i64(was, &had)) {
-            Py_DECREF(st);
-            goto error;
-        }
-        PyObject *now = PyLong_FromLongLong(had + 1);
-        int rc = now ? PyDict_SetItem(staleness, st, now) : -1;
-        Py_XDECREF(now);
-        Py_DECREF(st);
-        if (rc < 0) goto error;
+        int ok = st && add_to(staleness, st, 1, 1);
+        Py_XDECREF(st);
+        if (!ok) goto error;
     }
-    if (!add_count(counters, s_pushes, 1)) goto error;
+    if (!add_to(counters, s_pushes, 1, 0)) goto error;
     Py_ssize_t live = self->num_workers - PyDict_GET_SIZE(lost);
     a.scale = self->mean ? 1.0 / (double)live : 1.0;
     a.scaled = a.scale != 1.0;
@@ -451,7 +443,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         Key *k = &self->keys[entries[j]];
         sgd(k->f64, values[j].buf, grads[j].buf, nbufs ? bufs[j].buf : NULL, (Py_ssize_t)k->numel, &a);
     }
-    if (!add_count(counters, s_updates, 1)) goto error;
+    if (!add_to(counters, s_updates, 1, 0)) goto error;
     /* Workers.note_keys, then the rule's bump where the step is complete */
     if (!done) {
         PyObject *fresh = PySet_New(NULL);
@@ -507,7 +499,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
             if (rc2 < 0) goto error;
         }
     }
-    if (!add_count(counters, s_pulls, 1)) goto error;
+    if (!add_to(counters, s_pulls, 1, 0)) goto error;
     if (PyList_GET_SIZE(waiters)) { /* the requests this push lets go on, answered by Python (_release) */
         others = PyObject_CallMethodOneArg(s, s__release, Py_None);
         if (!others) goto error;
@@ -533,22 +525,13 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     {
         Writer *o = &self->out;
         o->len = 0;
-        long long version_now = version_after;
-        if (save != Py_None) {
-            PyObject *v = attr(s, s_version);
-            int ok = get_i64(v, &version_now);
-            Py_XDECREF(v);
-            if (!ok) goto error;
-        }
         if (!wr_reserve(o, 16) || !(o->buf[o->len++] = 0x89, 1) || !WR_KEY(o, "v") || !wr_uint(o, self->version_tag) ||
             !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") || !wr_uint(o, m.worker) ||
-            !WR_KEY(o, "req") || !wr_uint(o, m.req) || !WR_KEY(o, "version") || !wr_uint(o, version_now) ||
+            !WR_KEY(o, "req") || !wr_uint(o, m.req) || !WR_KEY(o, "version") || !wr_uint(o, version_after) ||
             !WR_KEY(o, "keys") || !wr_array(o, m.nkeys))
             goto error;
-        for (Py_ssize_t j = 0; j < m.nkeys; j++) {
-            long long id = PyLong_AsLongLong(self->keys[entries[j]].obj);
-            if (!wr_uint(o, (uint64_t)id)) goto error;
-        }
+        for (Py_ssize_t j = 0; j < m.nkeys; j++)
+            if (!wr_uint(o, self->keys[entries[j]].id)) goto error;
         if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, m.nkeys))
             goto error;
         for (Py_ssize_t j = 0; j < m.nkeys; j++) {
@@ -576,7 +559,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
             PyList_SET_ITEM(out, j + 1, mv);
             out_bytes += self->keys[entries[j]].nbytes;
         }
-        if (!add_count(counters, s_bytes_out, out_bytes)) {
+        if (!add_to(counters, s_bytes_out, out_bytes, 0)) {
             Py_DECREF(out);
             goto error;
         }
@@ -700,6 +683,7 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
         k->dtype = name;
         k->f64 = f64;
         k->numel = numel;
+        k->id = (uint64_t)v;
         Py_INCREF(id);
         k->obj = id;
         if (v > self->max_id) self->max_id = v;
@@ -707,7 +691,7 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
     self->index = PyMem_Malloc((self->max_id + 1 > 0 ? self->max_id + 1 : 1) * sizeof(Py_ssize_t));
     if (!self->index) return PyErr_NoMemory(), -1;
     for (Py_ssize_t i = 0; i <= self->max_id; i++) self->index[i] = -1;
-    for (Py_ssize_t i = 0; i < n; i++) self->index[PyLong_AsSsize_t(self->keys[i].obj)] = i;
+    for (Py_ssize_t i = 0; i < n; i++) self->index[self->keys[i].id] = i;
     return 0;
 }
 

@@ -91,10 +91,9 @@ class SnapshotPool:
         when a reply is late (async, ssp, a slow link)."""
         chunk, array = self.chunks[k], self._arrays.get(k)
         replied = array is not None and sys.getrefcount(array) > 3  # beyond the dict's, this name's, the call's
+        self.lent.discard(k)  # looked at: either nothing else points at the chunk, or it moves to new memory
         if not replied and not in_use(chunk, kept=array is not None):
-            self.lent.discard(k)
             return False
-        self.lent.discard(k)  # moved: nothing else points at the new memory
         self._arrays.pop(k, None)  # a reply keeps the array, and through it the former memory
         spare = self._take((k, None))
         moved = spare.copy_(chunk.detach()) if spare is not None else chunk.detach().clone()
