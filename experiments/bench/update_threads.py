@@ -10,7 +10,8 @@ median update and the cores the process held over the run, gaps included (its CP
 the wall time). `python -m experiments.bench.update_threads MODE THREADS` runs the rows of
 every size, one after the other, and prints them as JSON lines: MODE torch (intra-op threads)
 or slices (torch on one thread, a key of at least 2 * MIN_SLICE_BYTES split over the shard's
-own threads).
+own threads, each slice updated by the shard's compiled kernel where it is built,
+ps.shard.compiled.fused_sgd, as a shard does).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, c
 
     import torch
 
-    from ps.shard.optim import sgd_step
+    from ps.shard.optim import _compiled_sgd, sgd_step
     from ps.shard.slices import SlicePool
 
     if mode not in MODES:
@@ -48,14 +49,15 @@ def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, c
     p = torch.zeros(nbytes // 4)
     p.grad = torch.ones_like(p)
     group = torch.optim.SGD([p], lr=1e-6).param_groups[0]  # a shard's SGD, as ps.shard.optim replays it
+    fused = _compiled_sgd() if mode == "slices" else None  # the shard's own way: its compiled kernel where built
     for _ in range(5):  # the threads started, the pages touched
-        sgd_step({}, group, [p], slices)
+        sgd_step({}, group, [p], slices, fused=fused)
     took = []
     cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(count):
         time.sleep(gap_s)
         start = time.perf_counter()
-        sgd_step({}, group, [p], slices)
+        sgd_step({}, group, [p], slices, fused=fused)
         took.append(time.perf_counter() - start)
     cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     if slices is not None:

@@ -751,21 +751,26 @@ static PyTypeObject PathType = {
 };
 
 /* sgd(values, grads, buffer or None, float64, lr, weight_decay, maximize, scale, momentum,
- * dampening, nesterov): the path's arithmetic on writable buffers of one dtype, for the check
- * against torch (compiled.py). */
+ * dampening, nesterov[, divisor]): the path's arithmetic on writable buffers of one dtype, for
+ * the check against torch and for the Python paths' updates (compiled.py). Above RELEASE_BYTES
+ * it lets other threads run meanwhile (a key updated in slices, ps.shard.slices). */
+#define RELEASE_BYTES (1 << 20)
+
 static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     Py_buffer p, g, b = {0};
     PyObject *buf;
     int f64;
     Step a = {0};
-    if (!PyArg_ParseTuple(args, "w*y*Opddpdddp", &p, &g, &buf, &f64, &a.lr, &a.wd, &a.maximize, &a.scale,
-                          &a.momentum, &a.dampening, &a.nesterov))
+    a.divisor = 1.0;
+    if (!PyArg_ParseTuple(args, "w*y*Opddpdddp|d", &p, &g, &buf, &f64, &a.lr, &a.wd, &a.maximize, &a.scale,
+                          &a.momentum, &a.dampening, &a.nesterov, &a.divisor))
         return NULL;
     if (buf != Py_None && PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&p);
         PyBuffer_Release(&g);
         return NULL;
     }
+    a.divided = a.divisor != 1.0;
     a.scaled = a.scale != 1.0;
     a.decay = a.wd != 0.0;
     Py_ssize_t size = f64 ? 8 : 4;
@@ -773,6 +778,13 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     if (p.len != g.len || p.len % size || (buf != Py_None && b.len != p.len)) {
         PyErr_SetString(PyExc_ValueError, "values, grads and buffer must be buffers of the same whole number of elements");
         result = NULL;
+    } else if (a.divided && a.scaled) {
+        PyErr_SetString(PyExc_ValueError, "a step divides the gradient or scales it, not both");
+        result = NULL;
+    } else if (p.len >= RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        sgd(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
+        Py_END_ALLOW_THREADS
     } else {
         sgd(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
     }
@@ -784,7 +796,7 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"sgd", py_sgd, METH_VARARGS, "The compiled path's SGD update of values by grads (for its check)."},
+    {"sgd", py_sgd, METH_VARARGS, "The compiled SGD update of values by grads (ps.shard.compiled)."},
     {NULL},
 };
 

@@ -30,7 +30,7 @@ import numpy
 import torch
 
 from ps.protocol_schema import _MAX_INT, PROTOCOL_VERSION
-from ps.shard.optim import _sgd_ops
+from ps.shard.sgd import sgd_ops
 from ps.shard.slices import MIN_SLICE_BYTES
 
 try:
@@ -79,14 +79,39 @@ def buffer_bytes(t: Any, nbytes: int, dtype: str) -> Any:
     return t.detach().numpy().view(numpy.uint8)
 
 
+def fused_sgd(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, h: tuple, divisor: int = 1) -> bool:
+    """SGD's step (ps.shard.sgd.sgd_ops; h: lr, weight_decay, maximize, momentum, dampening,
+    nesterov) on p with grad divided by divisor first, in one pass of the compiled arithmetic,
+    where the three are dense CPU tensors of one float dtype and size and the momentum buffer
+    exists (a first one is torch's to make): whether it took them. Where torch runs a sync
+    step's mean and momentum SGD as four passes over a key (the division, the buffer's
+    multiply and add, the update), this is one. Call it only where arithmetic_matches()."""
+    lr, weight_decay, maximize, momentum, dampening, nesterov = h
+    if (momentum != 0) != (buf is not None) or p.dtype not in _FLOATS or grad.dtype is not p.dtype \
+            or (buf is not None and buf.dtype is not p.dtype) or isinstance(lr, torch.Tensor):
+        return False
+    try:  # numpy() refuses another device, a sparse layout, a negated view or one that needs grad; sgd, buffers of
+        # other sizes or strides
+        _compiled.sgd(p.numpy(), grad.numpy(), None if buf is None else buf.numpy(),
+                      p.dtype is torch.float64, lr, weight_decay, maximize, 1.0, momentum, dampening, nesterov,
+                      divisor)
+    except (TypeError, RuntimeError, ValueError, BufferError):
+        return False  # nothing written: sgd checks every buffer before it writes
+    return True
+
+
+_FLOATS = (torch.float32, torch.float64)
+
+
 PROBE_SIZES = (1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 257, 1027)
 """Sizes of the probe: every tail length of a vector kernel up to 16 lanes, and longer runs."""
 
 
 def arithmetic_matches() -> bool:
-    """Whether the compiled SGD update leaves the bits torch's (the replay, ps.shard.optim._sgd_ops,
+    """Whether the compiled SGD update leaves the bits torch's (the replay, ps.shard.sgd.sgd_ops,
     which tests/unit/test_shard_optim.py holds to torch.optim.SGD) does, in float32 and float64,
-    with and without a scale, weight decay and maximize. Checked once a process."""
+    with and without a scale, a divisor (a sync step's mean), weight decay, maximize and
+    momentum. Checked once a process."""
     global _MATCHES
     if _MATCHES is None:
         _MATCHES = _compiled is not None and all(_probe(dtype, n, case) for dtype in (torch.float32, torch.float64)
@@ -95,25 +120,29 @@ def arithmetic_matches() -> bool:
 
 
 _MATCHES: bool | None = None
-_CASES = [(0.1, 0.0, False, 1.0, 0.0, 0.0, False), (1e-6, 0.0, False, 1.0 / 3, 0.0, 0.0, False),
-          (0.0137, 0.01, False, 1.0, 0.9, 0.0, False), (0.25, 0.003, True, 0.5, 0.0, 0.0, False),
-          (3.0, 0.0, True, 1.0 / 7, 0.0, 0.0, False), (0.05, 0.0, False, 0.25, 0.9, 0.1, False),
-          (0.02, 1e-4, False, 1.0, 0.95, 0.0, True), (0.3, 0.0, True, 1.0 / 3, 0.5, 0.2, True)]
-"""(lr, weight_decay, maximize, scale, momentum, dampening, nesterov)"""
+_CASES = [(0.1, 0.0, False, 1.0, 0.0, 0.0, False, 1), (1e-6, 0.0, False, 1.0 / 3, 0.0, 0.0, False, 1),
+          (0.0137, 0.01, False, 1.0, 0.9, 0.0, False, 1), (0.25, 0.003, True, 0.5, 0.0, 0.0, False, 1),
+          (3.0, 0.0, True, 1.0 / 7, 0.0, 0.0, False, 1), (0.05, 0.0, False, 0.25, 0.9, 0.1, False, 1),
+          (0.02, 1e-4, False, 1.0, 0.95, 0.0, True, 1), (0.3, 0.0, True, 1.0 / 3, 0.5, 0.2, True, 1),
+          (0.05, 0.0, False, 1.0, 0.9, 0.0, False, 2), (0.1, 1e-3, False, 1.0, 0.0, 0.0, False, 3),
+          (0.01, 5e-4, True, 1.0, 0.9, 0.1, True, 7), (0.2, 0.0, False, 1.0, 0.5, 0.0, False, 12),
+          (0.1, 0.0, True, 1.0, 0.0, 0.0, False, 3), (0.1, 0.0, True, 1.0, 0.0, 0.0, False, 1)]
+"""(lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor)"""
 
 
 def _probe(dtype: torch.dtype, n: int, case: tuple) -> bool:
     """A step of the compiled arithmetic against the replay's (with momentum: a second step, on
     the buffer the first made), bit for bit, values and buffer."""
-    lr, weight_decay, maximize, scale, momentum, dampening, nesterov = case
+    lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor = case
     gen = torch.Generator().manual_seed(n)
     p, g = torch.randn(n, generator=gen, dtype=dtype), torch.randn(n, generator=gen, dtype=dtype) * 3
     h = (lr, weight_decay, maximize, momentum, dampening, nesterov)
-    buf = _sgd_ops(p, torch.randn(n, generator=gen, dtype=dtype), None, h) if momentum else None
+    buf = sgd_ops(p, torch.randn(n, generator=gen, dtype=dtype), None, h) if momentum else None
     expected, got = p.clone(), p.clone()
     expected_buf, got_buf = (buf.clone(), buf.clone()) if buf is not None else (None, None)
-    _sgd_ops(expected, g * scale if scale != 1.0 else g, expected_buf, h)
+    given = g.clone().div_(divisor) if divisor != 1 else g
+    sgd_ops(expected, given * scale if scale != 1.0 else given, expected_buf, h)
     _compiled.sgd(got.numpy(), g.numpy(), got_buf.numpy() if got_buf is not None else None, dtype is torch.float64,
-                  lr, weight_decay, maximize, scale, momentum, dampening, nesterov)
+                  lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor)
     same = got.numpy().tobytes() == expected.numpy().tobytes()
     return same and (buf is None or got_buf.numpy().tobytes() == expected_buf.numpy().tobytes())

@@ -317,21 +317,22 @@ class SyncRule(Rule):
                  and k not in self._held and len(live & pushed[k]) >= needed]
         if ready and self.readied is not None:
             self.readied.update(ready)
-        given = []  # the averaged gradients of ready, in its order, for host.apply
+        given, divisors = [], []  # the gradients of ready, in its order, and what averages each, for host.apply
         for k in ready:
             count = len(self._pushed[k])
             if k in self._rows:  # every worker's rows, duplicates summed
                 parts = self._rows.pop(k)
                 grad = grad_of(host.chunks[k].shape, torch.cat([g for _, g in parts]),
                                torch.cat([i for i, _ in parts]), coalesced=len(parts) == 1)
-                grad = grad / count
+                grad, divisor = grad / count, 1
             else:
-                grad = self._sum.pop(k).reshape(host.chunks[k].shape).div_(count)
+                grad, divisor = self._sum.pop(k).reshape(host.chunks[k].shape), count
                 self.summing -= grad.numel() * grad.element_size()
             if self._step_hold:
-                self._held[k] = grad
+                self._held[k] = grad.div_(divisor) if divisor != 1 else grad
             else:
                 given.append(grad)
+                divisors.append(divisor)
         if self._step_hold:
             if ready and len(self._held) == len(host.keys):  # the step's gradient is complete here
                 self._sq[host.version] = float(sum(self._held[k].double().pow(2).sum() for k in host.keys))
@@ -339,7 +340,7 @@ class SyncRule(Rule):
         if ready:
             named = f"key {ready[0]}" if len(ready) == 1 else f"keys {ready[0]}..{ready[-1]} ({len(ready)})"
             host.apply(ready, lambda: f"update {named} (step {host.version}, {len(live)} workers)", count=False,
-                       lr=self._step_lr, grads=given)
+                       lr=self._step_lr, grads=given, divisors=divisors)
             self._updated.update(ready)
         if len(self._updated) == len(host.keys):
             self._end_step()

@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 import torch
 
+import ps.shard.compiled as compiled
 from ps.protocol_state import STATE_SLOTS
+from ps.shard.sgd import sgd_ops
 from ps.shard.slices import SlicePool
 
 SETUP_METHODS = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
@@ -55,50 +57,53 @@ def replays_sgd(optimizer: torch.optim.Optimizer) -> bool:
             and not group.get("differentiable"))
 
 
+Fused = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", tuple, int], bool]
+"""The compiled kernel (ps.shard.compiled.fused_sgd): sgd_ops on p, grad and buf with the
+gradient divided first, in one pass over the memory; False where it does not take them."""
+
+
 def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: SlicePool | None = None,
-             grads: list[torch.Tensor] | None = None) -> None:
+             grads: list[torch.Tensor] | None = None, divisors: list[int] | None = None,
+             fused: Fused | None = None) -> None:
     """torch.optim.SGD's step (its single-tensor loop, torch/optim/sgd.py) over params, op for
     op, so the same bits; without its per-call setup, which costs a small key more than the
     update (8 of 10 us for 1 KiB). The momentum buffers live in the optimizer's state, as
     torch keeps them (checkpoints are unchanged). With slices, a large dense key is updated
     in slices on the pool's threads (ps.shard.slices), the same ops on each. grads: each
-    param's gradient, in their order (None: each param's .grad)."""
+    param's gradient, in their order (None: each param's .grad). divisors: each gradient is
+    first divided by its own (torch's div_, in place: a sync step's sum of pushes becomes their
+    mean). fused: the compiled kernel, which does all of that in one pass where it can."""
     h = (group["lr"], group["weight_decay"], group["maximize"], group["momentum"], group["dampening"],
          group["nesterov"])
     for i, p in enumerate(params):
         grad = p.grad if grads is None else grads[i]
         if grad is None:
             continue
+        divisor = 1 if divisors is None else divisors[i]
         cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None else None
         if cuts is not None and len(cuts) > 2 and _flat(p, grad):
-            _sgd_slices(state, h, p, grad, slices, cuts)
+            _sgd_slices(state, h, p, grad, slices, cuts, divisor, fused)
             continue
         buf = state[p].get("momentum_buffer") if h[3] != 0 else None
-        made = _sgd_ops(p, grad, buf, h)
+        made = _sgd(p, grad, buf, h, divisor, fused)
         if made is not buf:  # a first momentum buffer
             state[p]["momentum_buffer"] = made
 
 
-def _sgd_ops(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, h: tuple, fill: bool = False):
-    """SGD's ops (torch's single-tensor loop) on p, a key or a slice of one, with its gradient
-    and its momentum buffer buf over the same span (None: none yet, and a clone of the
-    gradient is made); h: (lr, weight_decay, maximize, momentum, dampening, nesterov). fill:
-    buf is a first one, to be filled from the gradient. Returns the momentum buffer."""
-    lr, weight_decay, maximize, momentum, dampening, nesterov = h
-    if maximize:
-        grad = -grad
-    if weight_decay != 0:
-        grad = grad.add(p, alpha=weight_decay)
-    if momentum != 0:
-        if buf is None:
-            buf = grad.detach().clone()
-        elif fill:
-            buf.copy_(grad)
-        else:
-            buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-        grad = grad.add(buf, alpha=momentum) if nesterov else buf
-    p.add_(grad, alpha=-lr)
-    return buf
+def _sgd(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, h: tuple, divisor: int = 1,
+         fused: Fused | None = None, fill: bool = False):
+    """sgd_ops with the gradient divided by divisor first: the compiled kernel where it takes
+    them, else torch's ops. Returns the momentum buffer."""
+    if fused is not None and not fill and fused(p, grad, buf, h, divisor):
+        return buf
+    if divisor != 1:
+        grad = grad.div_(divisor)
+    return sgd_ops(p, grad, buf, h, fill)
+
+
+def _compiled_sgd() -> Fused | None:
+    """The compiled kernel where it is built and rounds as torch does (ps.shard.compiled); None."""
+    return compiled.fused_sgd if compiled.available() and compiled.arithmetic_matches() else None
 
 
 def _flat(p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -108,15 +113,16 @@ def _flat(p: torch.Tensor, grad: torch.Tensor) -> bool:
 
 
 def _sgd_slices(state: dict, h: tuple, p: torch.Tensor, grad: torch.Tensor, slices: SlicePool,
-                cuts: list[int]) -> None:
-    """_sgd_ops on each slice of one key, on a thread of its own: elementwise, so the whole
+                cuts: list[int], divisor: int = 1, fused: Fused | None = None) -> None:
+    """_sgd on each slice of one key, on a thread of its own: elementwise, so the whole
     key's bits. A first momentum buffer is made whole, filled slice by slice, and kept once
     every slice has filled it."""
     values, buf = p.detach(), state[p].get("momentum_buffer") if h[3] != 0 else None
     fresh = h[3] != 0 and buf is None
     if fresh:
         buf = torch.empty_like(grad)
-    slices.run(lambda a, b: _sgd_ops(values[a:b], grad[a:b], None if buf is None else buf[a:b], h, fresh), cuts)
+    slices.run(lambda a, b: _sgd(values[a:b], grad[a:b], None if buf is None else buf[a:b], h, divisor, fused,
+                                 fresh), cuts)
     if fresh:
         state[p]["momentum_buffer"] = buf
 
@@ -151,6 +157,7 @@ class ShardOptimizer:
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
         self._sgd = on_cpu and replays_sgd(self.optimizer)
+        self._fused = _compiled_sgd() if self._sgd else None
         group = self._group
         self._elementwise = (on_cpu and type(self.optimizer) in ELEMENTWISE and self._step is not None
                              and not group.get("foreach") and not group.get("fused") and not group.get("capturable"))
@@ -178,17 +185,20 @@ class ShardOptimizer:
         """Whether a step replays torch's SGD (sgd_step), which takes gradients as they are given."""
         return self._sgd and not isinstance(self._group["lr"], torch.Tensor)
 
-    def step(self, keys, lr: float | None = None, grads: list[torch.Tensor] | None = None) -> None:
+    def step(self, keys, lr: float | None = None, grads: list[torch.Tensor] | None = None,
+             divisors: list[int] | None = None) -> None:
         """One optimizer step over the chunks of `keys` (their .grad set, or grads given, one a
-        key shaped as its chunk: only where the step replays SGD), with learning rate lr (None:
-        the group's own; a given one stays the group's, as a scheduler leaves it)."""
+        key shaped as its chunk, and divisors of them: only where the step replays SGD), with
+        learning rate lr (None: the group's own; a given one stays the group's, as a scheduler
+        leaves it)."""
         if lr is not None:
             self._group["lr"] = lr
         group = self._group
         if self.replays:
-            sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices, grads)
+            sgd_step(self.optimizer.state, group, [self.chunks[k] for k in keys], self._slices, grads, divisors,
+                     self._fused)
             return
-        if grads is not None:
+        if grads is not None or divisors is not None:
             raise ValueError("gradients are given to a step only where it replays SGD (ShardOptimizer.replays)")
         if self._slices is not None and self._elementwise and not isinstance(group["lr"], torch.Tensor):
             keys = self._step_large(keys)

@@ -397,15 +397,21 @@ class ShardServer(ShardState):
     # -- state ---------------------------------------------------------------------------------
 
     def apply(self, keys: Sequence[int], label: Callable[[], str] | str, count: bool = True,
-              lr: float | None = None, *, grads: Sequence[torch.Tensor]) -> None:
+              lr: float | None = None, *, grads: Sequence[torch.Tensor], divisors: list[int] | None = None) -> None:
         """One optimizer step over the chunks of `keys` with grads, one a key, each shaped as
         its chunk, at learning rate lr (None: the optimizer's). count: it is an update of the
         shard (the counter). label: the trace's name for it, or a function giving it (called
-        only with a trace: a push's update does not format its name). SGD's replay
-        (ps.shard.optim.sgd_step) takes the grads as they are; other steps read them as the
-        chunks' .grad, set here and cleared after (which cost a 1 KiB key's update 14 of its
-        73 us on a core that had just slept)."""
+        only with a trace: a push's update does not format its name). divisors: each gradient
+        is divided by its own first, in place (a sync step's sum of pushes becomes their mean).
+        SGD's replay (ps.shard.optim.sgd_step) takes the grads as they are, and the divisors
+        into its pass over each key; other steps read them as the chunks' .grad, set here and
+        cleared after (which cost a 1 KiB key's update 14 of its 73 us on a core that had
+        just slept)."""
         start = time.time() if self.trace is not None else 0.0
+        dense = self.sparse_keys.isdisjoint(keys)
+        if divisors is not None and not (dense and self.optimizer.replays and self.pulls is None):
+            grads = [g.div_(d) if d != 1 else g for g, d in zip(grads, divisors)]
+            divisors = None
         if self.pulls is not None:  # the update applies what its pull will carry
             began = time.perf_counter()
             grads = [self.pulls.compress(k, g.reshape(-1), self.version + 1).view_as(self.chunks[k])
@@ -414,9 +420,8 @@ class ShardServer(ShardState):
         for k in keys:
             if self.snapshots.own(k):  # a reply still pointed at it: copied first
                 self.counters["moved_keys"] += 1
-        dense = self.sparse_keys.isdisjoint(keys)
         if dense and self.optimizer.replays:
-            self.optimizer.step(keys, lr, grads)
+            self.optimizer.step(keys, lr, grads, divisors)
         else:
             for k, g in zip(keys, grads):
                 self.chunks[k].grad = g

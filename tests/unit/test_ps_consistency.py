@@ -29,8 +29,10 @@ class FakeHost:
         self.counters = dict(updates=0, row_collisions=0)
         self.applied = []  # (keys, {key: grad}, lr)
 
-    def apply(self, keys, label, count=True, lr=None, grads=None):
+    def apply(self, keys, label, count=True, lr=None, grads=None, divisors=None):
         assert grads is not None and len(grads) == len(keys), "a rule gives the gradients of the keys it applies"
+        if divisors is not None:  # as ShardServer.apply: each gradient divided by its own
+            grads = [g / d for g, d in zip(grads, divisors)]
         self.applied.append((list(keys), dict(zip(keys, grads)), lr))
         self.counters["updates"] += int(count)
 

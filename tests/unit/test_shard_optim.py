@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ps.shard import compiled
 from ps.shard.optim import ShardOptimizer
 
 OPTIMIZERS = {
@@ -166,3 +167,56 @@ def test_only_sgds_replay_takes_gradients_as_given():
     assert not shard.replays
     with pytest.raises(ValueError, match="replays SGD"):
         shard.step([0], grads=[torch.ones_like(values[0])])
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n.startswith("sgd")])
+def test_a_sync_steps_sum_divided_in_the_update_is_torchs_mean_bit_for_bit(name, kernel):
+    """A sync step hands its sum of pushes and their count (ShardServer.apply's divisors): the
+    same bits and state as torch.optim.SGD on the mean (torch's div_), whether the compiled
+    kernel divides in its one pass or torch's ops run."""
+    if kernel == "compiled" and not compiled.available():
+        pytest.skip("ps.shard._compiled is not built")
+    make = OPTIMIZERS[name]
+    ours, theirs = chunks(0), chunks(0)
+    shard, reference = ShardOptimizer(make, ours), make(list(theirs.values()))
+    if kernel == "torch":
+        shard._fused = None
+    assert (shard._fused is not None) == (kernel == "compiled")
+    torch.manual_seed(4)
+    for keys, count in (([0, 1, 2, 3], 2), ([3, 1], 3), ([0, 2], 7), ([0, 1, 2, 3], 12)):
+        sums = [torch.randn_like(theirs[k]) * count for k in keys]
+        for k, s in zip(keys, sums):
+            theirs[k].grad = s.clone().div_(count)
+        shard.step(keys, grads=sums, divisors=[count] * len(keys))
+        reference.step()
+        for t in theirs.values():
+            t.grad = None
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), (name, k)
+    for i, s in reference.state_dict()["state"].items():
+        assert torch.equal(shard.optimizer.state_dict()["state"][i]["momentum_buffer"], s["momentum_buffer"])
+
+
+@pytest.mark.skipif(not compiled.available(), reason="ps.shard._compiled is not built")
+def test_the_compiled_kernel_takes_only_dense_alike_tensors_and_leaves_the_rest_unwritten():
+    h = (0.1, 0.0, False, 0.9, 0.0, False)
+    p, g, buf = torch.ones(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)
+    refused = {
+        "a strided gradient": (p, torch.ones(16, dtype=torch.float64)[::2], buf),
+        "another dtype": (p, torch.ones(8), buf),
+        "another size": (p, torch.ones(9, dtype=torch.float64), buf),
+        "no momentum buffer yet": (p, g, None),
+        "a buffer of another size": (p, g, torch.ones(4, dtype=torch.float64)),
+        "a gradient that needs grad": (p, torch.ones(8, dtype=torch.float64, requires_grad=True), buf),
+        "a negated view": (p, torch.ones(8, dtype=torch.float64)._neg_view(), buf),
+        "a sparse gradient": (p, torch.ones(8, dtype=torch.float64).to_sparse(), buf),
+        "an integer key": (torch.ones(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64), None),
+    }
+    for why, (values, grad, momentum) in refused.items():
+        before = (values.clone(), None if momentum is None else momentum.clone())
+        assert not compiled.fused_sgd(values, grad, momentum, h if why != "an integer key" else (0.1, 0, False, 0, 0, False)), why
+        assert torch.equal(values, before[0]) and (momentum is None or torch.equal(momentum, before[1])), why
+    assert compiled.fused_sgd(p, g, buf, h, 2)
+    assert torch.equal(buf, torch.full((8,), 0.9 + 0.5, dtype=torch.float64))
+    assert torch.equal(p, torch.full((8,), 1 - 0.1 * (0.9 + 0.5), dtype=torch.float64))
