@@ -114,7 +114,7 @@ def arithmetic_matches() -> bool:
     momentum. Checked once a process."""
     global _MATCHES
     if _MATCHES is None:
-        _MATCHES = _compiled is not None and all(_probe(dtype, n, case) for dtype in (torch.float32, torch.float64)
+        _MATCHES = _compiled is not None and all(_probe(draws, n, case) for draws in map(_draws, _FLOATS)
                                                  for n in PROBE_SIZES for case in _CASES)
     return _MATCHES
 
@@ -130,19 +130,28 @@ _CASES = [(0.1, 0.0, False, 1.0, 0.0, 0.0, False, 1), (1e-6, 0.0, False, 1.0 / 3
 """(lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor)"""
 
 
-def _probe(dtype: torch.dtype, n: int, case: tuple) -> bool:
+def _draws(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The probe's values, gradients and first gradients (for a momentum buffer) of dtype, of
+    the largest size: each probe takes the first n of them (drawn once, not for each case)."""
+    gen = torch.Generator().manual_seed(0)
+    n = max(PROBE_SIZES)
+    return torch.randn(n, generator=gen, dtype=dtype), torch.randn(n, generator=gen, dtype=dtype) * 3, \
+        torch.randn(n, generator=gen, dtype=dtype)
+
+
+def _probe(draws: tuple[torch.Tensor, ...], n: int, case: tuple) -> bool:
     """A step of the compiled arithmetic against the replay's (with momentum: a second step, on
     the buffer the first made), bit for bit, values and buffer."""
     lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor = case
-    gen = torch.Generator().manual_seed(n)
-    p, g = torch.randn(n, generator=gen, dtype=dtype), torch.randn(n, generator=gen, dtype=dtype) * 3
+    values, g, first = (t[:n] for t in draws)
     h = (lr, weight_decay, maximize, momentum, dampening, nesterov)
-    buf = sgd_ops(p, torch.randn(n, generator=gen, dtype=dtype), None, h) if momentum else None
+    p = values.clone()
+    buf = sgd_ops(p, first, None, h) if momentum else None
     expected, got = p.clone(), p.clone()
     expected_buf, got_buf = (buf.clone(), buf.clone()) if buf is not None else (None, None)
-    given = g.clone().div_(divisor) if divisor != 1 else g
+    given = g.div(divisor) if divisor != 1 else g
     sgd_ops(expected, given * scale if scale != 1.0 else given, expected_buf, h)
-    _compiled.sgd(got.numpy(), g.numpy(), got_buf.numpy() if got_buf is not None else None, dtype is torch.float64,
-                  lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor)
+    _compiled.sgd(got.numpy(), g.numpy(), got_buf.numpy() if got_buf is not None else None,
+                  g.dtype is torch.float64, lr, weight_decay, maximize, scale, momentum, dampening, nesterov, divisor)
     same = got.numpy().tobytes() == expected.numpy().tobytes()
     return same and (buf is None or got_buf.numpy().tobytes() == expected_buf.numpy().tobytes())

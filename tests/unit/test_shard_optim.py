@@ -4,6 +4,7 @@ checkpoint as per-key state dicts."""
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -220,3 +221,27 @@ def test_the_compiled_kernel_takes_only_dense_alike_tensors_and_leaves_the_rest_
     assert compiled.fused_sgd(p, g, buf, h, 2)
     assert torch.equal(buf, torch.full((8,), 0.9 + 0.5, dtype=torch.float64))
     assert torch.equal(p, torch.full((8,), 1 - 0.1 * (0.9 + 0.5), dtype=torch.float64))
+
+
+@pytest.mark.skipif(not compiled.available(), reason="ps.shard._compiled is not built")
+def test_a_kernel_that_rounds_otherwise_on_one_tail_is_not_used(monkeypatch):
+    """The probe (compiled.arithmetic_matches) compares every tail length: a kernel off by one
+    bit in the last element of 17, divided steps only, is caught, and a shard's optimizer
+    then keeps to torch's ops."""
+    real = compiled._compiled
+
+    class OffByABit:
+        Path = real.Path
+
+        @staticmethod
+        def sgd(values, grads, buf, f64, *args):
+            real.sgd(values, grads, buf, f64, *args)
+            if values.size == 17 and args[-1] != 1:
+                values.view(numpy.uint8)[-1] ^= 1  # the last element's highest byte: one bit
+
+    monkeypatch.setattr(compiled, "_MATCHES", None)
+    assert compiled.arithmetic_matches()
+    monkeypatch.setattr(compiled, "_compiled", OffByABit)
+    monkeypatch.setattr(compiled, "_MATCHES", None)
+    assert not compiled.arithmetic_matches()
+    assert ShardOptimizer(OPTIMIZERS["sgd-momentum"], chunks(0))._fused is None
