@@ -756,6 +756,12 @@ static PyTypeObject PathType = {
  * it lets other threads run meanwhile (a key updated in slices, ps.shard.slices). */
 #define RELEASE_BYTES (1 << 20)
 
+/* Whether two buffers' bytes overlap (the arithmetic's pointers are restrict). */
+static int overlap(const Py_buffer *x, const Py_buffer *y) {
+    const char *a = x->buf, *b = y->buf;
+    return a < b + y->len && b < a + x->len;
+}
+
 static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     Py_buffer p, g, b = {0};
     PyObject *buf;
@@ -777,6 +783,9 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     PyObject *result = Py_None;
     if (p.len != g.len || p.len % size || (buf != Py_None && b.len != p.len)) {
         PyErr_SetString(PyExc_ValueError, "values, grads and buffer must be buffers of the same whole number of elements");
+        result = NULL;
+    } else if (overlap(&p, &g) || (buf != Py_None && (overlap(&p, &b) || overlap(&g, &b)))) {
+        PyErr_SetString(PyExc_ValueError, "values, grads and buffer must not share memory");
         result = NULL;
     } else if (a.divided && a.scaled) {
         PyErr_SetString(PyExc_ValueError, "a step divides the gradient or scales it, not both");

@@ -55,10 +55,10 @@ class Host(Protocol):
     counters: dict[str, int]  # a rule counts "updates", "row_collisions" and "dropped_keys"
 
     def apply(self, keys: Sequence[int], label: Callable[[], str] | str, count: bool = True,
-              lr: float | None = None, *, grads: Sequence[torch.Tensor]) -> None:
+              lr: float | None = None, *, grads: Sequence[torch.Tensor], divisors: list[int] | None = None) -> None:
         """One optimizer step over the chunks of keys with grads, one a key, each shaped as its
-        chunk (label: what a trace calls it, or a function that says, called only where there
-        is a trace)."""
+        chunk, each divided by its divisor first where given (label: what a trace calls it, or
+        a function that says, called only where there is a trace)."""
 
     def bump(self) -> None:
         """The version goes up by one."""

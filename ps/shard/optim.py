@@ -71,8 +71,9 @@ def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: Slice
     torch keeps them (checkpoints are unchanged). With slices, a large dense key is updated
     in slices on the pool's threads (ps.shard.slices), the same ops on each. grads: each
     param's gradient, in their order (None: each param's .grad). divisors: each gradient is
-    first divided by its own (torch's div_, in place: a sync step's sum of pushes becomes their
-    mean). fused: the compiled kernel, which does all of that in one pass where it can."""
+    first divided by its own (torch's div_: a sync step's sum of pushes becomes their mean).
+    fused: the compiled kernel, which does all of that in one pass where it can, leaving the
+    gradient as it was (torch's ops divide it in place: afterwards it holds either)."""
     h = (group["lr"], group["weight_decay"], group["maximize"], group["momentum"], group["dampening"],
          group["nesterov"])
     for i, p in enumerate(params):

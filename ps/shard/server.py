@@ -402,7 +402,8 @@ class ShardServer(ShardState):
         its chunk, at learning rate lr (None: the optimizer's). count: it is an update of the
         shard (the counter). label: the trace's name for it, or a function giving it (called
         only with a trace: a push's update does not format its name). divisors: each gradient
-        is divided by its own first, in place (a sync step's sum of pushes becomes their mean).
+        is divided by its own first (a sync step's sum of pushes becomes their mean); what the
+        gradients hold after the call is undefined (divided in place, or not).
         SGD's replay (ps.shard.optim.sgd_step) takes the grads as they are, and the divisors
         into its pass over each key; other steps read them as the chunks' .grad, set here and
         cleared after (which cost a 1 KiB key's update 14 of its 73 us on a core that had

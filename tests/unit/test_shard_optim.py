@@ -170,22 +170,30 @@ def test_only_sgds_replay_takes_gradients_as_given():
         shard.step([0], grads=[torch.ones_like(values[0])])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kernel", ["compiled", "torch"])
 @pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n.startswith("sgd")])
-def test_a_sync_steps_sum_divided_in_the_update_is_torchs_mean_bit_for_bit(name, kernel):
+def test_a_sync_steps_sum_divided_in_the_update_is_torchs_mean_bit_for_bit(name, kernel, dtype):
     """A sync step hands its sum of pushes and their count (ShardServer.apply's divisors): the
     same bits and state as torch.optim.SGD on the mean (torch's div_), whether the compiled
-    kernel divides in its one pass or torch's ops run."""
+    kernel divides in its one pass (and it does, every step after a key's first) or torch's
+    ops run; keys of 5 to 8 elements and of 3000 (whole vectors and a tail)."""
     if kernel == "compiled" and not compiled.available():
         pytest.skip("ps.shard._compiled is not built")
     make = OPTIMIZERS[name]
-    ours, theirs = chunks(0), chunks(0)
+    torch.manual_seed(0)
+    ours = {k: torch.randn(n, dtype=dtype) for k, n in enumerate((5, 6, 8, 3000))}
+    theirs = {k: t.clone() for k, t in ours.items()}
     shard, reference = ShardOptimizer(make, ours), make(list(theirs.values()))
+    took = []
     if kernel == "torch":
         shard._fused = None
-    assert (shard._fused is not None) == (kernel == "compiled")
+    else:
+        kernel_fn = shard._fused
+        shard._fused = lambda *args: took.append(kernel_fn(*args)) or took[-1]
     torch.manual_seed(4)
-    for keys, count in (([0, 1, 2, 3], 2), ([3, 1], 3), ([0, 2], 7), ([0, 1, 2, 3], 12)):
+    steps = (([0, 1, 2, 3], 2), ([3, 1], 3), ([0, 2], 7), ([0, 1, 2, 3], 12), ([0, 1, 2, 3], 1))
+    for keys, count in steps:
         sums = [torch.randn_like(theirs[k]) * count for k in keys]
         for k, s in zip(keys, sums):
             theirs[k].grad = s.clone().div_(count)
@@ -197,12 +205,16 @@ def test_a_sync_steps_sum_divided_in_the_update_is_torchs_mean_bit_for_bit(name,
         assert torch.equal(ours[k], theirs[k]), (name, k)
     for i, s in reference.state_dict()["state"].items():
         assert torch.equal(shard.optimizer.state_dict()["state"][i]["momentum_buffer"], s["momentum_buffer"])
+    if kernel == "compiled":  # a key's first momentum step makes its buffer with torch's ops
+        first = 4 if "momentum" in name or "nesterov" in name or "dampening" in name else 0
+        assert took.count(True) == sum(len(keys) for keys, _ in steps) - first and took.count(False) == first
 
 
 @pytest.mark.skipif(not compiled.available(), reason="ps.shard._compiled is not built")
 def test_the_compiled_kernel_takes_only_dense_alike_tensors_and_leaves_the_rest_unwritten():
     h = (0.1, 0.0, False, 0.9, 0.0, False)
     p, g, buf = torch.ones(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)
+    shared = torch.arange(9, dtype=torch.float64)
     refused = {
         "a strided gradient": (p, torch.ones(16, dtype=torch.float64)[::2], buf),
         "another dtype": (p, torch.ones(8), buf),
@@ -213,6 +225,7 @@ def test_the_compiled_kernel_takes_only_dense_alike_tensors_and_leaves_the_rest_
         "a negated view": (p, torch.ones(8, dtype=torch.float64)._neg_view(), buf),
         "a sparse gradient": (p, torch.ones(8, dtype=torch.float64).to_sparse(), buf),
         "an integer key": (torch.ones(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64), None),
+        "a gradient over the values": (shared[:8], shared[1:], buf),
     }
     for why, (values, grad, momentum) in refused.items():
         before = (values.clone(), None if momentum is None else momentum.clone())
