@@ -39,7 +39,7 @@ def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, c
 
     import torch
 
-    from ps.shard.optim import _compiled_sgd, sgd_step
+    from ps.shard.optim import compiled_sgd, sgd_step
     from ps.shard.slices import SlicePool
 
     if mode not in MODES:
@@ -49,7 +49,7 @@ def one_row(mode: str, threads: int, nbytes: int, gap_s: float = UPDATE_GAP_S, c
     p = torch.zeros(nbytes // 4)
     p.grad = torch.ones_like(p)
     group = torch.optim.SGD([p], lr=1e-6).param_groups[0]  # a shard's SGD, as ps.shard.optim replays it
-    fused = _compiled_sgd() if mode == "slices" else None  # the shard's own way: its compiled kernel where built
+    fused = compiled_sgd() if mode == "slices" else None  # the shard's own way: its compiled kernel where built
     for _ in range(5):  # the threads started, the pages touched
         sgd_step({}, group, [p], slices, fused=fused)
     took = []

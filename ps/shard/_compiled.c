@@ -362,14 +362,13 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     GET(optimizer, s, s_optimizer);
     GET(group, optimizer, s__group);
     if (!PyDict_CheckExact(group)) PASS;
-    Step a = {0};
+    Step a = {.divisor = 1.0, .scale = 1.0};
     if (!number(PyDict_GetItem(group, s_lr), &a.lr, 1) || !number(PyDict_GetItem(group, s_momentum), &a.momentum, 0) ||
         !number(PyDict_GetItem(group, s_weight_decay), &a.wd, 0) ||
         !number(PyDict_GetItem(group, s_dampening), &a.dampening, 0) ||
         !flag(PyDict_GetItem(group, s_maximize), &a.maximize) || !flag(PyDict_GetItem(group, s_nesterov), &a.nesterov))
         PASS;
     if (m.has_lr) a.lr = m.lr;
-    a.decay = a.wd != 0.0;
     if (a.momentum != 0.0 && !momentum_buffers(self, s, optimizer, &m, entries, bufs, &nbufs)) {
         if (PyErr_Occurred()) goto error;
         PASS;
@@ -432,7 +431,6 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     if (!add_to(counters, s_pushes, 1, 0)) goto error;
     Py_ssize_t live = self->num_workers - PyDict_GET_SIZE(lost);
     a.scale = self->mean ? 1.0 / (double)live : 1.0;
-    a.scaled = a.scale != 1.0;
     if (m.has_lr) {
         PyObject *v = PyFloat_FromDouble(m.lr);
         int rc = v ? PyDict_SetItem(group, s_lr, v) : -1;
@@ -766,8 +764,7 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     Py_buffer p, g, b = {0};
     PyObject *buf;
     int f64;
-    Step a = {0};
-    a.divisor = 1.0;
+    Step a = {.divisor = 1.0};
     if (!PyArg_ParseTuple(args, "w*y*Opddpdddp|d", &p, &g, &buf, &f64, &a.lr, &a.wd, &a.maximize, &a.scale,
                           &a.momentum, &a.dampening, &a.nesterov, &a.divisor))
         return NULL;
@@ -776,9 +773,6 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
         PyBuffer_Release(&g);
         return NULL;
     }
-    a.divided = a.divisor != 1.0;
-    a.scaled = a.scale != 1.0;
-    a.decay = a.wd != 0.0;
     Py_ssize_t size = f64 ? 8 : 4;
     PyObject *result = Py_None;
     if (p.len != g.len || p.len % size || (buf != Py_None && b.len != p.len)) {
@@ -787,15 +781,13 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     } else if (overlap(&p, &g) || (buf != Py_None && (overlap(&p, &b) || overlap(&g, &b)))) {
         PyErr_SetString(PyExc_ValueError, "values, grads and buffer must not share memory");
         result = NULL;
-    } else if (a.divided && a.scaled) {
+    } else if (a.divisor != 1.0 && a.scale != 1.0) {
         PyErr_SetString(PyExc_ValueError, "a step divides the gradient or scales it, not both");
         result = NULL;
-    } else if (p.len >= RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        sgd(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
-        Py_END_ALLOW_THREADS
     } else {
+        PyThreadState *released = p.len >= RELEASE_BYTES ? PyEval_SaveThread() : NULL;
         sgd(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
+        if (released) PyEval_RestoreThread(released);
     }
     PyBuffer_Release(&p);
     PyBuffer_Release(&g);

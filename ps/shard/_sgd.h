@@ -4,9 +4,10 @@
 #include <Python.h>
 #include <math.h>
 
+/* A step's settings: a divisor or a scale of 1 and a weight decay of 0 are none. */
 typedef struct {
     double divisor, scale, wd, lr, momentum, dampening;
-    int divided, scaled, maximize, decay, nesterov;
+    int maximize, nesterov;
 } Step;
 
 /* One step of torch.optim.SGD's single-tensor loop, as torch's CPU kernels round it:
@@ -55,18 +56,19 @@ enum { MOM_NONE, MOM_PLAIN, MOM_NESTEROV };
     SGD_CASE(NAME, PRE, DECAY, MOM_PLAIN) SGD_CASE(NAME, PRE, DECAY, MOM_NESTEROV)
 #define SGD_CASES(NAME, PRE) SGD_CASES_MODE(NAME, PRE, 0) SGD_CASES_MODE(NAME, PRE, 1)
 
-/* The step; a->divided and a->scaled are not both set (py_sgd refuses it; the path scales). */
+/* The step; not both a divisor and a scale (py_sgd refuses it; the path scales). */
 #define SGD_FN(NAME, T, FMA, ATTR)                                                             \
     SGD_LOOP(NAME, T, FMA, ATTR)                                                               \
     ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict buf, Py_ssize_t n,    \
                           const Step *a) {                                                     \
         const T wd = (T)a->wd, neg_lr = (T)(-a->lr), mom = (T)a->momentum,                     \
                 damp = (T)(1.0 - a->dampening);                                                \
-        const int pre = a->divided ? PRE_DIV : a->scaled ? PRE_MUL : a->maximize ? PRE_NEG : PRE_NONE; \
-        T c = a->divided ? (T)a->divisor : (T)a->scale;                                        \
+        const int divided = a->divisor != 1.0, scaled = a->scale != 1.0;                      \
+        const int pre = divided ? PRE_DIV : scaled ? PRE_MUL : a->maximize ? PRE_NEG : PRE_NONE; \
+        T c = divided ? (T)a->divisor : (T)a->scale;                                           \
         if (a->maximize) c = -c;                                                               \
         const int mode = buf == NULL ? MOM_NONE : a->nesterov ? MOM_NESTEROV : MOM_PLAIN;      \
-        switch (pre * 6 + (a->decay != 0) * 3 + mode) {                                        \
+        switch (pre * 6 + (a->wd != 0.0) * 3 + mode) {                                         \
             SGD_CASES(NAME, PRE_NONE) SGD_CASES(NAME, PRE_NEG)                                 \
             SGD_CASES(NAME, PRE_MUL) SGD_CASES(NAME, PRE_DIV)                                  \
         }                                                                                      \

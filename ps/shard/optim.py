@@ -102,7 +102,7 @@ def _sgd(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, h: tuple
     return sgd_ops(p, grad, buf, h, fill)
 
 
-def _compiled_sgd() -> Fused | None:
+def compiled_sgd() -> Fused | None:
     """The compiled kernel where it is built and rounds as torch does (ps.shard.compiled); None."""
     return compiled.fused_sgd if compiled.available() and compiled.arithmetic_matches() else None
 
@@ -158,7 +158,7 @@ class ShardOptimizer:
         differentiable = self.optimizer.defaults.get("differentiable", False)
         self._step = None if differentiable else inspect.unwrap(type(self.optimizer).step)
         self._sgd = on_cpu and replays_sgd(self.optimizer)
-        self._fused = _compiled_sgd() if self._sgd else None
+        self._fused = compiled_sgd() if self._sgd else None
         group = self._group
         self._elementwise = (on_cpu and type(self.optimizer) in ELEMENTWISE and self._step is not None
                              and not group.get("foreach") and not group.get("fused") and not group.get("capturable"))
