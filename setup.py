@@ -1,10 +1,12 @@
-"""psar's metadata is in setup.cfg; this adds its one compiled module, the shard's push+pull
-path (ps/shard/_compiled.c; ps/shard/compiled.py). It is optional: where it does not build
-(no C compiler, no Python headers), psar installs without it and its shards take the Python
-paths."""
+"""psar's metadata is in setup.cfg; this adds its two compiled modules, the shard's push+pull
+path (ps/shard/_compiled.c; ps/shard/compiled.py) and the worker's lane (ps/_client.c;
+ps/client_compiled.py). They are optional: where they do not build (no C compiler, no Python
+headers), psar installs without them and its shards and workers take the Python paths."""
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ps.shard._compiled", ["ps/shard/_compiled.c"], optional=True,
                              depends=["ps/shard/_msgpack.h", "ps/shard/_sgd.h"],
-                             extra_compile_args=["-O3", "-ffp-contract=off", "-std=c11"], libraries=["m"])])
+                             extra_compile_args=["-O3", "-ffp-contract=off", "-std=c11"], libraries=["m"]),
+                   Extension("ps._client", ["ps/_client.c"], optional=True, depends=["ps/shard/_msgpack.h"],
+                             extra_compile_args=["-O2", "-std=c11"])])

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ps.client_compiled import SendFailed, lane_for
 from ps.client_heartbeat import Heartbeats
 from ps.client_replies import Replies
 from ps.client_whole import WholeCalls
@@ -83,6 +84,7 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         self._reqs = itertools.count(1)
         self.layout: Layout | None = None
         self._whole: list[WholeKeys] = []  # per shard, its whole keys (ps.protocol_short), once joined
+        self._lane = None  # the compiled lane (ps.client_compiled), once joined
         self._compressor = compressor
         self.codec: Codec | None = None  # once joined
         self.codec_s = 0.0  # seconds spent decompressing pulled gradients
@@ -151,6 +153,9 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
                        for s in range(layout.num_shards)]
         if self._compressor is not None:
             self.codec = Codec(self._compressor, layout)
+        if self._lane is not None:
+            self._lane.close()
+        self._lane = lane_for(self)
         values = {}
         for s, msg in h.replies.items():
             expected = [k.id for k in layout.shard_keys(s)]
@@ -193,6 +198,15 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         layout = self._need_layout()
         if (next_version or clock is not None) and not pull:
             raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
+        if self._lane is not None and not self._window:  # (a window holds messages back: Python's)
+            try:
+                sent = self._lane.push(grads, step, version, pull, lr, hold, next_version, clock)
+            except SendFailed as e:
+                shard, err = e.args
+                raise self._transports[shard].send_failed(err) from None
+            if sent is not None:
+                self.bytes_sent += sent[1]
+                return sent[0]
         by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = {}
         n_keys, wire = len(layout.keys), TORCH_DTYPES[self._wire] if self._wire else None
         key_shard, key_dtype, keys_of = layout.key_shard, layout.key_dtype, layout.keys
@@ -391,6 +405,9 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=max(1.0, 2 * self.heartbeat_s))
+        if self._lane is not None:  # its sockets close now
+            self._lane.close()
+            self._lane = None
         for t in self._transports:
             t.close()
         self._transports = []

@@ -11,7 +11,7 @@ import logging
 import time
 
 from ps.flight import Handle, PSError
-from ps.protocol import ProtocolError, decode
+from ps.protocol import Message, ProtocolError, decode
 from ps.protocol_short import decode_reply
 from ps.transport import PeerTimeout
 
@@ -67,6 +67,13 @@ class Replies:
         has one (drain: every reply already here); how many came. Late replies of requests
         no longer awaited are filed (and dropped) too."""
         came = 0
+        if self._lane is not None:  # (ps.client_compiled) one message a call, read there if it can
+            took = self._lane.take(max(0, int(timeout_s * 1000)))
+            while took is not None:
+                self._file(*took)
+                came += 1
+                took = self._lane.take(0) if drain else None
+            return came
         ready = self._pollset.poll(timeout_s)
         while ready:
             for s in ready:
@@ -79,9 +86,15 @@ class Replies:
             ready = self._pollset.poll(0) if drain else ()
         return came
 
-    def _file(self, s: int, frames: list) -> None:
-        self.bytes_recv += sum(map(len, frames))  # bytes, or byte views (ps.transport)
-        msg = decode_reply(frames, self._whole[s]) if self._whole else None
+    def _file(self, s: int, frames: list | Message, nbytes: int | None = None) -> None:
+        """File a reply from shard s: its frames, or the Message the compiled lane read (of
+        nbytes)."""
+        if type(frames) is Message:
+            self.bytes_recv += nbytes
+            msg = frames
+        else:
+            self.bytes_recv += sum(map(len, frames))  # bytes, or byte views (ps.transport)
+            msg = decode_reply(frames, self._whole[s]) if self._whole else None
         try:
             msg = msg or decode(frames, self.layout, None, self._limits, shard=s, wire=self._wire, codec=self.codec)
         except ProtocolError as e:

@@ -369,13 +369,18 @@ class ClientTransport:
             self.handshake_error()
         try:
             _send_parts(self._sock, frames)
-        except zmq.Again as e:
-            why = self.handshake_error()  # a refused handshake leaves no connection to queue on
-            if why:
-                raise HandshakeRefused(f"could not send to {self.address}: the handshake failed: {why}") from e
-            raise TransportError(f"could not send to {self.address}: its queue stayed full") from e
         except zmq.ZMQError as e:
-            raise TransportError(f"could not send to {self.address}: {e}") from e
+            raise self.send_failed(e.errno) from e
+
+    def send_failed(self, errno: int) -> TransportError:
+        """What to raise where a send to this shard failed with ZeroMQ's errno (EAGAIN: the queue
+        stayed full, where a refused handshake leaves no connection to queue on)."""
+        if errno == zmq.EAGAIN:
+            why = self.handshake_error()
+            if why:
+                return HandshakeRefused(f"could not send to {self.address}: the handshake failed: {why}")
+            return TransportError(f"could not send to {self.address}: its queue stayed full")
+        return TransportError(f"could not send to {self.address}: {zmq.strerror(errno)}")
 
     def recv_ready(self) -> list[memoryview] | None:
         """Frames of a message already here, None if none is (never waits)."""

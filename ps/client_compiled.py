@@ -1,0 +1,102 @@
+"""A worker's compiled lane (ps/_client.c, built with psar) for the messages it sends and
+takes most: a push or push+pull of whole dense float keys of at most 64 KiB each (frames
+ZeroMQ copies anyway, as pyzmq does below its copy threshold), and an 'ok' reply carrying
+whole keys.
+
+Why: one at a time, a worker's push+pull of 1 KiB held its core about 65 us in push and 80
+us in wait on this 2-core machine, where the same messages written and read with a dozen
+Python calls took 27 and 37 us; in psar bench's loop, push+pull / ZeroMQ was 0.41-0.51
+against 0.64-0.72 for those (docs/results.md, "A worker's compiled lane"). The time was spread over every
+layer (the Handle, the transport's send, the poll set, the reply's checks, the Result), each
+costing several times on a core that has just slept in a poll what it does in a loop. The
+lane writes a push's header and sends its frames in one call, and takes a reply (poll,
+receive, the checks of ps.protocol_short.decode_reply, the Message on ZeroMQ's buffers) in
+another, on the sockets of the worker's transports, calling the libzmq that pyzmq loaded.
+
+Anything else it leaves to the Python paths, unchanged: a push it does not take it returns
+before it has sent anything (a tensor that needs grad, is not contiguous, lies on another
+device, another dtype, a key above 64 KiB, rows, compression, a window of push+pulls,
+a transport whose monitor is due to be read), and a reply it does not read it hands over as
+the transport would, for ps.protocol.decode to read and name what is wrong.
+tests/unit/test_client_compiled.py holds both ways to the same bytes on the wire and the same
+results. PSAR_COMPILED=0 turns it off (a comparison).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from ps.flight import Handle
+from ps.protocol_schema import PROTOCOL_VERSION, Message
+
+try:
+    import ps._client as _client
+except ImportError:  # not built (a copy of the tree without `pip install -e .`): Python's paths
+    _client = None
+
+FORMATS = {"float32": ("f", 4), "float64": ("d", 8), "float16": ("e", 2)}
+"""The dtypes the lane sends and reads: name -> (buffer format, item size)."""
+
+_FUNCTIONS = ("zmq_send", "zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more",
+              "zmq_msg_close", "zmq_poll", "zmq_errno")
+_linked: bool | None = None
+
+
+def available() -> bool:
+    """Whether the lane is built, not turned off (PSAR_COMPILED=0), and has libzmq's functions:
+    those of the library pyzmq loaded, found in this process's memory map."""
+    global _linked
+    if _client is None or os.environ.get("PSAR_COMPILED", "1") == "0":
+        return False
+    if _linked is None:
+        _linked = _link()
+    return _linked
+
+
+def _link() -> bool:
+    importlib.import_module("zmq")  # loads libzmq, where nothing has yet
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libzmq" in line.rsplit("/", 1)[-1]}
+    except OSError:  # no memory map to read (not Linux): Python's paths
+        return False
+    if len(paths) != 1:  # none, or two libzmq: which one pyzmq calls is not known
+        return False
+    try:
+        lib = ctypes.CDLL(paths.pop())  # the one loaded: dlopen gives the same handle
+        _client.link(tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _FUNCTIONS))
+    except (OSError, AttributeError, ValueError):
+        return False
+    return True
+
+
+def lane_for(client: Any) -> Any:
+    """The compiled lane of a joined PSClient, or None where it cannot have one: not built,
+    compression (a wire dtype or a compressor), or no key it takes."""
+    if not available() or client._wire is not None or client.codec is not None or client.layout is None:
+        return None
+    layout, frame_bytes = client.layout, _client.FRAME_BYTES
+    keys = []
+    for k in range(len(layout.keys)):
+        shard = layout.key_shard[k]
+        entry = client._whole[shard].table.get(k)  # ps.protocol_short.WholeKeys: whole keys, their bytes
+        if entry is None or entry[0] not in FORMATS or entry[2] > frame_bytes:
+            keys.append(None)
+            continue
+        dtype, shape, nbytes, torch_dtype = entry
+        keys.append((shard, nbytes, *FORMATS[dtype], dtype, torch_dtype, list(shape)))
+    if not any(keys):
+        return None
+    sockets = [t.socket for t in client._transports]
+    return _client.Lane([s.underlying for s in sockets], sockets, keys, client.worker, PROTOCOL_VERSION,
+                        client._limits.max_header_bytes, client._limits.max_keys, client.timeout_s, client._inflight,
+                        client.versions, client._reqs, Handle, Message, torch.frombuffer, torch.Tensor)
+
+
+SendFailed = _client.SendFailed if _client is not None else None
+"""What the lane raises where a send failed: (shard, errno)."""

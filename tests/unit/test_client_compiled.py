@@ -1,0 +1,251 @@
+"""A worker's compiled lane (ps.client_compiled) sends the bytes the Python paths send, reads
+a reply into what they read from it, and leaves to them, unsent or unread, what it does not
+take. Each worker here speaks to ROUTER sockets standing in for its shards, so that the test
+sees every byte on the wire and writes every reply."""
+
+import random
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from ps import client_compiled
+from ps.client import PSClient
+from ps.flight import PSError
+from ps.layout import ParamSpec, build_layout
+from ps.protocol import encode
+from ps.protocol_short import WholeKeys
+from ps.transport import TransportError
+
+pytestmark = pytest.mark.skipif(not client_compiled.available(), reason="ps._client is not built")
+
+SPECS = [ParamSpec("w", (4, 3), "float32"), ParamSpec("b", (3,), "float64"), ParamSpec("h", (5,), "float16"),
+         ParamSpec("e", (6,), "bfloat16"), ParamSpec("big", (20000,), "float32")]
+LAYOUT = build_layout(SPECS, 2, 1 << 20)
+"""Keys 0-4: float32, float64 and float16 the lane takes; bfloat16 (no numpy dtype) and 80 KB
+(above the 64 KiB it copies) it leaves to Python."""
+
+
+@pytest.fixture
+def wired():
+    """(joined client, compiled?) -> (client, the shards' ROUTER sockets)."""
+    made = []
+
+    def make(lane: bool = True, timeout_s: float = 5.0):
+        ctx = zmq.Context()
+        routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+        addresses = [f"inproc://lane-{id(ctx)}-{s}" for s in range(2)]
+        for r, a in zip(routers, addresses):
+            r.bind(a)
+        client = PSClient(addresses, worker=1, timeout_s=timeout_s, context=ctx)
+        client.layout = LAYOUT  # as join() leaves it
+        client._whole = [WholeKeys(LAYOUT, [k.id for k in LAYOUT.shard_keys(s)], client._limits) for s in range(2)]
+        client.versions.update({0: 3, 1: 5})
+        client._lane = client_compiled.lane_for(client) if lane else None
+        assert (client._lane is not None) == lane
+        made.append((client, routers, ctx))
+        return client, routers
+
+    yield make
+    for client, routers, ctx in made:
+        client.close()
+        for r in routers:
+            r.close(0)
+        ctx.term()
+
+
+def received(router):
+    """(identity, header as ordered pairs, data frames' bytes) of the next message."""
+    assert router.poll(5000), "nothing arrived"
+    identity, header, *data = router.recv_multipart()
+    return identity, msgpack.unpackb(header, object_pairs_hook=list), header, data
+
+
+def grads_of(keys, dtype_of=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(LAYOUT.keys[k].numel, generator=gen, dtype=torch.float64).to(
+        getattr(torch, LAYOUT.key_dtype[k])) for k in keys}
+
+
+CALLS = [dict(pull=True), dict(pull=False), dict(pull=True, lr=0.25), dict(pull=True, next_version=True),
+         dict(pull=True, clock=7), dict(pull=False, hold=True), dict(pull=True, lr=3, clock=0)]
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("keys", [[0], [1], [2], [0, 1, 2], [2, 0]])
+@pytest.mark.parametrize("step,version", [(4, None), (0, 2), (None, None), (1 << 40, 7)])
+def test_a_push_leaves_in_the_bytes_the_python_path_writes(wired, call, keys, step, version):
+    """Every shard's message, header and frames, as the Python path writes it (only the request
+    id differs: each client counts its own), and each header in msgpack's own encoding."""
+    by_lane, lane_routers = wired(lane=True)
+    by_python, python_routers = wired(lane=False)
+    grads = grads_of(keys)
+    lane_handle = by_lane.push(step, version, grads, **call)
+    python_handle = by_python.push(step, version, grads, **call)
+    assert by_lane.bytes_sent == by_python.bytes_sent
+    assert lane_handle.kind == python_handle.kind and lane_handle.timeout_s == python_handle.timeout_s
+    assert sorted(lane_handle.pending.values()) == sorted(python_handle.pending.values())
+    for s in sorted(set(python_handle.pending.values())):
+        _, lane_pairs, lane_raw, lane_data = received(lane_routers[s])
+        _, python_pairs, _, python_data = received(python_routers[s])
+        assert lane_pairs[-1][0] == python_pairs[-1][0] == "req"
+        assert lane_pairs[:-1] == python_pairs[:-1] and lane_data == python_data
+        assert lane_raw == msgpack.packb(dict(lane_pairs), use_bin_type=True)
+        assert by_lane._inflight[lane_pairs[-1][1]] is lane_handle
+
+
+@pytest.mark.parametrize("grads", [
+    {3: torch.ones(6, dtype=torch.bfloat16)},  # no numpy dtype
+    {4: torch.ones(20000)},  # above the bytes the lane copies
+    {0: torch.ones(12, requires_grad=True)},  # needs grad: Python detaches it
+    {0: torch.ones(24)[::2]},  # not contiguous: Python makes it so
+    {0: torch.ones(12, dtype=torch.float64)},  # another dtype: Python names it
+    {0: torch.ones(13)},  # another size: Python names it
+    {7: torch.ones(3)},  # not a key
+    {0: torch.nn.Parameter(torch.ones(12), requires_grad=False)},  # a subclass of Tensor
+    {0: (torch.tensor([0]), torch.ones(1, 12))},  # rows
+])
+def test_what_the_lane_does_not_take_it_leaves_unsent(wired, grads):
+    client, routers = wired()
+    assert client._lane.push(grads, 0, None, True, None, False, False, None) is None
+    assert not routers[0].poll(50) and not routers[1].poll(0)
+
+
+def test_the_python_path_sends_what_the_lane_leaves(wired):
+    client, routers = wired()
+    g = torch.ones(12, requires_grad=True)
+    client.push(0, None, {0: g}, pull=True)
+    _, pairs, _, data = received(routers[LAYOUT.keys[0].shard])
+    assert dict(pairs)["keys"] == [0] and data == [torch.ones(12).numpy().tobytes()]
+    with pytest.raises(ValueError, match="needs 12 float32 values"):
+        client.push(0, None, {0: torch.ones(13)}, pull=True)
+
+
+def reply_frames(keys, seed=1, **fields):
+    header = {"op": "ok", "worker": 1, "version": 6, "keys": keys, **fields}
+    return header, grads_of(keys, seed=seed)
+
+
+def answer(routers, identity_of, s, req, frames):
+    routers[s].send_multipart([identity_of[s], *frames])
+
+
+@pytest.mark.parametrize("fields", [{}, {"staleness": 2, "waited_us": 40}, {"staleness": None, "version": None}])
+def test_a_reply_reads_into_the_result_the_python_path_gives(wired, fields):
+    results = []
+    for lane in (True, False):
+        client, routers = wired(lane=lane)
+        keys = [k.id for k in LAYOUT.shard_keys(0) if k.id < 3]
+        handle = client.push(9, None, grads_of(keys), pull=True)
+        identity, pairs, _, _ = received(routers[0])
+        header, values = reply_frames(keys, **{**fields, "req": dict(pairs)["req"]})
+        routers[0].send_multipart([identity, *encode(header, [values[k] for k in keys])])
+        result = client.wait(handle)
+        results.append((result, dict(client.versions), client.bytes_recv))
+        assert all(torch.equal(result.values[k], values[k]) for k in keys)
+    (a, va, na), (b, vb, nb) = results
+    assert va == vb and na == nb
+    assert (a.version, a.versions, a.staleness, a.waited_s, a.kind) == (b.version, b.versions, b.staleness, b.waited_s,
+                                                                        b.kind)
+    assert a.values.keys() == b.values.keys() and all(
+        x.dtype == b.values[k].dtype and torch.equal(x.double(), b.values[k].double()) for k, x in a.values.items())
+
+
+def outcome(client, routers, frames_of):
+    """What wait makes of the reply frames_of(req) to a push+pull of key 0."""
+    handle = client.push(1, None, grads_of([0]), pull=True)
+    s = LAYOUT.keys[0].shard
+    identity, pairs, _, _ = received(routers[s])
+    routers[s].send_multipart([identity, *frames_of(dict(pairs)["req"])])
+    try:
+        result = client.wait(handle, timeout_s=0.3)
+    except Exception as e:  # noqa: BLE001 (the kind and the words are what is compared)
+        text = str(e).replace(client.addresses[s], "the shard")
+        return type(e).__name__, text.split("req ")[0] if "within" in text else text
+    return "ok", result.version, result.staleness, {k: v.double().tolist() for k, v in result.values.items()}
+
+
+def test_a_changed_reply_is_read_or_refused_as_the_python_path_reads_or_refuses_it(wired):
+    """700 replies with a byte of the header changed, dropped or added, and a data frame cut or
+    grown: the lane reads each into what the Python paths make of it, or leaves it to them."""
+    rng = random.Random(0)
+    seen = set()
+    clients = [wired(lane=True, timeout_s=0.3), wired(lane=False, timeout_s=0.3)]
+    for trial in range(700):
+        how, at, byte = rng.randrange(5), rng.random(), rng.randrange(256)
+
+        def frames_of(req):
+            header, values = reply_frames([0], req=req)
+            head, data = encode(header, [values[0]])
+            head = bytearray(head)
+            i = int(at * len(head))
+            if how == 0:
+                head[i] = byte
+            elif how == 1:
+                del head[i]
+            elif how == 2:
+                head.insert(i, byte)
+            data = bytes(data)
+            if how == 3:
+                data = data[:-4]
+            elif how == 4:
+                data += b"\0" * 4
+            return [bytes(head), data]
+
+        got = [outcome(c, r, frames_of) for c, r in clients]
+        assert got[0] == got[1], (trial, how, got)
+        seen.add(got[0][0])
+    assert {"ok", "PSError"} <= seen
+
+
+def test_a_send_that_cannot_leave_says_so_as_the_transport_does():
+    """Nobody at the address: messages queue up to the high-water mark, then a send waits its
+    time and fails, the lane's with the errno the transport turns into its own words."""
+    import errno
+
+    from experiments.runtime.launcher import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    layout = build_layout(SPECS[:1], 1, 1 << 20)
+    for lane in (True, False):
+        ctx = zmq.Context()
+        client = PSClient([address], worker=0, timeout_s=0.2, context=ctx)
+        client.layout = layout
+        client._whole = [WholeKeys(layout, [0], client._limits)]
+        client._lane = client_compiled.lane_for(client) if lane else None
+        try:
+            if lane:
+                with pytest.raises(client_compiled.SendFailed) as failed:
+                    for step in range(1 << 20):
+                        client._lane.push({0: torch.ones(12)}, step, None, True, None, False, False, None)
+                assert failed.value.args == (0, errno.EAGAIN)
+                error = client._transports[0].send_failed(errno.EAGAIN)
+                assert type(error) is TransportError and str(error) == f"could not send to {address}: its queue stayed full"
+            else:
+                with pytest.raises(TransportError, match=f"could not send to {address}: its queue stayed full"):
+                    for step in range(1 << 20):
+                        client.push(step, None, {0: torch.ones(12)}, pull=True)
+        finally:
+            client.close()
+            ctx.term()
+
+
+def test_a_closed_lane_takes_nothing(wired):
+    client, _ = wired()
+    lane = client._lane
+    client.close()
+    assert lane.push({0: torch.ones(12)}, 0, None, True, None, False, False, None) is None
+    with pytest.raises(RuntimeError, match="closed"):
+        lane.take(0)
+
+
+def test_an_error_reply_is_the_python_paths_to_read(wired):
+    client, routers = wired()
+    handle = client.push(1, None, grads_of([0]), pull=True)
+    s = LAYOUT.keys[0].shard
+    identity, pairs, _, _ = received(routers[s])
+    routers[s].send_multipart([identity, *encode({"op": "error", "worker": 1, "req": dict(pairs)["req"],
+                                                  "error": "no such step"})])
+    with pytest.raises(PSError, match="no such step"):
+        client.wait(handle)
