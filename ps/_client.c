@@ -1,6 +1,8 @@
 /* A worker's compiled lane for the messages it sends and takes most: a push (or push+pull) of
- * whole dense float keys whose frames ZeroMQ copies anyway (up to LANE_FRAME_BYTES each), and
- * an 'ok' reply carrying whole keys (ps/client_compiled.py builds it and says when it is used).
+ * whole dense float keys, and an 'ok' reply carrying whole keys (ps/client_compiled.py builds
+ * it and says when it is used). Frames up to LANE_COPY_BYTES are copied into ZeroMQ's
+ * messages, as pyzmq copies them; larger ones are lent (a Lease holds the tensor's memory
+ * until ZeroMQ's thread says it is done with it, and the lane's next call lets it go).
  *
  * It calls libzmq itself, the one pyzmq loaded (its functions' addresses come from
  * client_compiled.py), on the sockets of the worker's ClientTransports, from the thread that
@@ -44,11 +46,13 @@ static void *(*z_msg_data)(zmq_msg_t *);
 static size_t (*z_msg_size)(const zmq_msg_t *);
 static int (*z_msg_more)(const zmq_msg_t *);
 static int (*z_msg_close)(zmq_msg_t *);
+static int (*z_msg_init_data)(zmq_msg_t *, void *, size_t, void (*)(void *, void *), void *);
+static int (*z_msg_send)(zmq_msg_t *, void *, int);
 static int (*z_poll)(zmq_pollitem_t *, int, long);
 static int (*z_errno)(void);
 static int linked = 0;
 
-#define LANE_FRAME_BYTES 65536 /* pyzmq's copy_threshold: it copies frames below it, and so does the lane */
+#define LANE_COPY_BYTES 65536 /* frames up to this are copied (pyzmq copies below 64 KiB), larger ones lent */
 #define MAX_INT (1ULL << 62)   /* ps.protocol_schema._MAX_INT */
 #define DRAIN_S 0.05           /* ps.transport.MONITOR_DRAIN_S */
 
@@ -111,11 +115,40 @@ typedef struct {
     KeyInfo *keys;
     uint64_t worker, version_tag, stamp;
     Py_ssize_t max_header, max_keys;
-    double timeout_s;
+    zmq_pollitem_t *polled; /* one a shard */
     int start, closed;
     PyObject *inflight, *versions, *reqs, *handle_cls, *message_cls, *frombuffer, *tensor_type, *dtype_kw;
     Writer out;
+    struct Lease *leases; /* frames ZeroMQ may still be sending */
 } Lane;
+
+/* A frame lent to ZeroMQ: the tensor's own memory, held (view) until ZeroMQ is done with it.
+ * ZeroMQ's thread marks it done, without the GIL; the lane's next call lets it go. */
+typedef struct Lease {
+    Py_buffer view;
+    int done;
+    struct Lease *next;
+} Lease;
+
+static void lease_done(void *data, void *hint) { __atomic_store_n(&((Lease *)hint)->done, 1, __ATOMIC_RELEASE); }
+
+/* Let go of the frames ZeroMQ is done with; how many it still holds. */
+static Py_ssize_t sweep(Lane *self) {
+    Py_ssize_t held = 0;
+    Lease **at = &self->leases;
+    while (*at) {
+        Lease *l = *at;
+        if (__atomic_load_n(&l->done, __ATOMIC_ACQUIRE)) {
+            *at = l->next;
+            PyBuffer_Release(&l->view);
+            PyMem_Free(l);
+        } else {
+            held++;
+            at = &l->next;
+        }
+    }
+    return held;
+}
 
 static PyObject *s_numpy, *s_pending, *s_timeout_s, *s_dtype, *k_v, *k_op, *k_worker, *k_req, *k_version, *k_keys,
     *k_staleness, *k_waited_us, *k_dtypes, *k_shapes, *s_ok, *s_push, *s_push_pull;
@@ -168,43 +201,53 @@ static void Lane_dealloc(Lane *self) {
     PyMem_Free(self->keys);
     PyMem_Free(self->socks);
     PyMem_Free(self->drained);
+    PyMem_Free(self->polled);
     PyMem_Free(self->out.buf);
+    sweep(self); /* the frames ZeroMQ still holds stay held: it may yet read them */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* Lane(socket addresses, socket objects, keys, worker, protocol version, max header bytes,
- * max keys, timeout_s, the client's _inflight, versions and request counter, Handle, Message,
+ * max keys, the client's _inflight, versions and request counter, Handle, Message,
  * torch.frombuffer, torch.Tensor). keys: per key id, None (not the lane's) or (shard, frame
  * bytes, buffer format, itemsize, dtype name, torch dtype, wire shape). */
 static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
-    PyObject *addrs, *socks, *keys;
+    PyObject *addrs, *socks, *keys, *inflight, *versions, *reqs, *handle_cls, *message_cls, *frombuffer, *tensor_type;
     unsigned long long worker, tag;
     Py_ssize_t max_header, max_keys;
-    double timeout_s;
     if (!linked) {
         PyErr_SetString(PyExc_RuntimeError, "ps._client: link() libzmq's functions first");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!O!KKnndO!O!OOOOO", &PyList_Type, &addrs, &PyList_Type, &socks, &PyList_Type,
-                          &keys, &worker, &tag, &max_header, &max_keys, &timeout_s, &PyDict_Type, &self->inflight,
-                          &PyDict_Type, &self->versions, &self->reqs, &self->handle_cls, &self->message_cls,
-                          &self->frombuffer, &self->tensor_type))
+    if (self->socks) {
+        PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
         return -1;
-    Py_INCREF(self->inflight);
-    Py_INCREF(self->versions);
-    Py_INCREF(self->reqs);
-    Py_INCREF(self->handle_cls);
-    Py_INCREF(self->message_cls);
-    Py_INCREF(self->frombuffer);
-    Py_INCREF(self->tensor_type);
-    self->shards = (int)PyList_GET_SIZE(addrs);
-    if (self->shards < 1 || PyList_GET_SIZE(socks) != self->shards) {
+    }
+    if (!PyArg_ParseTuple(args, "O!O!O!KKnnO!O!OOOOO", &PyList_Type, &addrs, &PyList_Type, &socks, &PyList_Type,
+                          &keys, &worker, &tag, &max_header, &max_keys, &PyDict_Type, &inflight, &PyDict_Type,
+                          &versions, &reqs, &handle_cls, &message_cls, &frombuffer, &tensor_type))
+        return -1;
+    if (worker >= MAX_INT || tag >= MAX_INT) {
+        PyErr_SetString(PyExc_ValueError, "a worker id and a protocol version below 2**62");
+        return -1;
+    }
+    int shards = (int)PyList_GET_SIZE(addrs);
+    if (shards < 1 || PyList_GET_SIZE(socks) != shards) {
         PyErr_SetString(PyExc_ValueError, "a lane needs one socket per shard");
         return -1;
     }
+    self->inflight = Py_NewRef(inflight);
+    self->versions = Py_NewRef(versions);
+    self->reqs = Py_NewRef(reqs);
+    self->handle_cls = Py_NewRef(handle_cls);
+    self->message_cls = Py_NewRef(message_cls);
+    self->frombuffer = Py_NewRef(frombuffer);
+    self->tensor_type = Py_NewRef(tensor_type);
+    self->shards = shards;
     self->socks = PyMem_Calloc(self->shards, sizeof(void *));
     self->drained = PyMem_Calloc(self->shards, sizeof(double));
-    if (!self->socks || !self->drained) {
+    self->polled = PyMem_Calloc(self->shards, sizeof(zmq_pollitem_t));
+    if (!self->socks || !self->drained || !self->polled) {
         PyErr_NoMemory();
         return -1;
     }
@@ -221,7 +264,6 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
     self->version_tag = tag;
     self->max_header = max_header;
     self->max_keys = max_keys;
-    self->timeout_s = timeout_s;
     self->dtype_kw = PyTuple_Pack(1, s_dtype);
     if (!self->dtype_kw) return -1;
     self->nkeys = PyList_GET_SIZE(keys);
@@ -244,9 +286,10 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
         Py_INCREF(k->torch_dtype);
         Py_INCREF(k->shape);
         k->name_utf8 = PyUnicode_AsUTF8AndSize(k->name, &k->name_len);
+        if (!k->name_utf8) return -1;
         k->ndim = PyList_GET_SIZE(k->shape);
-        if (!k->name_utf8 || shard < 0 || shard >= self->shards || k->ndim < 1 || k->ndim > 4 || strlen(format) != 1
-            || k->nbytes <= 0 || k->nbytes > LANE_FRAME_BYTES)
+        if (shard < 0 || shard >= self->shards || k->ndim < 1 || k->ndim > 4 || strlen(format) != 1
+            || k->nbytes <= 0)
             continue; /* not the lane's (shard stays -1) */
         int ok = 1;
         for (Py_ssize_t d = 0; d < k->ndim; d++) {
@@ -275,6 +318,8 @@ typedef struct {
     uint64_t id;
     Py_buffer view;
     int held;
+    Lease *lease; /* lent (above LANE_COPY_BYTES): its message */
+    zmq_msg_t msg;
 } Pushed;
 
 static int wr_packed_str(Writer *w, KeyInfo *k) { return wr_str(w, k->name_utf8, k->name_len); }
@@ -298,17 +343,20 @@ static long long small_int(PyObject *x) {
     return v;
 }
 
-/* push(grads, step, version, pull, lr, hold, next_version, clock): PSClient.push of whole keys
- * (grads {key id: tensor}), sent, as (its Handle, bytes sent); None where the lane does not
- * take it (nothing sent). */
+/* push(grads, step, version, pull, lr, hold, next_version, clock, timeout_s): PSClient.push of
+ * whole keys (grads {key id: tensor}), sent, as (its Handle, bytes sent); None where the lane
+ * does not take it (nothing sent). SendFailed (shard, errno, bytes sent before) where a send
+ * failed. */
 static PyObject *Lane_push(Lane *self, PyObject *args) {
     PyObject *grads, *step_obj, *version_obj, *lr_obj, *clock_obj;
     int pull, hold, next_version;
-    if (!PyArg_ParseTuple(args, "O!OOpOppO", &PyDict_Type, &grads, &step_obj, &version_obj, &pull, &lr_obj, &hold,
-                          &next_version, &clock_obj))
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "O!OOpOppOd", &PyDict_Type, &grads, &step_obj, &version_obj, &pull, &lr_obj, &hold,
+                          &next_version, &clock_obj, &timeout_s))
         return NULL;
     Py_ssize_t n = PyDict_GET_SIZE(grads);
-    if (self->closed || n == 0 || n > self->max_keys) Py_RETURN_NONE;
+    if (self->closed || !self->socks || n == 0 || n > self->max_keys) Py_RETURN_NONE;
+    sweep(self);
     long long step = step_obj == Py_None ? -2 : small_int(step_obj);
     long long version = version_obj == Py_None ? -2 : small_int(version_obj);
     long long clock = clock_obj == Py_None ? -2 : small_int(clock_obj);
@@ -339,6 +387,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     double now = now_s();
     /* every key whole, in the lane's table, on a tensor whose bytes are its frame as they are */
     while (PyDict_Next(grads, &pos, &k_obj, &g)) {
+        if (i == n) goto done; /* (grads grew meanwhile) */
         Pushed *it = &items[i];
         long long k = small_int(k_obj);
         if (k < 0 || k >= self->nkeys || self->keys[k].shard < 0 || Py_TYPE(g) != (PyTypeObject *)self->tensor_type)
@@ -384,7 +433,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     /* one message a shard; the same header bytes as ps.protocol.encode's */
     int conditional = next_version || clock >= 0;
     PyObject *kind = pull ? s_push_pull : s_push;
-    PyObject *timeout = PyFloat_FromDouble(self->timeout_s + (conditional ? (self->timeout_s < 5.0 ? self->timeout_s : 5.0) : 0.0));
+    PyObject *timeout = PyFloat_FromDouble(timeout_s + (conditional ? (timeout_s < 5.0 ? timeout_s : 5.0) : 0.0));
     if (!timeout) goto fail;
     PyObject *hargs[3] = {NULL, kind, timeout};
     PyObject *kwn = PyTuple_Pack(1, s_timeout_s);
@@ -455,24 +504,80 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             Py_DECREF(pending);
             goto fail;
         }
-        int rc, err = 0, part = 0;
-        void *sock = self->socks[s];
-        Py_BEGIN_ALLOW_THREADS
-        rc = z_send(sock, w->buf, (size_t)w->len, Z_SNDMORE);
-        for (Py_ssize_t a = 0; rc >= 0 && a < i; a++) {
+        /* frames above LANE_COPY_BYTES are lent: ZeroMQ sends the tensor's own memory */
+        Py_ssize_t last = -1;
+        for (Py_ssize_t a = 0; ok && a < i; a++) {
             if (items[a].key->shard != s) continue;
-            part++;
-            Py_ssize_t left = 0;
-            for (Py_ssize_t b = a + 1; b < i; b++) left += items[b].key->shard == s;
-            rc = z_send(sock, items[a].view.buf, (size_t)items[a].view.len, left ? Z_SNDMORE : 0);
+            last = a;
+            if (items[a].view.len <= LANE_COPY_BYTES) continue;
+            Lease *l = PyMem_Malloc(sizeof(Lease));
+            if (!l) {
+                PyErr_NoMemory();
+                ok = 0;
+                break;
+            }
+            l->view = items[a].view; /* the lease holds it now */
+            items[a].held = 0;
+            l->done = 0;
+            l->next = self->leases;
+            self->leases = l;
+            items[a].lease = l;
+            if (z_msg_init_data(&items[a].msg, l->view.buf, (size_t)l->view.len, lease_done, l) < 0) {
+                l->done = 1;
+                items[a].lease = NULL;
+                PyErr_NoMemory();
+                ok = 0;
+            }
         }
-        if (rc < 0) err = z_errno();
+        if (!ok) {
+            for (Py_ssize_t a = 0; a < i; a++)
+                if (items[a].key->shard == s && items[a].lease) z_msg_close(&items[a].msg);
+            Py_DECREF(req_obj);
+            Py_DECREF(shard_obj);
+            Py_DECREF(pending);
+            goto fail;
+        }
+        int rc, err = 0;
+        void *sock = self->socks[s];
+        for (;;) { /* only a message's first part waits (ZeroMQ queues whole messages): a signal
+                    * meanwhile is Python's to take, then the part is sent again */
+            Py_BEGIN_ALLOW_THREADS
+            rc = z_send(sock, w->buf, (size_t)w->len, Z_SNDMORE);
+            if (rc < 0) err = z_errno();
+            Py_END_ALLOW_THREADS
+            if (rc >= 0 || err != EINTR) break;
+            if (PyErr_CheckSignals() < 0) {
+                for (Py_ssize_t a = 0; a <= last; a++)
+                    if (items[a].key->shard == s && items[a].lease) z_msg_close(&items[a].msg);
+                Py_DECREF(req_obj);
+                Py_DECREF(shard_obj);
+                Py_DECREF(pending);
+                goto fail;
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t a = 0; a <= last; a++) {
+            if (items[a].key->shard != s) continue;
+            int flags = a == last ? 0 : Z_SNDMORE;
+            if (rc < 0) { /* not sent: ZeroMQ lets a lent frame go now */
+                if (items[a].lease) z_msg_close(&items[a].msg);
+            } else if (items[a].lease) {
+                rc = z_msg_send(&items[a].msg, sock, flags);
+                if (rc < 0) {
+                    err = z_errno();
+                    z_msg_close(&items[a].msg);
+                }
+            } else {
+                rc = z_send(sock, items[a].view.buf, (size_t)items[a].view.len, flags);
+                if (rc < 0) err = z_errno();
+            }
+        }
         Py_END_ALLOW_THREADS
         if (rc < 0) {
             Py_DECREF(req_obj);
             Py_DECREF(shard_obj);
             Py_DECREF(pending);
-            PyObject *e = Py_BuildValue("(ii)", s, err);
+            PyObject *e = Py_BuildValue("(iin)", s, err, sent_bytes);
             if (e) {
                 PyErr_SetObject(SendFailed, e);
                 Py_DECREF(e);
@@ -728,12 +833,13 @@ fail:
 static PyObject *Lane_take(Lane *self, PyObject *arg) {
     long timeout = PyLong_AsLong(arg);
     if (timeout == -1 && PyErr_Occurred()) return NULL;
-    if (self->closed) {
+    if (self->closed || !self->socks) {
         PyErr_SetString(PyExc_RuntimeError, "the lane is closed");
         return NULL;
     }
-    zmq_pollitem_t items[64];
-    int n = self->shards < 64 ? self->shards : 64, rc, err = 0;
+    sweep(self);
+    zmq_pollitem_t *items = self->polled;
+    int n = self->shards, rc, err = 0;
     for (int i = 0; i < n; i++) {
         items[i].socket = self->socks[(self->start + i) % self->shards];
         items[i].fd = 0;
@@ -781,7 +887,10 @@ static PyObject *Lane_take(Lane *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Lane_leased(Lane *self, PyObject *unused) { return PyLong_FromSsize_t(sweep(self)); }
+
 static PyMethodDef Lane_methods[] = {
+    {"leased", (PyCFunction)Lane_leased, METH_NOARGS, "How many frames lent to ZeroMQ it still holds."},
     {"push", (PyCFunction)Lane_push, METH_VARARGS,
      "push(grads, step, version, pull, lr, hold, next_version, clock): (Handle, bytes sent), or None (not sent)."},
     {"take", (PyCFunction)Lane_take, METH_O,
@@ -803,17 +912,17 @@ static PyTypeObject LaneType = {
 };
 
 /* link(addresses): libzmq's zmq_send, zmq_msg_init, zmq_msg_recv, zmq_msg_data, zmq_msg_size,
- * zmq_msg_more, zmq_msg_close, zmq_poll and zmq_errno, as ints (ctypes' addresses of the
+ * zmq_msg_more, zmq_msg_close, zmq_poll, zmq_errno, zmq_msg_init_data and zmq_msg_send, as ints (ctypes' addresses of the
  * library pyzmq loaded). */
 static PyObject *link_zmq(PyObject *self, PyObject *args) {
     PyObject *addresses;
-    void *f[9];
+    void *f[11];
     if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &addresses)) return NULL;
-    if (PyTuple_GET_SIZE(addresses) != 9) {
-        PyErr_SetString(PyExc_ValueError, "link: 9 functions' addresses");
+    if (PyTuple_GET_SIZE(addresses) != 11) {
+        PyErr_SetString(PyExc_ValueError, "link: 11 functions' addresses");
         return NULL;
     }
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 11; i++) {
         f[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(addresses, i));
         if (!f[i]) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "link: a function's address is 0");
@@ -829,6 +938,8 @@ static PyObject *link_zmq(PyObject *self, PyObject *args) {
     z_msg_close = f[6];
     z_poll = f[7];
     z_errno = f[8];
+    z_msg_init_data = f[9];
+    z_msg_send = f[10];
     linked = 1;
     Py_RETURN_NONE;
 }
@@ -857,7 +968,7 @@ PyMODINIT_FUNC PyInit__client(void) {
     if (!SendFailed || PyModule_AddObjectRef(m, "SendFailed", SendFailed) < 0
         || PyModule_AddObjectRef(m, "Lane", (PyObject *)&LaneType) < 0
         || PyModule_AddObjectRef(m, "Part", (PyObject *)&PartType) < 0
-        || PyModule_AddIntConstant(m, "FRAME_BYTES", LANE_FRAME_BYTES) < 0) {
+        || PyModule_AddIntConstant(m, "COPY_BYTES", LANE_COPY_BYTES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -200,9 +200,10 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
             raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
         if self._lane is not None and not self._window:  # (a window holds messages back: Python's)
             try:
-                sent = self._lane.push(grads, step, version, pull, lr, hold, next_version, clock)
+                sent = self._lane.push(grads, step, version, pull, lr, hold, next_version, clock, self.timeout_s)
             except SendFailed as e:
-                shard, err = e.args
+                shard, err, before = e.args  # the messages to the shards before it left
+                self.bytes_sent += before
                 raise self._transports[shard].send_failed(err) from None
             if sent is not None:
                 self.bytes_sent += sent[1]

@@ -1,7 +1,7 @@
 """A worker's compiled lane (ps/_client.c, built with psar) for the messages it sends and
-takes most: a push or push+pull of whole dense float keys of at most 64 KiB each (frames
-ZeroMQ copies anyway, as pyzmq does below its copy threshold), and an 'ok' reply carrying
-whole keys.
+takes most: a push or push+pull of whole dense float keys (frames up to 64 KiB copied into
+ZeroMQ's messages, as pyzmq copies them; larger ones lent, without pyzmq's collector thread,
+which takes the GIL to let each go), and an 'ok' reply carrying whole keys.
 
 Why: one at a time, a worker's push+pull of 1 KiB held its core about 65 us in push and 80
 us in wait on this 2-core machine, where the same messages written and read with a dozen
@@ -15,7 +15,7 @@ another, on the sockets of the worker's transports, calling the libzmq that pyzm
 
 Anything else it leaves to the Python paths, unchanged: a push it does not take it returns
 before it has sent anything (a tensor that needs grad, is not contiguous, lies on another
-device, another dtype, a key above 64 KiB, rows, compression, a window of push+pulls,
+device, another dtype, rows, compression, a window of push+pulls,
 a transport whose monitor is due to be read), and a reply it does not read it hands over as
 the transport would, for ps.protocol.decode to read and name what is wrong.
 tests/unit/test_client_compiled.py holds both ways to the same bytes on the wire and the same
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ps.flight import Handle
-from ps.protocol_schema import PROTOCOL_VERSION, Message
+from ps.protocol_schema import _MAX_INT, PROTOCOL_VERSION, Message
 
 try:
     import ps._client as _client
@@ -43,13 +43,13 @@ FORMATS = {"float32": ("f", 4), "float64": ("d", 8), "float16": ("e", 2)}
 """The dtypes the lane sends and reads: name -> (buffer format, item size)."""
 
 _FUNCTIONS = ("zmq_send", "zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more",
-              "zmq_msg_close", "zmq_poll", "zmq_errno")
+              "zmq_msg_close", "zmq_poll", "zmq_errno", "zmq_msg_init_data", "zmq_msg_send")
 _linked: bool | None = None
 
 
 def available() -> bool:
-    """Whether the lane is built, not turned off (PSAR_COMPILED=0), and has libzmq's functions:
-    those of the library pyzmq loaded, found in this process's memory map."""
+    """Whether the lane is built, not turned off (PSAR_COMPILED=0), and has libzmq's functions
+    (those pyzmq calls: _link)."""
     global _linked
     if _client is None or os.environ.get("PSAR_COMPILED", "1") == "0":
         return False
@@ -59,18 +59,14 @@ def available() -> bool:
 
 
 def _link() -> bool:
-    importlib.import_module("zmq")  # loads libzmq, where nothing has yet
+    """Give the lane libzmq's functions as pyzmq's compiled module links them (ctypes looks
+    them up from its handle, in it and in the libraries it loaded: the libzmq it calls, not
+    another one some other module may have loaded); False where that module does not say."""
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libzmq" in line.rsplit("/", 1)[-1]}
-    except OSError:  # no memory map to read (not Linux): Python's paths
-        return False
-    if len(paths) != 1:  # none, or two libzmq: which one pyzmq calls is not known
-        return False
-    try:
-        lib = ctypes.CDLL(paths.pop())  # the one loaded: dlopen gives the same handle
+        backend = importlib.import_module("zmq.backend.cython._zmq")
+        lib = ctypes.CDLL(backend.__file__)  # loaded already: dlopen gives its handle
         _client.link(tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _FUNCTIONS))
-    except (OSError, AttributeError, ValueError):
+    except (ImportError, OSError, AttributeError, ValueError, TypeError):
         return False
     return True
 
@@ -78,14 +74,15 @@ def _link() -> bool:
 def lane_for(client: Any) -> Any:
     """The compiled lane of a joined PSClient, or None where it cannot have one: not built,
     compression (a wire dtype or a compressor), or no key it takes."""
-    if not available() or client._wire is not None or client.codec is not None or client.layout is None:
+    if not available() or client._wire is not None or client.codec is not None or client.layout is None \
+            or not (type(client.worker) is int and 0 <= client.worker < _MAX_INT):
         return None
-    layout, frame_bytes = client.layout, _client.FRAME_BYTES
+    layout = client.layout
     keys = []
     for k in range(len(layout.keys)):
         shard = layout.key_shard[k]
         entry = client._whole[shard].table.get(k)  # ps.protocol_short.WholeKeys: whole keys, their bytes
-        if entry is None or entry[0] not in FORMATS or entry[2] > frame_bytes:
+        if entry is None or entry[0] not in FORMATS:
             keys.append(None)
             continue
         dtype, shape, nbytes, torch_dtype = entry
@@ -94,9 +91,9 @@ def lane_for(client: Any) -> Any:
         return None
     sockets = [t.socket for t in client._transports]
     return _client.Lane([s.underlying for s in sockets], sockets, keys, client.worker, PROTOCOL_VERSION,
-                        client._limits.max_header_bytes, client._limits.max_keys, client.timeout_s, client._inflight,
-                        client.versions, client._reqs, Handle, Message, torch.frombuffer, torch.Tensor)
+                        client._limits.max_header_bytes, client._limits.max_keys, client._inflight, client.versions,
+                        client._reqs, Handle, Message, torch.frombuffer, torch.Tensor)
 
 
 SendFailed = _client.SendFailed if _client is not None else None
-"""What the lane raises where a send failed: (shard, errno)."""
+"""What the lane raises where a send failed: (shard, errno, bytes sent to shards before it)."""

@@ -21,10 +21,11 @@ from ps.transport import TransportError
 pytestmark = pytest.mark.skipif(not client_compiled.available(), reason="ps._client is not built")
 
 SPECS = [ParamSpec("w", (4, 3), "float32"), ParamSpec("b", (3,), "float64"), ParamSpec("h", (5,), "float16"),
-         ParamSpec("e", (6,), "bfloat16"), ParamSpec("big", (20000,), "float32")]
+         ParamSpec("e", (6,), "bfloat16"), ParamSpec("big", (40000,), "float32")]
 LAYOUT = build_layout(SPECS, 2, 1 << 20)
-"""Keys 0-4: float32, float64 and float16 the lane takes; bfloat16 (no numpy dtype) and 80 KB
-(above the 64 KiB it copies) it leaves to Python."""
+"""Keys 0-2: float32, float64 and float16 the lane takes, and 4 and 5, 80 KB of float32 each
+(above the 64 KiB it copies: lent to ZeroMQ), too; 3, bfloat16 (no numpy dtype), it leaves to
+Python."""
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ CALLS = [dict(pull=True), dict(pull=False), dict(pull=True, lr=0.25), dict(pull=
 
 
 @pytest.mark.parametrize("call", CALLS)
-@pytest.mark.parametrize("keys", [[0], [1], [2], [0, 1, 2], [2, 0]])
+@pytest.mark.parametrize("keys", [[0], [1], [2], [4], [0, 1, 2], [2, 0], [5, 4, 1, 0]])
 @pytest.mark.parametrize("step,version", [(4, None), (0, 2), (None, None), (1 << 40, 7)])
 def test_a_push_leaves_in_the_bytes_the_python_path_writes(wired, call, keys, step, version):
     """Every shard's message, header and frames, as the Python path writes it (only the request
@@ -97,7 +98,6 @@ def test_a_push_leaves_in_the_bytes_the_python_path_writes(wired, call, keys, st
 
 @pytest.mark.parametrize("grads", [
     {3: torch.ones(6, dtype=torch.bfloat16)},  # no numpy dtype
-    {4: torch.ones(20000)},  # above the bytes the lane copies
     {0: torch.ones(12, requires_grad=True)},  # needs grad: Python detaches it
     {0: torch.ones(24)[::2]},  # not contiguous: Python makes it so
     {0: torch.ones(12, dtype=torch.float64)},  # another dtype: Python names it
@@ -108,7 +108,7 @@ def test_a_push_leaves_in_the_bytes_the_python_path_writes(wired, call, keys, st
 ])
 def test_what_the_lane_does_not_take_it_leaves_unsent(wired, grads):
     client, routers = wired()
-    assert client._lane.push(grads, 0, None, True, None, False, False, None) is None
+    assert client._lane.push(grads, 0, None, True, None, False, False, None, 5.0) is None
     assert not routers[0].poll(50) and not routers[1].poll(0)
 
 
@@ -218,8 +218,8 @@ def test_a_send_that_cannot_leave_says_so_as_the_transport_does():
             if lane:
                 with pytest.raises(client_compiled.SendFailed) as failed:
                     for step in range(1 << 20):
-                        client._lane.push({0: torch.ones(12)}, step, None, True, None, False, False, None)
-                assert failed.value.args == (0, errno.EAGAIN)
+                        client._lane.push({0: torch.ones(12)}, step, None, True, None, False, False, None, 0.2)
+                assert failed.value.args == (0, errno.EAGAIN, 0)
                 error = client._transports[0].send_failed(errno.EAGAIN)
                 assert type(error) is TransportError and str(error) == f"could not send to {address}: its queue stayed full"
             else:
@@ -235,7 +235,7 @@ def test_a_closed_lane_takes_nothing(wired):
     client, _ = wired()
     lane = client._lane
     client.close()
-    assert lane.push({0: torch.ones(12)}, 0, None, True, None, False, False, None) is None
+    assert lane.push({0: torch.ones(12)}, 0, None, True, None, False, False, None, 5.0) is None
     with pytest.raises(RuntimeError, match="closed"):
         lane.take(0)
 
@@ -249,3 +249,60 @@ def test_an_error_reply_is_the_python_paths_to_read(wired):
                                                   "error": "no such step"})])
     with pytest.raises(PSError, match="no such step"):
         client.wait(handle)
+
+
+def test_a_lent_frame_stays_whole_until_zeromq_is_done_with_it(wired):
+    """A frame above 64 KiB leaves without a copy: its tensor's memory is held (the caller's
+    references gone) until ZeroMQ has sent it, and let go after."""
+    import gc
+    import time
+
+    client, routers = wired()
+    expected = torch.arange(20000, dtype=torch.float32)
+    s = LAYOUT.keys[4].shard
+    for _ in range(3):
+        g = expected.clone()
+        client.push(0, None, {4: g}, pull=True)
+        del g
+        gc.collect()
+        torch.arange(20000, dtype=torch.float32).mul_(7)  # what the allocator might hand the freed memory to
+        _, _, _, data = received(routers[s])
+        assert data == [expected.numpy().tobytes()]
+    deadline = time.monotonic() + 5
+    while client._lane.leased() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client._lane.leased() == 0
+
+
+def test_a_handle_waits_as_long_as_the_client_says_now(wired):
+    client, _ = wired()
+    client.timeout_s = 30.0
+    assert client.push(0, None, grads_of([0]), pull=True).timeout_s == 30.0
+    assert client.push(1, None, grads_of([0]), pull=True, clock=2).timeout_s == 35.0
+
+
+def test_a_reply_from_any_of_many_shards_is_taken():
+    """The lane polls every shard's socket (70 here), the last as the first."""
+    ctx = zmq.Context()
+    shards = 70
+    routers = [ctx.socket(zmq.ROUTER) for _ in range(shards)]
+    addresses = [f"inproc://many-{s}" for s in range(shards)]
+    for r, a in zip(routers, addresses):
+        r.bind(a)
+    layout = build_layout([ParamSpec(f"p{s}", (3,), "float32") for s in range(shards)], shards, 1 << 20)
+    client = PSClient(addresses, worker=0, timeout_s=5.0, context=ctx)
+    try:
+        client.layout = layout
+        client._whole = [WholeKeys(layout, [k.id for k in layout.shard_keys(s)], client._limits) for s in range(shards)]
+        client._lane = client_compiled.lane_for(client)
+        key = layout.shard_keys(shards - 1)[0].id
+        handle = client.push(0, None, {key: torch.ones(3)}, pull=True)
+        identity, pairs, _, _ = received(routers[shards - 1])
+        routers[shards - 1].send_multipart([identity, *encode(
+            {"op": "ok", "worker": 0, "req": dict(pairs)["req"], "version": 1, "keys": [key]}, [torch.full((3,), 2.0)])])
+        assert torch.equal(client.wait(handle).values[key], torch.full((3,), 2.0))
+    finally:
+        client.close()
+        for r in routers:
+            r.close(0)
+        ctx.term()
