@@ -5,19 +5,20 @@ which takes the GIL to let each go), and an 'ok' reply carrying whole keys.
 
 Why: one at a time, a worker's push+pull of 1 KiB held its core about 65 us in push and 80
 us in wait on this 2-core machine, where the same messages written and read with a dozen
-Python calls took 27 and 37 us; in psar bench's loop, push+pull / ZeroMQ was 0.41-0.51
-against 0.64-0.72 for those (docs/results.md, "A worker's compiled lane"). The time was spread over every
-layer (the Handle, the transport's send, the poll set, the reply's checks, the Result), each
-costing several times on a core that has just slept in a poll what it does in a loop. The
-lane writes a push's header and sends its frames in one call, and takes a reply (poll,
-receive, the checks of ps.protocol_short.decode_reply, the Message on ZeroMQ's buffers) in
-another, on the sockets of the worker's transports, calling the libzmq that pyzmq loaded.
+Python calls took 27 and 37 us; in psar bench's loop, push+pull / ZeroMQ at 1 to 64 KiB was
+0.39-0.55 against 0.58-0.82 for those (docs/results.md, "A worker's compiled lane"). The time
+was spread over every layer (the Handle, the transport's send, the poll set, the reply's
+checks, the Result), each costing several times on a core that has just slept in a poll what
+it does in a loop. The lane writes a push's header and sends its frames in one call, and
+takes a reply (poll, receive, the checks of ps.protocol_short.decode_reply, the Message on
+ZeroMQ's buffers) in another, on the sockets of the worker's transports, calling the libzmq
+that pyzmq calls.
 
 Anything else it leaves to the Python paths, unchanged: a push it does not take it returns
 before it has sent anything (a tensor that needs grad, is not contiguous, lies on another
-device, another dtype, rows, compression, a window of push+pulls,
-a transport whose monitor is due to be read), and a reply it does not read it hands over as
-the transport would, for ps.protocol.decode to read and name what is wrong.
+device, another dtype, rows, compression, a window of push+pulls, a transport whose monitor
+is due to be read), and a reply it does not read it hands over as the transport would, for
+ps.protocol.decode to read and name what is wrong.
 tests/unit/test_client_compiled.py holds both ways to the same bytes on the wire and the same
 results. PSAR_COMPILED=0 turns it off (a comparison).
 """
