@@ -53,10 +53,8 @@ static int (*z_errno)(void);
 static int linked = 0;
 
 #define LANE_COPY_BYTES 65536 /* frames up to this are copied (pyzmq copies below 64 KiB), larger ones lent */
-#define MAX_INT (1ULL << 62)   /* ps.protocol_schema._MAX_INT */
-#define DRAIN_S 0.05           /* ps.transport.MONITOR_DRAIN_S */
 
-static PyObject *SendFailed; /* (shard, errno) of a send that failed */
+static PyObject *SendFailed; /* (shard, errno, bytes sent to shards before it) of a send that failed */
 
 /* ---------------------------------------------------------------- a reply's part */
 
@@ -113,8 +111,9 @@ typedef struct {
     PyObject *sock_objs;  /* the pyzmq sockets: alive while the lane is */
     Py_ssize_t nkeys;
     KeyInfo *keys;
-    uint64_t worker, version_tag, stamp;
+    uint64_t worker, version_tag, max_int, stamp; /* max_int: ps.protocol_schema._MAX_INT */
     Py_ssize_t max_header, max_keys;
+    double drain_s;       /* ps.transport.MONITOR_DRAIN_S */
     zmq_pollitem_t *polled; /* one a shard */
     int start, closed;
     PyObject *inflight, *versions, *reqs, *handle_cls, *message_cls, *frombuffer, *tensor_type, *dtype_kw;
@@ -159,39 +158,27 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
-    Py_VISIT(self->sock_objs);
-    Py_VISIT(self->inflight);
-    Py_VISIT(self->versions);
-    Py_VISIT(self->reqs);
-    Py_VISIT(self->handle_cls);
-    Py_VISIT(self->message_cls);
-    Py_VISIT(self->frombuffer);
-    Py_VISIT(self->tensor_type);
-    for (Py_ssize_t i = 0; i < self->nkeys; i++) {
-        Py_VISIT(self->keys[i].name);
-        Py_VISIT(self->keys[i].torch_dtype);
-        Py_VISIT(self->keys[i].shape);
+/* The objects a lane holds, for the GC to visit and clear: OBJ(f) for each of its own, KEY(f) for
+ * each of every key's. */
+#define LANE_OBJECTS(OBJ, KEY)                                                                 \
+    OBJ(sock_objs) OBJ(inflight) OBJ(versions) OBJ(reqs) OBJ(handle_cls) OBJ(message_cls)      \
+    OBJ(frombuffer) OBJ(tensor_type) OBJ(dtype_kw)                                             \
+    for (Py_ssize_t i = 0; i < self->nkeys; i++) {                                             \
+        KEY(name) KEY(torch_dtype) KEY(shape)                                                  \
     }
+
+static int Lane_traverse(Lane *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+#define VISIT_KEY(f) Py_VISIT(self->keys[i].f);
+    LANE_OBJECTS(VISIT, VISIT_KEY)
     return 0;
 }
 
 static int Lane_clear(Lane *self) {
     self->closed = 1;
-    Py_CLEAR(self->sock_objs);
-    Py_CLEAR(self->inflight);
-    Py_CLEAR(self->versions);
-    Py_CLEAR(self->reqs);
-    Py_CLEAR(self->handle_cls);
-    Py_CLEAR(self->message_cls);
-    Py_CLEAR(self->frombuffer);
-    Py_CLEAR(self->tensor_type);
-    Py_CLEAR(self->dtype_kw);
-    for (Py_ssize_t i = 0; i < self->nkeys; i++) {
-        Py_CLEAR(self->keys[i].name);
-        Py_CLEAR(self->keys[i].torch_dtype);
-        Py_CLEAR(self->keys[i].shape);
-    }
+#define CLEAR(f) Py_CLEAR(self->f);
+#define CLEAR_KEY(f) Py_CLEAR(self->keys[i].f);
+    LANE_OBJECTS(CLEAR, CLEAR_KEY)
     return 0;
 }
 
@@ -207,14 +194,15 @@ static void Lane_dealloc(Lane *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Lane(socket addresses, socket objects, keys, worker, protocol version, max header bytes,
- * max keys, the client's _inflight, versions and request counter, Handle, Message,
- * torch.frombuffer, torch.Tensor). keys: per key id, None (not the lane's) or (shard, frame
+/* Lane(socket addresses, socket objects, keys, worker, protocol version, the protocol's int
+ * bound, max header bytes, max keys, the transport's monitor interval (s), the client's
+ * _inflight, versions and request counter, Handle, Message, torch.frombuffer, torch.Tensor). keys: per key id, None (not the lane's) or (shard, frame
  * bytes, buffer format, itemsize, dtype name, torch dtype, wire shape). */
 static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
     PyObject *addrs, *socks, *keys, *inflight, *versions, *reqs, *handle_cls, *message_cls, *frombuffer, *tensor_type;
-    unsigned long long worker, tag;
+    unsigned long long worker, tag, max_int;
     Py_ssize_t max_header, max_keys;
+    double drain_s;
     if (!linked) {
         PyErr_SetString(PyExc_RuntimeError, "ps._client: link() libzmq's functions first");
         return -1;
@@ -223,12 +211,12 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!O!KKnnO!O!OOOOO", &PyList_Type, &addrs, &PyList_Type, &socks, &PyList_Type,
-                          &keys, &worker, &tag, &max_header, &max_keys, &PyDict_Type, &inflight, &PyDict_Type,
-                          &versions, &reqs, &handle_cls, &message_cls, &frombuffer, &tensor_type))
+    if (!PyArg_ParseTuple(args, "O!O!O!KKKnndO!O!OOOOO", &PyList_Type, &addrs, &PyList_Type, &socks, &PyList_Type,
+                          &keys, &worker, &tag, &max_int, &max_header, &max_keys, &drain_s, &PyDict_Type, &inflight,
+                          &PyDict_Type, &versions, &reqs, &handle_cls, &message_cls, &frombuffer, &tensor_type))
         return -1;
-    if (worker >= MAX_INT || tag >= MAX_INT) {
-        PyErr_SetString(PyExc_ValueError, "a worker id and a protocol version below 2**62");
+    if (worker >= max_int || tag >= max_int) {
+        PyErr_SetString(PyExc_ValueError, "a worker id and a protocol version below the protocol's int bound");
         return -1;
     }
     int shards = (int)PyList_GET_SIZE(addrs);
@@ -262,8 +250,10 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
     Py_INCREF(socks);
     self->worker = worker;
     self->version_tag = tag;
+    self->max_int = max_int;
     self->max_header = max_header;
     self->max_keys = max_keys;
+    self->drain_s = drain_s;
     self->dtype_kw = PyTuple_Pack(1, s_dtype);
     if (!self->dtype_kw) return -1;
     self->nkeys = PyList_GET_SIZE(keys);
@@ -296,7 +286,7 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kw) {
             PyObject *x = PyList_GET_ITEM(k->shape, d);
             unsigned long long v = PyLong_Check(x) ? PyLong_AsUnsignedLongLong(x) : (unsigned long long)-1;
             if (PyErr_Occurred()) PyErr_Clear();
-            if (v >= MAX_INT) ok = 0;
+            if (v >= max_int) ok = 0;
             else k->dims[d] = v;
         }
         if (!ok) continue;
@@ -322,8 +312,6 @@ typedef struct {
     zmq_msg_t msg;
 } Pushed;
 
-static int wr_packed_str(Writer *w, KeyInfo *k) { return wr_str(w, k->name_utf8, k->name_len); }
-
 static int wr_shape(Writer *w, KeyInfo *k) {
     if (!wr_array(w, k->ndim)) return 0;
     for (Py_ssize_t d = 0; d < k->ndim; d++)
@@ -331,12 +319,13 @@ static int wr_shape(Writer *w, KeyInfo *k) {
     return 1;
 }
 
-/* A non-negative int below MAX_INT, or -1 (another type or value: the Python paths' to send). */
-static long long small_int(PyObject *x) {
+/* A non-negative int below the protocol's bound, or -1 (another type or value: the Python
+ * paths' to send). */
+static long long small_int(Lane *self, PyObject *x) {
     if (!PyLong_CheckExact(x)) return -1;
     int overflow;
     long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-    if (overflow || v < 0 || (unsigned long long)v >= MAX_INT) {
+    if (overflow || v < 0 || (unsigned long long)v >= self->max_int) {
         PyErr_Clear();
         return -1;
     }
@@ -357,9 +346,9 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     Py_ssize_t n = PyDict_GET_SIZE(grads);
     if (self->closed || !self->socks || n == 0 || n > self->max_keys) Py_RETURN_NONE;
     sweep(self);
-    long long step = step_obj == Py_None ? -2 : small_int(step_obj);
-    long long version = version_obj == Py_None ? -2 : small_int(version_obj);
-    long long clock = clock_obj == Py_None ? -2 : small_int(clock_obj);
+    long long step = step_obj == Py_None ? -2 : small_int(self, step_obj);
+    long long version = version_obj == Py_None ? -2 : small_int(self, version_obj);
+    long long clock = clock_obj == Py_None ? -2 : small_int(self, clock_obj);
     double lr = 0.0;
     if (step == -1 || version == -1 || clock == -1) Py_RETURN_NONE;
     if (lr_obj != Py_None) {
@@ -389,7 +378,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     while (PyDict_Next(grads, &pos, &k_obj, &g)) {
         if (i == n) goto done; /* (grads grew meanwhile) */
         Pushed *it = &items[i];
-        long long k = small_int(k_obj);
+        long long k = small_int(self, k_obj);
         if (k < 0 || k >= self->nkeys || self->keys[k].shard < 0 || Py_TYPE(g) != (PyTypeObject *)self->tensor_type)
             goto done;
         KeyInfo *key = &self->keys[k];
@@ -414,7 +403,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         int seen = 0;
         for (int j = 0; j < nshards; j++) seen |= first[j] == key->shard;
         if (!seen) {
-            if (now - self->drained[key->shard] >= DRAIN_S) { /* this one the transport sends: it reads its monitor */
+            if (now - self->drained[key->shard] >= self->drain_s) { /* this one the transport sends: it reads its monitor */
                 self->drained[key->shard] = now;
                 goto done;
             }
@@ -427,7 +416,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         PyObject *v = PyDict_GetItemWithError(self->versions, shard_obj);
         Py_DECREF(shard_obj);
         if (!v && PyErr_Occurred()) goto fail;
-        vers[j] = v ? small_int(v) : 0;
+        vers[j] = v ? small_int(self, v) : 0;
         if (vers[j] < 0) goto done; /* a version the Python paths send as it is */
     }
     /* one message a shard; the same header bytes as ps.protocol.encode's */
@@ -457,7 +446,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         }
         long long seen_version = vers[j];
         PyObject *req_obj = PyIter_Next(self->reqs);
-        long long req = req_obj ? small_int(req_obj) : -1;
+        long long req = req_obj ? small_int(self, req_obj) : -1;
         if (req < 0) {
             Py_XDECREF(req_obj);
             Py_DECREF(shard_obj);
@@ -465,8 +454,13 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "request ids ran out");
             goto fail;
         }
-        Py_ssize_t nk = 0;
-        for (Py_ssize_t a = 0; a < i; a++) nk += items[a].key->shard == s;
+        Py_ssize_t nk = 0, last = -1, data = 0; /* this shard's keys, the last of them, their bytes */
+        for (Py_ssize_t a = 0; a < i; a++)
+            if (items[a].key->shard == s) {
+                nk++;
+                last = a;
+                data += items[a].view.len;
+            }
         Writer *w = &self->out;
         w->len = 0;
         Py_ssize_t fields = 9 + (lr_obj != Py_None) + hold + (pull ? 1 + next_version + (clock >= 0) : 0);
@@ -493,7 +487,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         }
         ok = ok && WR_KEY(w, "dtypes") && wr_array(w, nk);
         for (Py_ssize_t a = 0; ok && a < i; a++)
-            if (items[a].key->shard == s) ok = wr_packed_str(w, items[a].key);
+            if (items[a].key->shard == s) ok = wr_str(w, items[a].key->name_utf8, items[a].key->name_len);
         ok = ok && WR_KEY(w, "shapes") && wr_array(w, nk);
         for (Py_ssize_t a = 0; ok && a < i; a++)
             if (items[a].key->shard == s) ok = wr_shape(w, items[a].key);
@@ -505,11 +499,8 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             goto fail;
         }
         /* frames above LANE_COPY_BYTES are lent: ZeroMQ sends the tensor's own memory */
-        Py_ssize_t last = -1;
-        for (Py_ssize_t a = 0; ok && a < i; a++) {
-            if (items[a].key->shard != s) continue;
-            last = a;
-            if (items[a].view.len <= LANE_COPY_BYTES) continue;
+        for (Py_ssize_t a = 0; ok && a <= last; a++) {
+            if (items[a].key->shard != s || items[a].view.len <= LANE_COPY_BYTES) continue;
             Lease *l = PyMem_Malloc(sizeof(Lease));
             if (!l) {
                 PyErr_NoMemory();
@@ -530,7 +521,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             }
         }
         if (!ok) {
-            for (Py_ssize_t a = 0; a < i; a++)
+            for (Py_ssize_t a = 0; a <= last; a++)
                 if (items[a].key->shard == s && items[a].lease) z_msg_close(&items[a].msg);
             Py_DECREF(req_obj);
             Py_DECREF(shard_obj);
@@ -584,9 +575,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             }
             goto fail; /* (a message of which only a first part left cannot be: ZeroMQ queues whole ones) */
         }
-        sent_bytes += w->len;
-        for (Py_ssize_t a = 0; a < i; a++)
-            if (items[a].key->shard == s) sent_bytes += items[a].view.len;
+        sent_bytes += w->len + data;
         int bad = PyDict_SetItem(pending, req_obj, shard_obj) < 0 || PyDict_SetItem(self->inflight, req_obj, handle) < 0;
         Py_DECREF(req_obj);
         Py_DECREF(shard_obj);
@@ -612,11 +601,6 @@ done:
 }
 
 /* ---------------------------------------------------------------- take */
-
-typedef struct {
-    const uint8_t *p;
-    Py_ssize_t n;
-} Span;
 
 /* The Message of an 'ok' reply of whole keys of shard s, as decode_reply would read it; NULL
  * without an error set: not one the lane reads. */
@@ -656,7 +640,7 @@ static PyObject *read_reply(Lane *self, int s, Part **parts, Py_ssize_t nparts) 
         seen |= bit;
         if (out) {
             if ((bit & (F_VERSION | F_STALENESS | F_WAITED)) && rd_nil(&r)) nil |= bit;
-            else if (!rd_uint(&r, MAX_INT, out)) return NULL;
+            else if (!rd_uint(&r, self->max_int, out)) return NULL;
         } else if (bit == F_OP) {
             if (!rd_str(&r, 16, &name, &len) || len != 2 || memcmp(name, "ok", 2) != 0) return NULL;
         } else if (bit == F_KEYS) {
@@ -664,7 +648,7 @@ static PyObject *read_reply(Lane *self, int s, Part **parts, Py_ssize_t nparts) 
             if (!rd_array(&r, self->max_keys, &nkeys)) return NULL;
             for (Py_ssize_t i = 0; i < nkeys; i++) {
                 uint64_t k;
-                if (!rd_uint(&r, MAX_INT, &k)) return NULL;
+                if (!rd_uint(&r, self->max_int, &k)) return NULL;
             }
         } else if (bit == F_DTYPES) {
             dtypes_at = r;
@@ -679,7 +663,7 @@ static PyObject *read_reply(Lane *self, int s, Part **parts, Py_ssize_t nparts) 
                 uint64_t d;
                 if (!rd_array(&r, 4, &ndim)) return NULL;
                 for (Py_ssize_t j = 0; j < ndim; j++)
-                    if (!rd_uint(&r, MAX_INT, &d)) return NULL;
+                    if (!rd_uint(&r, self->max_int, &d)) return NULL;
             }
         }
     }
@@ -701,7 +685,7 @@ static PyObject *read_reply(Lane *self, int s, Part **parts, Py_ssize_t nparts) 
         uint64_t k;
         const char *name;
         Py_ssize_t len, ndim;
-        rd_uint(&keys_at, MAX_INT, &k);
+        rd_uint(&keys_at, self->max_int, &k);
         rd_str(&dtypes_at, 64, &name, &len);
         if (k >= (uint64_t)self->nkeys) goto out;
         KeyInfo *key = &self->keys[k];
@@ -713,7 +697,7 @@ static PyObject *read_reply(Lane *self, int s, Part **parts, Py_ssize_t nparts) 
         int same = ndim == key->ndim;
         for (Py_ssize_t j = 0; j < ndim; j++) {
             uint64_t d;
-            rd_uint(&shapes_at, MAX_INT, &d);
+            rd_uint(&shapes_at, self->max_int, &d);
             same &= j < key->ndim && d == key->dims[j];
         }
         if (!same) goto out;
@@ -892,7 +876,7 @@ static PyObject *Lane_leased(Lane *self, PyObject *unused) { return PyLong_FromS
 static PyMethodDef Lane_methods[] = {
     {"leased", (PyCFunction)Lane_leased, METH_NOARGS, "How many frames lent to ZeroMQ it still holds."},
     {"push", (PyCFunction)Lane_push, METH_VARARGS,
-     "push(grads, step, version, pull, lr, hold, next_version, clock): (Handle, bytes sent), or None (not sent)."},
+     "push(grads, step, version, pull, lr, hold, next_version, clock, timeout_s): (Handle, bytes sent), or None."},
     {"take", (PyCFunction)Lane_take, METH_O,
      "take(timeout_ms): (shard, Message or frames, bytes) of the next message, or None."},
     {"close", (PyCFunction)Lane_close, METH_NOARGS, "Use the sockets no more (they are about to close)."},

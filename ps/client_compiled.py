@@ -34,6 +34,7 @@ import torch
 
 from ps.flight import Handle
 from ps.protocol_schema import _MAX_INT, PROTOCOL_VERSION, Message
+from ps.transport import MONITOR_DRAIN_S
 
 try:
     import ps._client as _client
@@ -91,9 +92,9 @@ def lane_for(client: Any) -> Any:
     if not any(keys):
         return None
     sockets = [t.socket for t in client._transports]
-    return _client.Lane([s.underlying for s in sockets], sockets, keys, client.worker, PROTOCOL_VERSION,
-                        client._limits.max_header_bytes, client._limits.max_keys, client._inflight, client.versions,
-                        client._reqs, Handle, Message, torch.frombuffer, torch.Tensor)
+    return _client.Lane([s.underlying for s in sockets], sockets, keys, client.worker, PROTOCOL_VERSION, _MAX_INT,
+                        client._limits.max_header_bytes, client._limits.max_keys, MONITOR_DRAIN_S, client._inflight,
+                        client.versions, client._reqs, Handle, Message, torch.frombuffer, torch.Tensor)
 
 
 SendFailed = _client.SendFailed if _client is not None else None

@@ -28,23 +28,30 @@ LAYOUT = build_layout(SPECS, 2, 1 << 20)
 Python."""
 
 
+def joined(client, layout, lane=True):
+    """client as join() leaves it on layout, with its compiled lane or without."""
+    client.layout = layout
+    client._whole = [WholeKeys(layout, [k.id for k in layout.shard_keys(s)], client._limits)
+                     for s in range(layout.num_shards)]
+    client._lane = client_compiled.lane_for(client) if lane else None
+    assert (client._lane is not None) == lane
+    return client
+
+
 @pytest.fixture
 def wired():
-    """(joined client, compiled?) -> (client, the shards' ROUTER sockets)."""
+    """(compiled?, timeout, layout) -> (a joined client, its shards' ROUTER sockets)."""
     made = []
 
-    def make(lane: bool = True, timeout_s: float = 5.0):
+    def make(lane: bool = True, timeout_s: float = 5.0, layout=LAYOUT):
         ctx = zmq.Context()
-        routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
-        addresses = [f"inproc://lane-{id(ctx)}-{s}" for s in range(2)]
+        routers = [ctx.socket(zmq.ROUTER) for _ in range(layout.num_shards)]
+        addresses = [f"inproc://lane-{id(ctx)}-{s}" for s in range(layout.num_shards)]
         for r, a in zip(routers, addresses):
             r.bind(a)
         client = PSClient(addresses, worker=1, timeout_s=timeout_s, context=ctx)
-        client.layout = LAYOUT  # as join() leaves it
-        client._whole = [WholeKeys(LAYOUT, [k.id for k in LAYOUT.shard_keys(s)], client._limits) for s in range(2)]
         client.versions.update({0: 3, 1: 5})
-        client._lane = client_compiled.lane_for(client) if lane else None
-        assert (client._lane is not None) == lane
+        joined(client, layout, lane)
         made.append((client, routers, ctx))
         return client, routers
 
@@ -63,7 +70,7 @@ def received(router):
     return identity, msgpack.unpackb(header, object_pairs_hook=list), header, data
 
 
-def grads_of(keys, dtype_of=None, seed=0):
+def grads_of(keys, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(LAYOUT.keys[k].numel, generator=gen, dtype=torch.float64).to(
         getattr(torch, LAYOUT.key_dtype[k])) for k in keys}
@@ -125,10 +132,6 @@ def test_the_python_path_sends_what_the_lane_leaves(wired):
 def reply_frames(keys, seed=1, **fields):
     header = {"op": "ok", "worker": 1, "version": 6, "keys": keys, **fields}
     return header, grads_of(keys, seed=seed)
-
-
-def answer(routers, identity_of, s, req, frames):
-    routers[s].send_multipart([identity_of[s], *frames])
 
 
 @pytest.mark.parametrize("fields", [{}, {"staleness": 2, "waited_us": 40}, {"staleness": None, "version": None}])
@@ -210,10 +213,7 @@ def test_a_send_that_cannot_leave_says_so_as_the_transport_does():
     layout = build_layout(SPECS[:1], 1, 1 << 20)
     for lane in (True, False):
         ctx = zmq.Context()
-        client = PSClient([address], worker=0, timeout_s=0.2, context=ctx)
-        client.layout = layout
-        client._whole = [WholeKeys(layout, [0], client._limits)]
-        client._lane = client_compiled.lane_for(client) if lane else None
+        client = joined(PSClient([address], worker=0, timeout_s=0.2, context=ctx), layout, lane)
         try:
             if lane:
                 with pytest.raises(client_compiled.SendFailed) as failed:
@@ -281,28 +281,14 @@ def test_a_handle_waits_as_long_as_the_client_says_now(wired):
     assert client.push(1, None, grads_of([0]), pull=True, clock=2).timeout_s == 35.0
 
 
-def test_a_reply_from_any_of_many_shards_is_taken():
+def test_a_reply_from_any_of_many_shards_is_taken(wired):
     """The lane polls every shard's socket (70 here), the last as the first."""
-    ctx = zmq.Context()
     shards = 70
-    routers = [ctx.socket(zmq.ROUTER) for _ in range(shards)]
-    addresses = [f"inproc://many-{s}" for s in range(shards)]
-    for r, a in zip(routers, addresses):
-        r.bind(a)
     layout = build_layout([ParamSpec(f"p{s}", (3,), "float32") for s in range(shards)], shards, 1 << 20)
-    client = PSClient(addresses, worker=0, timeout_s=5.0, context=ctx)
-    try:
-        client.layout = layout
-        client._whole = [WholeKeys(layout, [k.id for k in layout.shard_keys(s)], client._limits) for s in range(shards)]
-        client._lane = client_compiled.lane_for(client)
-        key = layout.shard_keys(shards - 1)[0].id
-        handle = client.push(0, None, {key: torch.ones(3)}, pull=True)
-        identity, pairs, _, _ = received(routers[shards - 1])
-        routers[shards - 1].send_multipart([identity, *encode(
-            {"op": "ok", "worker": 0, "req": dict(pairs)["req"], "version": 1, "keys": [key]}, [torch.full((3,), 2.0)])])
-        assert torch.equal(client.wait(handle).values[key], torch.full((3,), 2.0))
-    finally:
-        client.close()
-        for r in routers:
-            r.close(0)
-        ctx.term()
+    client, routers = wired(layout=layout)
+    key = layout.shard_keys(shards - 1)[0].id
+    handle = client.push(0, None, {key: torch.ones(3)}, pull=True)
+    identity, pairs, _, _ = received(routers[shards - 1])
+    routers[shards - 1].send_multipart([identity, *encode(
+        {"op": "ok", "worker": 1, "req": dict(pairs)["req"], "version": 1, "keys": [key]}, [torch.full((3,), 2.0)])])
+    assert torch.equal(client.wait(handle).values[key], torch.full((3,), 2.0))
