@@ -25,32 +25,7 @@
 #endif
 #include "shard/_msgpack.h"
 
-/* ---------------------------------------------------------------- libzmq, as pyzmq loaded it */
-
-typedef struct {
-    _Alignas(8) unsigned char _[64];
-} zmq_msg_t;
-typedef struct {
-    void *socket;
-    int fd;
-    short events, revents;
-} zmq_pollitem_t;
-#define Z_DONTWAIT 1
-#define Z_SNDMORE 2
-#define Z_POLLIN 1
-
-static int (*z_send)(void *, const void *, size_t, int);
-static int (*z_msg_init)(zmq_msg_t *);
-static int (*z_msg_recv)(zmq_msg_t *, void *, int);
-static void *(*z_msg_data)(zmq_msg_t *);
-static size_t (*z_msg_size)(const zmq_msg_t *);
-static int (*z_msg_more)(const zmq_msg_t *);
-static int (*z_msg_close)(zmq_msg_t *);
-static int (*z_msg_init_data)(zmq_msg_t *, void *, size_t, void (*)(void *, void *), void *);
-static int (*z_msg_send)(zmq_msg_t *, void *, int);
-static int (*z_poll)(zmq_pollitem_t *, int, long);
-static int (*z_errno)(void);
-static int linked = 0;
+#include "_zmq.h"
 
 #define LANE_COPY_BYTES 65536 /* frames up to this are copied (pyzmq copies below 64 KiB), larger ones lent */
 
@@ -121,33 +96,8 @@ typedef struct {
     struct Lease *leases; /* frames ZeroMQ may still be sending */
 } Lane;
 
-/* A frame lent to ZeroMQ: the tensor's own memory, held (view) until ZeroMQ is done with it.
- * ZeroMQ's thread marks it done, without the GIL; the lane's next call lets it go. */
-typedef struct Lease {
-    Py_buffer view;
-    int done;
-    struct Lease *next;
-} Lease;
-
-static void lease_done(void *data, void *hint) { __atomic_store_n(&((Lease *)hint)->done, 1, __ATOMIC_RELEASE); }
-
 /* Let go of the frames ZeroMQ is done with; how many it still holds. */
-static Py_ssize_t sweep(Lane *self) {
-    Py_ssize_t held = 0;
-    Lease **at = &self->leases;
-    while (*at) {
-        Lease *l = *at;
-        if (__atomic_load_n(&l->done, __ATOMIC_ACQUIRE)) {
-            *at = l->next;
-            PyBuffer_Release(&l->view);
-            PyMem_Free(l);
-        } else {
-            held++;
-            at = &l->next;
-        }
-    }
-    return held;
-}
+static Py_ssize_t sweep(Lane *self) { return lease_sweep(&self->leases); }
 
 static PyObject *s_numpy, *s_pending, *s_timeout_s, *s_dtype, *k_v, *k_op, *k_worker, *k_req, *k_version, *k_keys,
     *k_staleness, *k_waited_us, *k_dtypes, *k_shapes, *s_ok, *s_push, *s_push_pull;
@@ -308,7 +258,7 @@ typedef struct {
     uint64_t id;
     Py_buffer view;
     int held;
-    Lease *lease; /* lent (above LANE_COPY_BYTES): its message */
+    int lease; /* lent (above LANE_COPY_BYTES): its message */
     zmq_msg_t msg;
 } Pushed;
 
@@ -501,24 +451,12 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         /* frames above LANE_COPY_BYTES are lent: ZeroMQ sends the tensor's own memory */
         for (Py_ssize_t a = 0; ok && a <= last; a++) {
             if (items[a].key->shard != s || items[a].view.len <= LANE_COPY_BYTES) continue;
-            Lease *l = PyMem_Malloc(sizeof(Lease));
-            if (!l) {
-                PyErr_NoMemory();
+            if (!lease_msg(&self->leases, &items[a].view, &items[a].msg)) {
                 ok = 0;
                 break;
             }
-            l->view = items[a].view; /* the lease holds it now */
-            items[a].held = 0;
-            l->done = 0;
-            l->next = self->leases;
-            self->leases = l;
-            items[a].lease = l;
-            if (z_msg_init_data(&items[a].msg, l->view.buf, (size_t)l->view.len, lease_done, l) < 0) {
-                l->done = 1;
-                items[a].lease = NULL;
-                PyErr_NoMemory();
-                ok = 0;
-            }
+            items[a].held = 0; /* the lease holds it now */
+            items[a].lease = 1;
         }
         if (!ok) {
             for (Py_ssize_t a = 0; a <= last; a++)
@@ -894,39 +832,6 @@ static PyTypeObject LaneType = {
     .tp_methods = Lane_methods,
     .tp_doc = "A worker's compiled lane for whole-key pushes and their replies (ps.client_compiled).",
 };
-
-/* link(addresses): libzmq's zmq_send, zmq_msg_init, zmq_msg_recv, zmq_msg_data, zmq_msg_size,
- * zmq_msg_more, zmq_msg_close, zmq_poll, zmq_errno, zmq_msg_init_data and zmq_msg_send, as ints (ctypes' addresses of the
- * library pyzmq loaded). */
-static PyObject *link_zmq(PyObject *self, PyObject *args) {
-    PyObject *addresses;
-    void *f[11];
-    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &addresses)) return NULL;
-    if (PyTuple_GET_SIZE(addresses) != 11) {
-        PyErr_SetString(PyExc_ValueError, "link: 11 functions' addresses");
-        return NULL;
-    }
-    for (int i = 0; i < 11; i++) {
-        f[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(addresses, i));
-        if (!f[i]) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "link: a function's address is 0");
-            return NULL;
-        }
-    }
-    z_send = f[0];
-    z_msg_init = f[1];
-    z_msg_recv = f[2];
-    z_msg_data = f[3];
-    z_msg_size = f[4];
-    z_msg_more = f[5];
-    z_msg_close = f[6];
-    z_poll = f[7];
-    z_errno = f[8];
-    z_msg_init_data = f[9];
-    z_msg_send = f[10];
-    linked = 1;
-    Py_RETURN_NONE;
-}
 
 static PyMethodDef methods[] = {{"link", link_zmq, METH_VARARGS, "Give the lane libzmq's functions (see ps.client_compiled)."},
                                 {NULL}};

@@ -101,8 +101,11 @@ def serve(echo_addr: str, ps_addr: str, workers: int = 1, threads: int = 0, legs
 
     thread = threading.Thread(target=echo_loop, daemon=True)
     thread.start()
-    shard.serve(ps_transport, stop)
-    thread.join(5)
+    shard.serve(ps_transport, stop)  # ends once every worker has left, or at the echo's stop
+    # The stop comes after the last worker process has ended, which on a busy host may be
+    # seconds after its leave: the echo answers it until then (the caller kills a server it
+    # no longer waits for).
+    thread.join(CONFIG.timeout_s)
     if legs:
         tmp = Path(f"{legs}.{os.getpid()}.tmp")  # whole or not at all: the worker reads it
         tmp.write_text(json.dumps({"echo": echo.marks, "ps": ps_transport.marks}))

@@ -25,9 +25,6 @@ results. PSAR_COMPILED=0 turns it off (a comparison).
 
 from __future__ import annotations
 
-import ctypes
-import importlib
-import os
 from typing import Any
 
 import torch
@@ -35,6 +32,7 @@ import torch
 from ps.flight import Handle
 from ps.protocol_schema import _MAX_INT, PROTOCOL_VERSION, Message
 from ps.transport import MONITOR_DRAIN_S
+from ps.zmq_link import compiled_on, linked
 
 try:
     import ps._client as _client
@@ -44,33 +42,11 @@ except ImportError:  # not built (a copy of the tree without `pip install -e .`)
 FORMATS = {"float32": ("f", 4), "float64": ("d", 8), "float16": ("e", 2)}
 """The dtypes the lane sends and reads: name -> (buffer format, item size)."""
 
-_FUNCTIONS = ("zmq_send", "zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more",
-              "zmq_msg_close", "zmq_poll", "zmq_errno", "zmq_msg_init_data", "zmq_msg_send")
-_linked: bool | None = None
-
 
 def available() -> bool:
     """Whether the lane is built, not turned off (PSAR_COMPILED=0), and has libzmq's functions
-    (those pyzmq calls: _link)."""
-    global _linked
-    if _client is None or os.environ.get("PSAR_COMPILED", "1") == "0":
-        return False
-    if _linked is None:
-        _linked = _link()
-    return _linked
-
-
-def _link() -> bool:
-    """Give the lane libzmq's functions as pyzmq's compiled module links them (ctypes looks
-    them up from its handle, in it and in the libraries it loaded: the libzmq it calls, not
-    another one some other module may have loaded); False where that module does not say."""
-    try:
-        backend = importlib.import_module("zmq.backend.cython._zmq")
-        lib = ctypes.CDLL(backend.__file__)  # loaded already: dlopen gives its handle
-        _client.link(tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _FUNCTIONS))
-    except (ImportError, OSError, AttributeError, ValueError, TypeError):
-        return False
-    return True
+    (those pyzmq calls: ps.zmq_link)."""
+    return compiled_on() and linked(_client)
 
 
 def lane_for(client: Any) -> Any:

@@ -25,6 +25,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ps.security import ClientKeys, ServerKeys
 from ps.throttle import Throttle
+from ps.zmq_link import compiled_on, linked
+
+try:
+    import ps._send as _sends
+except ImportError:  # not built (a copy of the tree without `pip install -e .`): pyzmq's sends
+    _sends = None
 
 log = logging.getLogger("psar.ps.transport")
 
@@ -33,8 +39,9 @@ DEFAULT_HWM = 1000
 push of a few hundred keys never waits on it."""
 LINGER_MS = 100
 REPLY_COPY_BYTES = (1 << 20) + 1
-"""A server copies the frames it sends up to 1 MiB (below this, pyzmq's copy_threshold; its
-default, 64 KiB, leaves larger ones to zero-copy). A zero-copy frame keeps what it points at
+"""A server without its compiled sends (SEND_COPY_BYTES) copies the frames it sends up to 1
+MiB (below this, pyzmq's copy_threshold; its default, 64 KiB, leaves larger ones to
+zero-copy). A zero-copy frame keeps what it points at
 until pyzmq's collector thread, which needs the GIL, lets it go: a shard's reply points at its
 key, and a key still held when the next push updates it must first move to a copy
 (ps.shard.snapshots.SnapshotPool.own). 8 workers against one shard (psar bench's rows, async),
@@ -46,6 +53,18 @@ time, four pairs: ps/zmq 0.62, 0.62, 0.56, 0.67 lent against 0.56, 0.63, 0.68, 0
 mlp-mid on 4 workers with 4 shards of their own at 1gbit (0.5 MiB keys), three pairs, median
 step: ps-sync 0.381, 0.375, 0.373 s copied against 0.377, 0.401, 0.378 lent; ps-async 0.397,
 0.368, 0.402 against 0.367, 0.429, 0.418, where 6 to 16 of its 384 pushes moved their key."""
+SEND_COPY_BYTES = 1 << 16
+"""A server with its compiled sends (ps/_send.c) copies the parts it sends up to 64 KiB, as
+pyzmq's default copy_threshold does, and lends larger ones without pyzmq's collector thread:
+ZeroMQ's I/O thread marks each done, and the sender lets it go at its next send or after the
+transport's next receive, before the shard looks at a key again (a key a reply still points at
+moves to a copy first: ps.shard.snapshots.SnapshotPool.own, in the shard's compiled path too).
+On this 2-core machine a send of a 1 MiB part took 13-16 us against pyzmq's copy's 195-197,
+and psar bench's one-at-a-time push+pull of 1 MiB 1615-1624 us against 1792-2200 copied (two
+alternated pairs, experiments/bench/legs.py); 8 workers against one shard moved 15% of their
+keys and as many bytes/s as with copies (1.47-1.62 GB/s against 1.49-1.63, three pairs). The
+echo beside the shard sends through this too, and its round trip of 1 MiB fell likewise
+(1170-1186 us against 1351-1609)."""
 MONITOR_DRAIN_S = 0.05
 """A client reads its socket monitor (handshake events) on a send at most this often: a few
 events per connection attempt, so the monitor never fills, and no poll on every send."""
@@ -281,6 +300,8 @@ class ServerTransport:
         self._monitor = _monitor(self._sock, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                                  | zmq.EVENT_DISCONNECTED)
         self._polled = [(self._sock, _POLLIN)] + ([(self._monitor, _POLLIN)] if self._monitor is not None else [])
+        self._sender = _sends.Sender(self._sock.underlying, self._sock, SEND_COPY_BYTES) \
+            if compiled_on() and linked(_sends) else None
         if curve is not None:
             log.info("%s: CURVE on; clients allowed by the public keys in %s", self.address, curve.allowed_dir)
 
@@ -293,6 +314,8 @@ class ServerTransport:
                 self._note_events()
             if ready and ready[0][0] is self._sock:
                 identity, *frames = _receive(self._sock, heads=2)
+                if self._sender is not None:  # the parts ZeroMQ has sent are let go before the shard reads a key
+                    self._sender.sweep()
                 return identity, frames
             if time.monotonic() >= deadline:
                 return None
@@ -312,8 +335,13 @@ class ServerTransport:
     def send(self, peer: bytes, frames: Sequence[Any]) -> bool:
         """Send to peer; False (and a log line) if the peer is gone or its queue stays full."""
         try:
-            _send_parts(self._sock, [peer, *frames])
-            return True
+            if self._sender is None:
+                _send_parts(self._sock, [peer, *frames])
+                return True
+            err = self._sender.send([peer, *frames])
+            if not err:
+                return True
+            raise zmq.Again() if err == zmq.EAGAIN else zmq.ZMQError(err)
         except (zmq.Again, zmq.ZMQError) as e:  # a peer gone: one line per kind and interval
             self._throttle.log(logging.WARNING, ("send", type(e), getattr(e, "errno", None)),
                                "%s: could not send %d frame(s) to peer %r: %s", self.address, len(frames), peer, e)

@@ -57,7 +57,8 @@ static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_wo
     *s_left, *s_joining, *s_clocks, *s__partial, *s_counters, *s_staleness, *s_max_clock_gap, *s_save,
     *s_bump, *s_snapshots, *s__arrays, *s_lent, *s_optimizer, *s__group, *s_lr, *s_momentum,
     *s_weight_decay, *s_maximize, *s_clock, *s_rule, *s_rows, *s__read_at, *s_bytes_in, *s_bytes_out,
-    *s_pushes, *s_pulls, *s_updates, *s__release, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov;
+    *s_pushes, *s_pulls, *s_updates, *s__release, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov,
+    *s_own, *s_reply_bytes, *s_moved_keys;
 
 enum { F_V, F_OP, F_WORKER, F_REQ, F_STEP, F_VERSION, F_KEYS, F_DTYPES, F_SHAPES, F_PULL, F_MIN_VERSION, F_CLOCK,
        F_LR, NFIELDS };
@@ -217,6 +218,21 @@ done:
 
 #define MAX_KEYS_ON_STACK 64
 
+/* SnapshotPool.own(key) as the Python paths call it before an update (a chunk a reply still
+ * points at moves to a copy; moved_keys counts it), then its reply_bytes(key), which makes the
+ * view of its memory the replies lend: 1, or 0 with an error set. */
+static int own(PyObject *snapshots, PyObject *key, PyObject *counters) {
+    PyObject *moved = PyObject_CallMethodOneArg(snapshots, s_own, key);
+    if (!moved) return 0;
+    int yes = PyObject_IsTrue(moved);
+    Py_DECREF(moved);
+    if (yes < 0) return 0;
+    if (yes && !add_to(counters, s_moved_keys, 1, 0)) return 0;
+    PyObject *view = PyObject_CallMethodOneArg(snapshots, s_reply_bytes, key);
+    Py_XDECREF(view);
+    return view != NULL;
+}
+
 /* A float, or an int (not a bool) where ints may be: 1, or 0. */
 static int number(PyObject *o, double *out, int float_only) {
     if (o && PyFloat_CheckExact(o)) {
@@ -375,6 +391,8 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     }
     /* each key's memory: the numpy view its replies lend (SnapshotPool.reply_bytes), which no
      * reply holds now, of a chunk no other reply was given (SnapshotPool.lent) */
+    GET(counters, s, s_counters);
+    if (!PyDict_CheckExact(counters)) PASS;
     GET(snapshots, s, s_snapshots);
     GET(arrays, snapshots, s__arrays);
     GET(lent, snapshots, s_lent);
@@ -384,7 +402,11 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         PyObject *a = PyDict_GetItem(arrays, k->obj); /* borrowed */
         int in = PySet_Contains(lent, k->obj);
         if (in < 0) goto error;
-        if (!a || Py_REFCNT(a) != 1 || in) PASS;
+        if (!a || Py_REFCNT(a) != 1 || in) { /* a reply may still point at it: moved first, as the Python paths */
+            if (!own(snapshots, k->obj, counters)) goto error;
+            if (!(a = PyDict_GetItem(arrays, k->obj)) || Py_REFCNT(a) != 1 || (in = PySet_Contains(lent, k->obj)))
+                PASS;
+        }
         arrays_of[j] = a;
     }
     for (Py_ssize_t j = 0; j < m.nkeys; j++) {
@@ -394,7 +416,6 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         if (PyObject_GetBuffer(PyList_GET_ITEM(frames, j + 1), &grads[j], PyBUF_SIMPLE) < 0) goto error;
         ngrads++;
     }
-    GET(counters, s, s_counters);
     GET(staleness, s, s_staleness);
     GET(save, s, s_save);
     GET(rule, s, s_rule);
@@ -822,7 +843,8 @@ PyMODINIT_FUNC PyInit__compiled(void) {
                  {&s_bytes_in, "bytes_in"}, {&s_bytes_out, "bytes_out"}, {&s_pushes, "pushes"},
                  {&s_pulls, "pulls"},       {&s_updates, "updates"},   {&s_chunks, "chunks"}, {&s__release, "_release"},
                  {&s_state, "state"},       {&s_momentum_buffer, "momentum_buffer"},
-                 {&s_dampening, "dampening"}, {&s_nesterov, "nesterov"}};
+                 {&s_dampening, "dampening"}, {&s_nesterov, "nesterov"},
+                 {&s_own, "own"},           {&s_reply_bytes, "reply_bytes"}, {&s_moved_keys, "moved_keys"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].var = PyUnicode_InternFromString(names[i].name))) return NULL;
     if (PyType_Ready(&PathType) < 0) return NULL;

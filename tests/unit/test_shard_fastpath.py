@@ -284,10 +284,11 @@ def test_compiled_path_reads_mangled_headers_as_the_general_path(mode):
     assert a._short.compiled.taken > 20
 
 
-def test_compiled_path_leaves_a_key_that_another_reply_still_points_at():
+def test_compiled_path_moves_a_key_that_another_reply_still_points_at():
     """A pull's reply (the general path's) points into its keys' memory; while it is held, a
-    push+pull of those keys is not written under it: the compiled path leaves it to the Python
-    path, which moves the chunk first, and takes the next one, on the chunk's new memory."""
+    push+pull of those keys is not written under it: the compiled path first moves the chunk
+    to a copy, as the Python paths do (SnapshotPool.own, counted in moved_keys), and the reply
+    keeps the former memory and bytes."""
     if not compiled.available():
         pytest.skip("ps.shard._compiled is not built")
     server, taken = shard("async", 1, OPTIMIZERS["sgd"], short=True)
@@ -298,18 +299,22 @@ def test_compiled_path_leaves_a_key_that_another_reply_still_points_at():
         (_, frames), = server.handle(b"w0", frames_of({"op": "push", "worker": 0, "req": req, "step": req - 1,
                                                       "version": server.version, "keys": [k], "pull": 1,
                                                       "clock": req}, ones))
-        return bytes(frames[1])
+        return frames
 
-    push_pull(1)  # the Python path (the join's reply lent the key), then the compiled one
+    first = push_pull(1)  # the join's reply lent the key: moved (its frames are gone, nothing holds the memory)
+    assert server._short.compiled.taken == 1 and server.counters["moved_keys"] == 0
+    del first
     push_pull(2)
-    assert server._short.compiled.taken == 1
+    assert server._short.compiled.taken == 2 and server.counters["moved_keys"] == 0
     (_, held), = server.handle(b"w0", encode({"op": "pull", "worker": 0, "req": 3, "keys": [k]}))
     before = bytes(held[1])
-    after = push_pull(4)  # the Python path: the chunk moves, the reply keeps the former memory
-    assert bytes(held[1]) == before != after and server._short.compiled.taken == 1
+    after = bytes(push_pull(4)[1])  # the chunk moves, the pull's reply keeps the former memory
+    assert bytes(held[1]) == before != after and server._short.compiled.taken == 3
     assert server.counters["moved_keys"] == 1
-    push_pull(5)  # nothing points at the chunk's new memory: the compiled path's again
-    assert bytes(held[1]) == before and server._short.compiled.taken == 2 and server.counters["moved_keys"] == 1
+    kept = push_pull(5)  # nothing points at the chunk's new memory but this reply's own frames
+    assert bytes(held[1]) == before and server._short.compiled.taken == 4 and server.counters["moved_keys"] == 1
+    push_pull(6)  # kept still points at it: moved again
+    assert server.counters["moved_keys"] == 2 and bytes(kept[1]) != bytes(push_pull(7)[1])
 
 
 def test_a_shard_with_a_compiled_path_is_collected():
