@@ -22,7 +22,7 @@ COMPILE := $(PY) -m compileall -q ps allreduce experiments analysis
 install: $(STAMP)
 
 # --system-site-packages: a torch already importable here (a CUDA build, say) is kept.
-$(STAMP): setup.cfg setup.py pyproject.toml $(wildcard ps/shard/_*.c ps/shard/_*.h)
+$(STAMP): setup.cfg setup.py pyproject.toml $(wildcard ps/_*.c ps/_*.h ps/shard/_*.c ps/shard/_*.h)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
 	$(PIP) -e ".[test]"
