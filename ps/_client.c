@@ -140,7 +140,7 @@ static void Lane_dealloc(Lane *self) {
     PyMem_Free(self->drained);
     PyMem_Free(self->polled);
     PyMem_Free(self->out.buf);
-    sweep(self); /* the frames ZeroMQ still holds stay held: it may yet read them */
+    lease_abandon(&self->leases); /* the frames ZeroMQ still holds stay held until it is done */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

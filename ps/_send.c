@@ -22,10 +22,11 @@ typedef struct {
     PyObject *sock_obj; /* the pyzmq socket: alive while the sender is */
     Py_ssize_t copy_bytes;
     Lease *leases;
+    int closed; /* the socket is closed (or about to be): libzmq may have freed it */
 } Sender;
 
 static void Sender_dealloc(Sender *self) {
-    lease_sweep(&self->leases); /* the parts ZeroMQ still holds stay held: it may yet read them */
+    lease_abandon(&self->leases); /* the parts ZeroMQ still holds stay held until it is done */
     Py_XDECREF(self->sock_obj);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -64,6 +65,7 @@ static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
  * parts: a list or tuple of objects with a C-contiguous buffer, the peer's identity first. */
 static PyObject *Sender_send(Sender *self, PyObject *parts) {
     lease_sweep(&self->leases);
+    if (self->closed) return PyLong_FromLong(ENOTSOCK); /* as pyzmq answers a closed socket */
     PyObject *seq = PySequence_Fast(parts, "send: parts must be a list or tuple");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -151,10 +153,16 @@ static PyObject *Sender_sweep(Sender *self, PyObject *unused) {
     return PyLong_FromSsize_t(lease_sweep(&self->leases));
 }
 
+static PyObject *Sender_close(Sender *self, PyObject *unused) {
+    self->closed = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Sender_methods[] = {
     {"send", (PyCFunction)Sender_send, METH_O, "Send a message's parts (the peer's first): 0, or ZeroMQ's errno."},
     {"sweep", (PyCFunction)Sender_sweep, METH_NOARGS,
      "Let go of the parts ZeroMQ is done with; how many lent parts it still holds."},
+    {"close", (PyCFunction)Sender_close, METH_NOARGS, "Send no more (the socket is about to close): ENOTSOCK."},
     {NULL}};
 
 static PyTypeObject SenderType = {

@@ -98,22 +98,47 @@ static int lease_msg(Lease **leases, Py_buffer *view, zmq_msg_t *msg) {
     return 1;
 }
 
-/* Let go of the frames ZeroMQ is done with; how many it still holds. Under the GIL. */
+static Lease *lease_orphans = NULL; /* leases of owners gone (lease_abandon), until ZeroMQ is done */
+
+/* Let go of the frames ZeroMQ is done with, and of the orphans': how many of *leases it still
+ * holds. Under the GIL. The done ones are taken off the lists before any is let go (letting go
+ * may run Python code, which may call here again). */
 static Py_ssize_t lease_sweep(Lease **leases) {
     Py_ssize_t held = 0;
-    Lease **at = leases;
-    while (*at) {
-        Lease *l = *at;
-        if (__atomic_load_n(&l->done, __ATOMIC_ACQUIRE)) {
-            *at = l->next;
-            PyBuffer_Release(&l->view);
-            PyMem_Free(l);
-        } else {
-            held++;
-            at = &l->next;
+    Lease *gone = NULL;
+    for (int list = 0; list < 2; list++) {
+        Lease **at = list ? &lease_orphans : leases;
+        while (*at) {
+            Lease *l = *at;
+            if (__atomic_load_n(&l->done, __ATOMIC_ACQUIRE)) {
+                *at = l->next;
+                l->next = gone;
+                gone = l;
+            } else {
+                held += !list;
+                at = &l->next;
+            }
         }
     }
+    while (gone) {
+        Lease *l = gone;
+        gone = l->next;
+        PyBuffer_Release(&l->view);
+        PyMem_Free(l);
+    }
     return held;
+}
+
+/* The owner of *leases is going: what ZeroMQ still holds becomes an orphan, let go by a later
+ * sweep of any owner once ZeroMQ is done (ZeroMQ's thread may yet mark it: it is never freed
+ * before). */
+static void lease_abandon(Lease **leases) {
+    lease_sweep(leases);
+    Lease **at = leases;
+    while (*at) at = &(*at)->next;
+    *at = lease_orphans;
+    lease_orphans = *leases;
+    *leases = NULL;
 }
 
 #endif

@@ -64,7 +64,9 @@ and psar bench's one-at-a-time push+pull of 1 MiB 1615-1624 us against 1792-2200
 alternated pairs, experiments/bench/legs.py); 8 workers against one shard moved 15% of their
 keys and as many bytes/s as with copies (1.47-1.62 GB/s against 1.49-1.63, three pairs). The
 echo beside the shard sends through this too, and its round trip of 1 MiB fell likewise
-(1170-1186 us against 1351-1609)."""
+(1170-1186 us against 1351-1609). Over inproc, which hands the parts themselves to the peer
+(a client's frames would be the shard's own memory), it lends only above REPLY_COPY_BYTES,
+as pyzmq's sends did."""
 MONITOR_DRAIN_S = 0.05
 """A client reads its socket monitor (handshake events) on a send at most this often: a few
 events per connection attempt, so the monitor never fills, and no poll on every send."""
@@ -300,7 +302,10 @@ class ServerTransport:
         self._monitor = _monitor(self._sock, _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                                  | zmq.EVENT_DISCONNECTED)
         self._polled = [(self._sock, _POLLIN)] + ([(self._monitor, _POLLIN)] if self._monitor is not None else [])
-        self._sender = _sends.Sender(self._sock.underlying, self._sock, SEND_COPY_BYTES) \
+        # inproc passes the parts themselves: a peer's frames would be the shard's own memory,
+        # writable, so there only what pyzmq lends is lent
+        self._sender = _sends.Sender(self._sock.underlying, self._sock, REPLY_COPY_BYTES
+                                     if self.address.startswith("inproc://") else SEND_COPY_BYTES) \
             if compiled_on() and linked(_sends) else None
         if curve is not None:
             log.info("%s: CURVE on; clients allowed by the public keys in %s", self.address, curve.allowed_dir)
@@ -350,6 +355,8 @@ class ServerTransport:
     def close(self) -> None:
         if self._sock.closed:
             return
+        if self._sender is not None:  # libzmq frees the socket: a later send must not reach it
+            self._sender.close()
         _unmonitor(self._sock, self._monitor)
         self._sock.close(LINGER_MS)
         if self._curve is not None:

@@ -404,8 +404,9 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         if (in < 0) goto error;
         if (!a || Py_REFCNT(a) != 1 || in) { /* a reply may still point at it: moved first, as the Python paths */
             if (!own(snapshots, k->obj, counters)) goto error;
-            if (!(a = PyDict_GetItem(arrays, k->obj)) || Py_REFCNT(a) != 1 || (in = PySet_Contains(lent, k->obj)))
-                PASS;
+            if (!(a = PyDict_GetItem(arrays, k->obj)) || Py_REFCNT(a) != 1) PASS;
+            if ((in = PySet_Contains(lent, k->obj)) < 0) goto error;
+            if (in) PASS;
         }
         arrays_of[j] = a;
     }
