@@ -7,10 +7,12 @@
  * arithmetic (_sgd.h: fused multiply-adds, as torch's CPU kernels round them; compiled.py
  * checks it against torch before using it), counts what the shard counts, and writes the
  * reply's header (requests waiting that the push lets go on, ssp's pulls, are answered by the
- * shard's own _release, after it). Where anything is not as the fast case needs it (a field it does not read,
- * a check that fails, a pull that would wait, a reply still holding a key, a momentum buffer
- * not made yet), it returns None before it has changed anything, and the Python paths take
- * the message: they name what is wrong.
+ * shard's own _release, after it). A key a reply still points at is first moved to a copy, as
+ * the Python paths move it (SnapshotPool.own: its values stay, its memory is the shard's
+ * alone). Where anything else is not as the fast case needs it (a field it does not read, a
+ * check that fails, a pull that would wait, a momentum buffer not made yet), it returns None
+ * before it has changed any value, and the Python paths take the message: they name what is
+ * wrong.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -8,10 +8,11 @@ between its receive and its send, the shard's part of a 1 KiB push+pull fell fro
 against a table built here once, updates the keys' memory with SGD's arithmetic, counts and
 notes on the shard's own objects what the Python paths do, and writes the reply's header
 (requests waiting that the push lets go on, ssp's pulls, it leaves to the shard's _release).
-Anything it does not take (another field, a failed check, a pull that would wait, a key a
-reply still points at, a key's first step with momentum, which makes its buffer) it leaves,
-unchanged, to the Python paths, which say what is wrong: tests/unit/test_shard_fastpath.py
-holds the three to the same bytes, parameters and counters.
+A key a reply still points at it first moves to a copy, as the Python paths do
+(SnapshotPool.own). Anything it does not take (another field, a failed check, a pull that
+would wait, a key's first step with momentum, which makes its buffer) it leaves, unchanged,
+to the Python paths, which say what is wrong: tests/unit/test_shard_fastpath.py holds the
+three to the same bytes, parameters and counters.
 
 Its arithmetic is torch's single-tensor SGD loop as torch's CPU kernels round it: a multiply
 by the async scale, then fused multiply-adds for the weight decay, the momentum buffer (after
