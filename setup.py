@@ -1,7 +1,8 @@
 """psar's metadata is in setup.cfg; this adds its three compiled modules, the shard's push+pull
 path (ps/shard/_compiled.c; ps/shard/compiled.py), the worker's lane (ps/_client.c;
-ps/client_compiled.py) and the shard's sends (ps/_send.c; ps/transport.py). They are optional: where they do not build (no C compiler, no Python
-headers), psar installs without them and its shards and workers take the Python paths."""
+ps/client_compiled.py) and the shard's sends (ps/_send.c; ps/transport.py). They are
+optional: where they do not build (no C compiler, no Python headers), psar installs without
+them and its shards and workers take the Python paths."""
 
 from setuptools import Extension, setup
 

@@ -258,7 +258,7 @@ typedef struct {
     uint64_t id;
     Py_buffer view;
     int held;
-    int lease; /* lent (above LANE_COPY_BYTES): its message */
+    int lease; /* lent (above LANE_COPY_BYTES): its message, until sent */
     zmq_msg_t msg;
 } Pushed;
 
@@ -319,6 +319,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     PyObject *result = Py_None, *handle = NULL;
+    PyObject *pending = NULL, *req_obj = NULL, *shard_key = NULL; /* the handle's, and a message's */
     Py_INCREF(Py_None);
     int nshards = 0;
     Py_ssize_t pos = 0, i = 0;
@@ -384,23 +385,17 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     Py_DECREF(kwn);
     Py_DECREF(timeout);
     if (!handle) goto fail;
-    PyObject *pending = PyObject_GetAttr(handle, s_pending);
+    pending = PyObject_GetAttr(handle, s_pending);
     if (!pending) goto fail;
     Py_ssize_t sent_bytes = 0;
     for (int j = 0; j < nshards; j++) {
         int s = first[j];
-        PyObject *shard_obj = PyLong_FromLong(s);
-        if (!shard_obj) {
-            Py_DECREF(pending);
-            goto fail;
-        }
+        shard_key = PyLong_FromLong(s);
+        if (!shard_key) goto fail;
         long long seen_version = vers[j];
-        PyObject *req_obj = PyIter_Next(self->reqs);
+        req_obj = PyIter_Next(self->reqs);
         long long req = req_obj ? small_int(self, req_obj) : -1;
         if (req < 0) {
-            Py_XDECREF(req_obj);
-            Py_DECREF(shard_obj);
-            Py_DECREF(pending);
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "request ids ran out");
             goto fail;
         }
@@ -442,29 +437,13 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         for (Py_ssize_t a = 0; ok && a < i; a++)
             if (items[a].key->shard == s) ok = wr_shape(w, items[a].key);
         ok = ok && WR_KEY(w, "worker") && wr_uint(w, self->worker) && WR_KEY(w, "req") && wr_uint(w, (uint64_t)req);
-        if (!ok) {
-            Py_DECREF(req_obj);
-            Py_DECREF(shard_obj);
-            Py_DECREF(pending);
-            goto fail;
-        }
+        if (!ok) goto fail;
         /* frames above LANE_COPY_BYTES are lent: ZeroMQ sends the tensor's own memory */
-        for (Py_ssize_t a = 0; ok && a <= last; a++) {
+        for (Py_ssize_t a = 0; a <= last; a++) {
             if (items[a].key->shard != s || items[a].view.len <= LANE_COPY_BYTES) continue;
-            if (!lease_msg(&self->leases, &items[a].view, &items[a].msg)) {
-                ok = 0;
-                break;
-            }
+            if (!lease_msg(&self->leases, &items[a].view, &items[a].msg)) goto fail;
             items[a].held = 0; /* the lease holds it now */
             items[a].lease = 1;
-        }
-        if (!ok) {
-            for (Py_ssize_t a = 0; a <= last; a++)
-                if (items[a].key->shard == s && items[a].lease) z_msg_close(&items[a].msg);
-            Py_DECREF(req_obj);
-            Py_DECREF(shard_obj);
-            Py_DECREF(pending);
-            goto fail;
         }
         int rc, err = 0;
         void *sock = self->socks[s];
@@ -475,27 +454,17 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             if (rc < 0) err = z_errno();
             Py_END_ALLOW_THREADS
             if (rc >= 0 || err != EINTR) break;
-            if (PyErr_CheckSignals() < 0) {
-                for (Py_ssize_t a = 0; a <= last; a++)
-                    if (items[a].key->shard == s && items[a].lease) z_msg_close(&items[a].msg);
-                Py_DECREF(req_obj);
-                Py_DECREF(shard_obj);
-                Py_DECREF(pending);
-                goto fail;
-            }
+            if (PyErr_CheckSignals() < 0) goto fail;
         }
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t a = 0; a <= last; a++) {
             if (items[a].key->shard != s) continue;
             int flags = a == last ? 0 : Z_SNDMORE;
-            if (rc < 0) { /* not sent: ZeroMQ lets a lent frame go now */
-                if (items[a].lease) z_msg_close(&items[a].msg);
-            } else if (items[a].lease) {
+            if (rc < 0) continue; /* not sent: a lent frame is closed at fail */
+            if (items[a].lease) {
                 rc = z_msg_send(&items[a].msg, sock, flags);
-                if (rc < 0) {
-                    err = z_errno();
-                    z_msg_close(&items[a].msg);
-                }
+                if (rc < 0) err = z_errno();
+                else items[a].lease = 0; /* ZeroMQ's now */
             } else {
                 rc = z_send(sock, items[a].view.buf, (size_t)items[a].view.len, flags);
                 if (rc < 0) err = z_errno();
@@ -503,9 +472,6 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
         if (rc < 0) {
-            Py_DECREF(req_obj);
-            Py_DECREF(shard_obj);
-            Py_DECREF(pending);
             PyObject *e = Py_BuildValue("(iin)", s, err, sent_bytes);
             if (e) {
                 PyErr_SetObject(SendFailed, e);
@@ -514,15 +480,11 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
             goto fail; /* (a message of which only a first part left cannot be: ZeroMQ queues whole ones) */
         }
         sent_bytes += w->len + data;
-        int bad = PyDict_SetItem(pending, req_obj, shard_obj) < 0 || PyDict_SetItem(self->inflight, req_obj, handle) < 0;
-        Py_DECREF(req_obj);
-        Py_DECREF(shard_obj);
-        if (bad) {
-            Py_DECREF(pending);
+        if (PyDict_SetItem(pending, req_obj, shard_key) < 0 || PyDict_SetItem(self->inflight, req_obj, handle) < 0)
             goto fail;
-        }
+        Py_CLEAR(req_obj);
+        Py_CLEAR(shard_key);
     }
-    Py_DECREF(pending);
     Py_DECREF(result);
     result = Py_BuildValue("(On)", handle, sent_bytes);
     goto done;
@@ -530,8 +492,13 @@ fail:
     Py_CLEAR(result);
 done:
     Py_XDECREF(handle);
-    for (Py_ssize_t a = 0; a < n; a++)
+    Py_XDECREF(pending);
+    Py_XDECREF(req_obj);
+    Py_XDECREF(shard_key);
+    for (Py_ssize_t a = 0; a < n; a++) {
+        if (items[a].lease) z_msg_close(&items[a].msg); /* lent and not sent: ZeroMQ lets it go */
         if (items[a].held) PyBuffer_Release(&items[a].view);
+    }
     PyMem_Free(items);
     PyMem_Free(first);
     PyMem_Free(vers);

@@ -3,10 +3,9 @@
  * copy_bytes are copied into ZeroMQ's messages; larger ones are lent: a Lease holds the
  * exporting object's buffer (a key's bytes, through the numpy view its replies lend) until
  * ZeroMQ's I/O thread is done with it, and the sender's next call (a send, or sweep, which the
- * transport calls after each receive) lets it go. pyzmq instead copies each part it lends to
- * nobody and hands each lent one to its collector thread, which takes the GIL to let it go:
- * a key whose reply is still held counts as in use (ps.shard.snapshots.in_use), and its next
- * update first moves it to a copy. */
+ * transport calls after each receive) lets it go; pyzmq instead hands each lent part to its
+ * collector thread, which takes the GIL to let it go. A key whose reply is still held counts
+ * as in use (ps.shard.snapshots.in_use), and its next update first moves it to a copy. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -60,6 +59,16 @@ static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+enum { COPIED, LENT, SENT }; /* a part: copied by ZeroMQ, lent under a lease and not sent yet, or sent lent */
+
+/* Send one part (flags: Z_SNDMORE but for the last): 0, or ZeroMQ's errno. Without the GIL. */
+static int send_part(void *sock, Py_buffer *view, zmq_msg_t *msg, char *kind, int flags) {
+    int rc = *kind == LENT ? z_msg_send(msg, sock, flags) : z_send(sock, view->buf, (size_t)view->len, flags);
+    if (rc < 0) return z_errno();
+    if (*kind == LENT) *kind = SENT; /* ZeroMQ's now */
+    return 0;
+}
+
 /* send(parts) -> 0 once sent, else ZeroMQ's errno (nothing sent: EAGAIN where the peer's queue
  * stayed full for the socket's send timeout, EHOSTUNREACH where no such peer is connected).
  * parts: a list or tuple of objects with a C-contiguous buffer, the peer's identity first. */
@@ -76,74 +85,53 @@ static PyObject *Sender_send(Sender *self, PyObject *parts) {
     }
     Py_buffer stack_views[MAX_PARTS_ON_STACK];
     zmq_msg_t stack_msgs[MAX_PARTS_ON_STACK];
-    char stack_lent[MAX_PARTS_ON_STACK];
+    char stack_kinds[MAX_PARTS_ON_STACK];
     Py_buffer *views = stack_views;
     zmq_msg_t *msgs = stack_msgs;
-    char *lent = stack_lent;
-    Py_ssize_t held = 0; /* views taken (and not given to a lease) */
+    char *kinds = stack_kinds;
+    Py_ssize_t held = 0; /* views taken */
     PyObject *result = NULL;
     if (n > MAX_PARTS_ON_STACK) {
         views = PyMem_Calloc(n, sizeof(Py_buffer));
         msgs = PyMem_Calloc(n, sizeof(zmq_msg_t));
-        lent = PyMem_Calloc(n, 1);
-        if (!views || !msgs || !lent) {
+        kinds = PyMem_Calloc(n, 1);
+        if (!views || !msgs || !kinds) {
             PyErr_NoMemory();
             goto free;
         }
     }
-    memset(lent, 0, (size_t)n);
+    memset(kinds, COPIED, (size_t)n);
     for (; held < n; held++)
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &views[held], PyBUF_SIMPLE) < 0) goto release;
     for (Py_ssize_t i = 0; i < n; i++) {
-        lent[i] = views[i].len > self->copy_bytes;
-        if (lent[i] && !lease_msg(&self->leases, &views[i], &msgs[i])) {
-            for (Py_ssize_t j = 0; j < i; j++)
-                if (lent[j]) z_msg_close(&msgs[j]); /* ZeroMQ lets them go: their leases are done */
-            lent[i] = 0;
-            goto release;
-        }
+        if (views[i].len <= self->copy_bytes) continue;
+        if (!lease_msg(&self->leases, &views[i], &msgs[i])) goto release;
+        kinds[i] = LENT; /* the lease holds its view now */
     }
-    int rc, err = 0;
+    int err;
     for (;;) { /* only a message's first part waits (ZeroMQ queues whole messages): a signal
                 * meanwhile is Python's to take, then the part is sent again */
         Py_BEGIN_ALLOW_THREADS
-        if (lent[0]) rc = z_msg_send(&msgs[0], self->sock, n > 1 ? Z_SNDMORE : 0);
-        else rc = z_send(self->sock, views[0].buf, (size_t)views[0].len, n > 1 ? Z_SNDMORE : 0);
-        if (rc < 0) err = z_errno();
+        err = send_part(self->sock, &views[0], &msgs[0], &kinds[0], n > 1 ? Z_SNDMORE : 0);
         Py_END_ALLOW_THREADS
-        if (rc >= 0 || err != EINTR) break;
-        if (PyErr_CheckSignals() < 0) {
-            for (Py_ssize_t j = 0; j < n; j++)
-                if (lent[j]) z_msg_close(&msgs[j]);
-            goto release;
-        }
+        if (err != EINTR) break;
+        if (PyErr_CheckSignals() < 0) goto release;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (rc < 0 && lent[0]) z_msg_close(&msgs[0]); /* not sent: still ours to close */
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (rc < 0) { /* not sent: ZeroMQ lets a lent part go now */
-            if (lent[i]) z_msg_close(&msgs[i]);
-            continue;
-        }
-        int flags = i < n - 1 ? Z_SNDMORE : 0;
-        if (lent[i]) {
-            rc = z_msg_send(&msgs[i], self->sock, flags);
-            if (rc < 0) z_msg_close(&msgs[i]);
-        } else {
-            rc = z_send(self->sock, views[i].buf, (size_t)views[i].len, flags);
-        }
-        if (rc < 0) err = z_errno();
-    }
+    for (Py_ssize_t i = 1; !err && i < n; i++)
+        err = send_part(self->sock, &views[i], &msgs[i], &kinds[i], i < n - 1 ? Z_SNDMORE : 0);
     Py_END_ALLOW_THREADS
-    result = PyLong_FromLong(rc < 0 ? err : 0);
+    result = PyLong_FromLong(err);
 release:
-    for (Py_ssize_t i = 0; i < held; i++)
-        if (!lent[i]) PyBuffer_Release(&views[i]);
+    for (Py_ssize_t i = 0; i < held; i++) {
+        if (kinds[i] == COPIED) PyBuffer_Release(&views[i]);
+        else if (kinds[i] == LENT) z_msg_close(&msgs[i]); /* not sent: ZeroMQ lets it go, its lease is done */
+    }
 free:
     if (views != stack_views) {
         PyMem_Free(views);
         PyMem_Free(msgs);
-        PyMem_Free(lent);
+        PyMem_Free(kinds);
     }
     Py_DECREF(seq);
     return result;
