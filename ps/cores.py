@@ -3,7 +3,8 @@ threads for its connections.
 
 A shard's work on a key is the update (torch kernels, which release the GIL: with SGD, Adam,
 AdamW or Adagrad, a key of 8 MiB or more split over threads of the shard's own, torch on one
-thread, ps/shard/slices.py; with other optimizers, over torch's intra-op threads, which split a
+thread, ps/shard/slices.py, and with SGD's compiled kernel one of 3 MiB or more, over its own,
+ps/shard/_split.h; with other optimizers, over torch's intra-op threads, which split a
 key above 32768 elements)
 and the bytes' way through the kernel (ZeroMQ's I/O threads; each connection is
 served by one of them, so a shard answering many workers can use as many as it has

@@ -21,6 +21,7 @@
 
 #include "_msgpack.h"
 #include "_sgd.h"
+#include "_split.h"
 
 /* ---------------------------------------------------------------- the path */
 
@@ -463,7 +464,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     }
     for (Py_ssize_t j = 0; j < m.nkeys; j++) {
         Key *k = &self->keys[entries[j]];
-        sgd(k->f64, values[j].buf, grads[j].buf, nbufs ? bufs[j].buf : NULL, (Py_ssize_t)k->numel, &a);
+        sgd_split(k->f64, values[j].buf, grads[j].buf, nbufs ? bufs[j].buf : NULL, (Py_ssize_t)k->numel, &a);
     }
     if (!add_to(counters, s_updates, 1, 0)) goto error;
     /* Workers.note_keys, then the rule's bump where the step is complete */
@@ -810,7 +811,7 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
         result = NULL;
     } else {
         PyThreadState *released = p.len >= RELEASE_BYTES ? PyEval_SaveThread() : NULL;
-        sgd(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
+        sgd_split(f64, p.buf, g.buf, buf != Py_None ? b.buf : NULL, p.len / size, &a);
         if (released) PyEval_RestoreThread(released);
     }
     PyBuffer_Release(&p);
@@ -820,8 +821,31 @@ static PyObject *py_sgd(PyObject *mod, PyObject *args) {
     return result;
 }
 
+/* set_threads(n): the threads a key of SPLIT_MIN_BYTES or more is updated on, the caller's
+ * among them (_split.h); threads(): how many. */
+static PyObject *py_set_threads(PyObject *mod, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "a key is updated on at least 1 thread, got %ld", n);
+        return NULL;
+    }
+    split_threads(n > SPLIT_MAX_THREADS ? SPLIT_MAX_THREADS : (int)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_threads(PyObject *mod, PyObject *unused) { return PyLong_FromLong(pool.threads); }
+
+/* split_counts(): (keys split over the pool, chunks its helpers updated) since the process began. */
+static PyObject *py_split_counts(PyObject *mod, PyObject *unused) {
+    return Py_BuildValue("(KK)", (unsigned long long)pool.keys, (unsigned long long)pool.helped);
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "The compiled SGD update of values by grads (ps.shard.compiled)."},
+    {"set_threads", py_set_threads, METH_O, "The threads a large key's SGD is split over, the caller's among them."},
+    {"threads", py_threads, METH_NOARGS, "The threads a large key's SGD is split over."},
+    {"split_counts", py_split_counts, METH_NOARGS, "(keys split, chunks the helpers updated)."},
     {NULL},
 };
 

@@ -14,6 +14,9 @@ would wait, a key's first step with momentum, which makes its buffer) it leaves,
 to the Python paths, which say what is wrong: tests/unit/test_shard_fastpath.py holds the
 three to the same bytes, parameters and counters.
 
+A key of 3 MiB or more is updated on the shard's threads (set_threads; ShardServer.use_cores):
+the caller and threads that sleep between keys take chunks of it in turn (ps/shard/_split.h).
+
 Its arithmetic is torch's single-tensor SGD loop as torch's CPU kernels round it: a multiply
 by the async scale, then fused multiply-adds for the weight decay, the momentum buffer (after
 its multiply by the momentum) and the update, on the buffer torch's optimizer keeps in its
@@ -68,6 +71,14 @@ def compiled_path(server: Any, table: dict[int, tuple]) -> Callable[[bytes, list
                           server.config.staleness, PROTOCOL_VERSION, _MAX_INT, limits.max_header_bytes,
                           limits.max_keys, limits.max_str_len, limits.max_map_len, server.num_workers,
                           len(server.keys))
+
+
+def set_threads(threads: int) -> None:
+    """Update a key of 3 MiB or more on `threads` threads (the caller's among them; at most 64),
+    in chunks the caller and threads of the kernel's own take in turn (ps/shard/_split.h): the
+    same bits as on one. Process-wide; where the module is not built, nothing."""
+    if _compiled is not None:
+        _compiled.set_threads(threads)
 
 
 def buffer_bytes(t: Any, nbytes: int, dtype: str) -> Any:

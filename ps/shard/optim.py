@@ -69,7 +69,8 @@ def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: Slice
     op, so the same bits; without its per-call setup, which costs a small key more than the
     update (8 of 10 us for 1 KiB). The momentum buffers live in the optimizer's state, as
     torch keeps them (checkpoints are unchanged). With slices, a large dense key is updated
-    in slices on the pool's threads (ps.shard.slices), the same ops on each. grads: each
+    in slices on the pool's threads (ps.shard.slices), the same ops on each, where the compiled
+    kernel does not take it whole (it splits a large key over threads of its own). grads: each
     param's gradient, in their order (None: each param's .grad). divisors: each gradient is
     first divided by its own (torch's div_: a sync step's sum of pushes becomes their mean).
     fused: the compiled kernel, which does all of that in one pass where it can, leaving the
@@ -81,12 +82,14 @@ def sgd_step(state: dict, group: dict, params: list[torch.Tensor], slices: Slice
         if grad is None:
             continue
         divisor = 1 if divisors is None else divisors[i]
+        buf = state[p].get("momentum_buffer") if h[3] != 0 else None
+        if fused is not None and fused(p, grad, buf, h, divisor):
+            continue  # a large key split over the compiled kernel's own threads (ps/shard/_split.h)
         cuts = slices.cuts(p.numel(), p.element_size()) if slices is not None else None
         if cuts is not None and len(cuts) > 2 and _flat(p, grad):
             _sgd_slices(state, h, p, grad, slices, cuts, divisor, fused)
             continue
-        buf = state[p].get("momentum_buffer") if h[3] != 0 else None
-        made = _sgd(p, grad, buf, h, divisor, fused)
+        made = _sgd(p, grad, buf, h, divisor)
         if made is not buf:  # a first momentum buffer
             state[p]["momentum_buffer"] = made
 
@@ -172,6 +175,8 @@ class ShardOptimizer:
         torch on one thread (torch's intra-op threads spin between kernels)."""
         if not (self._sgd or self._elementwise):
             return False
+        if self._fused is not None:
+            compiled.set_threads(threads)  # SGD's large keys, in C (ps/shard/_split.h)
         if self._slices is not None:
             self._slices.close()
         self._slices = SlicePool(threads) if threads > 1 else None

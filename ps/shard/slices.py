@@ -15,7 +15,9 @@ So a shard whose optimizer's step is elementwise (SGD, whose arithmetic it runs 
 ps.shard.optim.sgd_step; Adam, AdamW and Adagrad, whose own step it runs on each slice with
 the slices of the key's state) keeps torch on one thread and splits a key of at least
 2 * MIN_SLICE_BYTES into slices, one a thread of its own (SlicePool), which block on a queue
-between updates. A slice's values are the whole key's bit for bit (tests/unit/test_slices.py).
+between updates. SGD's compiled kernel, where it is built, splits a key of 3 MiB or more over
+threads of its own instead (ps/shard/_split.h: a hand-off there costs a futex's wake, not a
+queue's and the GIL's); SGD comes here for what it does not take (a first momentum buffer). A slice's values are the whole key's bit for bit (tests/unit/test_slices.py).
 Other optimizers keep torch's threads.
 """
 

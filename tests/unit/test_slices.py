@@ -9,6 +9,8 @@ import threading
 import pytest
 import torch
 
+import ps.shard.compiled as compiled
+from ps.shard.compiled import _compiled
 from ps.shard.optim import ShardOptimizer
 from ps.shard.slices import ALIGN, MIN_SLICE_BYTES, SlicePool
 
@@ -88,14 +90,24 @@ SIZES = {0: 2 * MIN_SLICE_BYTES // 8 + 5, 1: 3 * MIN_SLICE_BYTES // 8 + 131, 2: 
 STEPS = ([0, 1, 2], [1], [0, 2], [0, 1, 2])
 
 
-def step_both(make):
+@pytest.fixture
+def kernel_threads():
+    """The compiled kernel's threads as a test left them, put back to one (process-wide)."""
+    yield
+    compiled.set_threads(1)
+
+
+def step_both(make, kernel: bool = False):
     """A shard's optimizer (make) on 8 slice threads and torch's own on the whole keys, over
     STEPS with the same gradients: asserts the same values and state, and returns how many
-    slices each call through the pool had."""
+    slices each call through the pool had. kernel: SGD's compiled kernel takes what it can
+    (large keys split over its own threads), else it is off (Python's slices)."""
     torch.manual_seed(0)
     ours = {k: torch.randn(n, dtype=torch.float64) for k, n in SIZES.items()}
     theirs = {k: t.clone() for k, t in ours.items()}
     shard, reference = ShardOptimizer(make, ours), make(list(theirs.values()))
+    if not kernel:
+        shard._fused = None
     assert shard.take_threads(8)
     calls = []
     run = shard._slices.run
@@ -122,10 +134,23 @@ def step_both(make):
 
 @pytest.mark.parametrize("name", SGDS)
 def test_sgd_in_slices_is_torchs_sgd_bit_for_bit(name):
-    """Steps that make the momentum buffers and then use them: every step of the large keys
-    went through the pool."""
+    """Steps that make the momentum buffers and then use them, without the compiled kernel:
+    every step of the large keys went through the pool."""
     calls = step_both(lambda ps: torch.optim.SGD(ps, **SGDS[name]))
     assert sorted(set(calls)) == [2, 3] and len(calls) == 6  # keys 0 and 1, each time they stepped
+
+
+@pytest.mark.skipif(not compiled.available() or not compiled.arithmetic_matches(), reason="no compiled kernel")
+@pytest.mark.parametrize("name", SGDS)
+def test_sgd_split_by_the_compiled_kernel_is_torchs_bit_for_bit(name, kernel_threads):
+    """With the compiled kernel, the large keys' steps are split over its own 8 threads
+    (ps/shard/_split.h); only a key's first step with momentum, which makes the buffer (the
+    kernel takes none), goes through Python's slices."""
+    split_before, _ = _compiled.split_counts()
+    calls = step_both(lambda ps: torch.optim.SGD(ps, **SGDS[name]), kernel=True)
+    assert _compiled.threads() == 8
+    firsts = 2 if SGDS[name].get("momentum") else 0  # keys 0 and 1 step 6 times in all
+    assert len(calls) == firsts and _compiled.split_counts()[0] - split_before == 6 - firsts
 
 
 def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices():
@@ -143,11 +168,15 @@ def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices():
         sgd, adam = server(lambda ps: torch.optim.SGD(ps, lr=0.1)), server(lambda ps: torch.optim.Adam(ps, lr=0.1))
         rms = server(lambda ps: torch.optim.RMSprop(ps, lr=0.1))  # not one the shards slice
         assert sgd.use_cores(4) == 1 and sgd.optimizer._slices.threads == 4
+        if sgd.optimizer._fused is not None:  # and the compiled kernel's, for SGD's large keys
+            assert _compiled.threads() == 4
         assert adam.use_cores(3) == 1 and adam.optimizer._slices.threads == 3
         assert rms.use_cores(3) == 3 and rms.optimizer._slices is None
         assert sgd.use_cores(1) == 1 and sgd.optimizer._slices is None
+        assert sgd.optimizer._fused is None or _compiled.threads() == 1
     finally:
         torch.set_num_threads(before)
+        compiled.set_threads(1)
 
 
 OTHERS = {
@@ -170,7 +199,7 @@ def test_elementwise_optimizers_in_slices_are_torchs_bit_for_bit(name):
     assert len(calls) == sliced and set(calls) == {2, 3}
 
 
-def test_a_first_momentum_buffer_is_kept_only_once_every_slice_filled_it():
+def test_a_first_momentum_buffer_is_kept_only_once_every_slice_filled_it(kernel_threads):
     """A slice that fails leaves no half-filled buffer for the next step to take as momentum."""
     values = {0: torch.zeros(SIZES[0], dtype=torch.float64)}
     shard = ShardOptimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), values)
