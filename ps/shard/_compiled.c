@@ -834,7 +834,7 @@ static PyObject *py_set_threads(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_threads(PyObject *mod, PyObject *unused) { return PyLong_FromLong(pool.threads); }
+static PyObject *py_threads(PyObject *mod, PyObject *unused) { return PyLong_FromLong(split_threads_now()); }
 
 /* split_counts(): (keys split over the pool, chunks its helpers updated) since the process began. */
 static PyObject *py_split_counts(PyObject *mod, PyObject *unused) {
@@ -877,6 +877,10 @@ PyMODINIT_FUNC PyInit__compiled(void) {
     if (PyType_Ready(&PathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "SPLIT_MIN_BYTES", SPLIT_MIN_BYTES) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&PathType);
     if (PyModule_AddObject(m, "Path", (PyObject *)&PathType) < 0) {
         Py_DECREF(&PathType);

@@ -30,18 +30,33 @@
 #define SPLIT_MIN_BYTES (3 << 20)
 #define CHUNK_BYTES (256 << 10)
 #define SPLIT_MAX_THREADS 64
-#define SPIN_ROUNDS 20000 /* the caller's wait before it sleeps: about 50 us of pause here */
+#define SPIN_NS 50000 /* the caller's wait for the helpers' last chunks before it sleeps */
 
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* The caller's floating-point controls (MXCSR's flush-to-zero, denormals-are-zero and rounding,
+ * not its flags): a helper takes them for each chunk, or its bits would differ from the
+ * caller's where those were changed (torch.set_flush_denormal). */
+#define FP_CONTROLS() (_mm_getcsr() & ~0x3fu)
+#define FP_SET(c) _mm_setcsr((c) | (_mm_getcsr() & 0x3fu))
+#else
+#include <fenv.h>
+#define FP_CONTROLS() ((unsigned)fegetround())
+#define FP_SET(c) fesetround((int)(c))
+#endif
 
 static struct {
     pthread_mutex_t lock;       /* one key at a time */
-    int threads;                /* asked for: the caller and threads - 1 helpers */
+    atomic_int threads;         /* asked for: the caller and threads - 1 helpers */
     int started;                /* helpers running */
+    atomic_int failed;          /* a helper could not be started: no more tries until set_threads */
     atomic_uint gen;            /* bumped to wake the helpers */
     _Atomic uint64_t claim;     /* key number << 32 | chunks left to claim */
     atomic_uint left;           /* chunks not yet updated */
@@ -51,6 +66,7 @@ static struct {
     char *p, *g, *buf;
     Py_ssize_t n, chunk, size;
     Step step;
+    unsigned controls;          /* FP_CONTROLS() of the caller */
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
 
 static inline void spin_pause(void) {
@@ -75,6 +91,7 @@ static Py_ssize_t split_work(void) {
                                                    memory_order_acquire))
             continue;
         /* chunk chunks - 1 of the key is ours, and the key stays until we say it is done */
+        if (FP_CONTROLS() != pool.controls) FP_SET(pool.controls);
         Py_ssize_t first = (Py_ssize_t)(chunks - 1) * pool.chunk;
         Py_ssize_t count = pool.n - first < pool.chunk ? pool.n - first : pool.chunk;
         Py_ssize_t at = first * pool.size;
@@ -104,31 +121,50 @@ static void split_after_fork(void) {
     pool.started = 0;
 }
 
-/* Helpers up to threads - 1 (under the lock); how many run. */
+/* The fork handler, registered before the lock is first taken (a child forked while it is held
+ * gets it reset), once a process. */
+static pthread_once_t split_once = PTHREAD_ONCE_INIT;
+static int split_registered;
+static void split_register(void) { split_registered = pthread_atfork(NULL, NULL, split_after_fork) == 0; }
+
+/* Helpers up to threads - 1 (under the lock), with every signal blocked (Python's are the main
+ * thread's); how many run. One that cannot be started is not tried again until set_threads. */
 static int split_start(void) {
-    static int registered = 0;
-    if (!registered) {
-        if (pthread_atfork(NULL, NULL, split_after_fork) != 0) return 0;
-        registered = 1;
-    }
-    while (pool.started < pool.threads - 1) {
+    if (!split_registered) return 0;
+    sigset_t all, before;
+    sigfillset(&all);
+    if (pthread_sigmask(SIG_BLOCK, &all, &before) != 0) return pool.started;
+    while (!atomic_load_explicit(&pool.failed, memory_order_relaxed) && pool.started < atomic_load_explicit(&pool.threads, memory_order_relaxed) - 1) {
         pthread_t t;
         pthread_attr_t attr;
-        if (pthread_attr_init(&attr) != 0) break;
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, split_helper, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        pool.started++;
+        int rc = pthread_attr_init(&attr);
+        if (rc == 0) {
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            rc = pthread_create(&t, &attr, split_helper, NULL);
+            pthread_attr_destroy(&attr);
+        }
+        if (rc != 0)
+            atomic_store_explicit(&pool.failed, 1, memory_order_relaxed);
+        else
+            pool.started++;
     }
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
     return pool.started;
+}
+
+static long long split_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 /* sgd() over the pool's threads where the key is large enough and the pool free, else on
  * this thread alone. Call it with or without the GIL: it touches no Python object. */
 static void sgd_split(int f64, void *p, const void *g, void *buf, Py_ssize_t n, const Step *a) {
     Py_ssize_t size = f64 ? 8 : 4;
-    if (pool.threads < 2 || n * size < SPLIT_MIN_BYTES || pthread_mutex_trylock(&pool.lock) != 0) {
+    pthread_once(&split_once, split_register);
+    if (atomic_load_explicit(&pool.threads, memory_order_relaxed) < 2 || n * size < SPLIT_MIN_BYTES ||
+        pthread_mutex_trylock(&pool.lock) != 0) {
         sgd(f64, p, g, buf, n, a);
         return;
     }
@@ -145,30 +181,41 @@ static void sgd_split(int f64, void *p, const void *g, void *buf, Py_ssize_t n, 
     pool.size = size;
     pool.chunk = CHUNK_BYTES / size;
     pool.step = *a;
+    pool.controls = FP_CONTROLS();
     uint32_t chunks = (uint32_t)((n + pool.chunk - 1) / pool.chunk);
     atomic_store_explicit(&pool.left, chunks, memory_order_relaxed);
     pool.number++;
     atomic_store_explicit(&pool.claim, (uint64_t)pool.number << 32 | chunks, memory_order_release);
     atomic_fetch_add(&pool.gen, 1);
-    futex_wake(&pool.gen, pool.threads - 1);
+    futex_wake(&pool.gen, atomic_load_explicit(&pool.threads, memory_order_relaxed) - 1);
     atomic_fetch_add_explicit(&pool.keys, 1, memory_order_relaxed);
     split_work();
     unsigned left;
+    long long spin_until = 0;
     for (int i = 0; (left = atomic_load_explicit(&pool.left, memory_order_acquire)) != 0; i++) {
-        if (i < SPIN_ROUNDS)
-            spin_pause();
-        else
-            futex_wait(&pool.left, left);
+        if (i % 64 == 0) { /* the clock read now and then: a pause costs 10 to 140 cycles by the core */
+            long long now = split_now_ns();
+            if (!spin_until) spin_until = now + SPIN_NS;
+            if (now >= spin_until) {
+                futex_wait(&pool.left, left);
+                continue;
+            }
+        }
+        spin_pause();
     }
     pthread_mutex_unlock(&pool.lock);
 }
 
-/* The threads a large key is updated on (the caller's among them), at most SPLIT_MAX_THREADS. */
+/* The threads a large key is updated on (the caller's among them), at most SPLIT_MAX_THREADS;
+ * from the next key on (a key being updated keeps its own). Helpers started are kept, asleep,
+ * when there are fewer: threads - 1 are woken for a key (one still awake from the last may join). */
 static void split_threads(int threads) {
-    pthread_mutex_lock(&pool.lock);
-    pool.threads = threads < 1 ? 1 : threads > SPLIT_MAX_THREADS ? SPLIT_MAX_THREADS : threads;
-    pthread_mutex_unlock(&pool.lock);
+    atomic_store_explicit(&pool.threads, threads < 1 ? 1 : threads > SPLIT_MAX_THREADS ? SPLIT_MAX_THREADS : threads,
+                          memory_order_relaxed);
+    atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
 }
+
+static int split_threads_now(void) { return atomic_load_explicit(&pool.threads, memory_order_relaxed); }
 
 #else /* no futex: one thread */
 static struct { int threads; unsigned long long keys, helped; } pool = {1, 0, 0};
@@ -176,6 +223,7 @@ static void sgd_split(int f64, void *p, const void *g, void *buf, Py_ssize_t n, 
     sgd(f64, p, g, buf, n, a);
 }
 static void split_threads(int threads) { (void)threads; }
+static int split_threads_now(void) { return 1; }
 #endif
 
 #endif

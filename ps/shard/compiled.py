@@ -73,10 +73,15 @@ def compiled_path(server: Any, table: dict[int, tuple]) -> Callable[[bytes, list
                           len(server.keys))
 
 
+SPLIT_MIN_BYTES = _compiled.SPLIT_MIN_BYTES if _compiled is not None else None
+"""The least key the kernel splits over its threads (3 MiB; None: not built)."""
+
+
 def set_threads(threads: int) -> None:
-    """Update a key of 3 MiB or more on `threads` threads (the caller's among them; at most 64),
-    in chunks the caller and threads of the kernel's own take in turn (ps/shard/_split.h): the
-    same bits as on one. Process-wide; where the module is not built, nothing."""
+    """Update a key of SPLIT_MIN_BYTES or more on `threads` threads (the caller's among them; at
+    most 64), in chunks the caller and threads of the kernel's own take in turn
+    (ps/shard/_split.h): the same bits as on one. Process-wide; where the module is not built,
+    nothing."""
     if _compiled is not None:
         _compiled.set_threads(threads)
 

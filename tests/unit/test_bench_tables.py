@@ -133,17 +133,25 @@ def test_the_update_rows_time_sgd_and_count_the_cores_each_way():
     import torch
 
     from experiments.bench.update_threads import format_update_threads_table, one_row, thread_counts
+    from ps.shard import compiled
+    from ps.shard.optim import compiled_sgd
 
+    modes = ("torch", "slices") + (("kernel",) if compiled_sgd() is not None else ())
     before = torch.get_num_threads()
     try:
-        rows = [one_row(mode, 2, 1 << 16, gap_s=0.001, count=20) for mode in ("torch", "slices")]
+        rows = [one_row(mode, 2, 1 << 16, gap_s=0.001, count=20) for mode in modes]
+        if "kernel" in modes:  # a key the kernel splits
+            rows.append(one_row("kernel", 2, compiled.SPLIT_MIN_BYTES, gap_s=0.001, count=5))
     finally:
         torch.set_num_threads(before)
-    for row, mode in zip(rows, ("torch", "slices")):
+        compiled.set_threads(1)
+    for row, mode in zip(rows, modes):
         assert row["mode"] == mode and row["threads"] == 2 and row["bytes"] == 1 << 16
         assert 0 < row["update_us"] < 1e6 and 0 <= row["cores"] < 4
     table = format_update_threads_table(rows)
     assert "  64 KiB        2   torch       -" in table and "  64 KiB        2  slices       1" in table
+    if "kernel" in modes:
+        assert "  64 KiB        2  kernel       1" in table and "   3 MiB        2  kernel       2" in table
     assert thread_counts(16) == [2, 8, 16] and thread_counts(2) == [2] and thread_counts(3) == [2, 3]
     with pytest.raises(ValueError, match="mode 'omp'"):
         one_row("omp", 2, 1 << 16)

@@ -17,7 +17,19 @@ import torch
 import ps.shard.compiled as compiled
 from ps.shard.compiled import _compiled
 
-pytestmark = pytest.mark.skipif(not compiled.available(), reason="the compiled module is not built")
+
+
+def _splits() -> bool:
+    """Whether this build splits (Linux: futexes), left at one thread."""
+    if not compiled.available():
+        return False
+    compiled.set_threads(2)
+    splits = _compiled.threads() == 2
+    compiled.set_threads(1)
+    return splits
+
+
+pytestmark = pytest.mark.skipif(not _splits(), reason="the compiled module is not built, or splits on no threads here")
 
 MiB = 1 << 20
 CHUNK = 256 << 10
@@ -64,6 +76,32 @@ def test_the_helpers_take_chunks_and_a_small_key_stays_whole():
     small = torch.zeros(3 * MiB // 4 - 1)
     step(small, torch.ones_like(small), None, False, 2)
     assert _compiled.split_counts()[0] == after[0]
+
+
+def test_helpers_round_as_the_caller_does_after_it_changed_its_floating_point_controls():
+    """Helpers started before the caller flushed denormals to zero take its controls with each
+    key: halving denormals flushes them to 0 on every thread, as on the caller's."""
+    n = (8 * MiB) // 4
+    g, p = numpy.full(n, 1e-39, numpy.float32), numpy.full(n, 3e-39, numpy.float32)
+
+    def update(threads):
+        compiled.set_threads(threads)
+        q = p.copy()
+        _compiled.sgd(q, g, None, False, 0.5, 0.0, False, 1.0, 0.0, 0.0, False)
+        return q.view(numpy.uint32)
+
+    update(2)  # the helpers start with the default controls
+    helped = _compiled.split_counts()[1]
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-to-zero on this CPU")
+    try:
+        one, two = update(1), update(2)
+        two_again = update(2)
+    finally:
+        torch.set_flush_denormal(False)
+    assert not one.any()  # 3e-39 - 0.5e-39 flushed to 0
+    assert numpy.array_equal(one, two) and numpy.array_equal(one, two_again)
+    assert _compiled.split_counts()[1] > helped
 
 
 def test_two_callers_at_once_each_get_their_keys_bits():
