@@ -33,6 +33,8 @@ pytestmark = pytest.mark.skipif(not _splits(), reason="the compiled module is no
 
 MiB = 1 << 20
 CHUNK = 256 << 10
+TRIES = 500
+"""Keys of 8 MiB (about 1.5 ms each here) a test splits until a helper has taken part."""
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +72,12 @@ def test_split_keys_have_one_threads_bits(dtype, nbytes, momentum):
 def test_the_helpers_take_chunks_and_a_small_key_stays_whole():
     p, g = torch.zeros(2 * MiB), torch.ones(2 * MiB)  # 8 MiB float32: 32 chunks
     keys, helped = _compiled.split_counts()
-    step(p, g, None, False, 2, steps=20)
+    for tries in range(1, TRIES + 1):  # a helper wakes in about 0.1 ms here, the caller takes 1.5
+        step(p, g, None, False, 2, steps=1)
+        if _compiled.split_counts()[1] > helped:
+            break
     after = _compiled.split_counts()
-    assert after[0] - keys == 20 and after[1] > helped  # a helper woken in 1 ms or so took some of 640
+    assert after[0] - keys == tries and after[1] > helped
     small = torch.zeros(3 * MiB // 4 - 1)
     step(small, torch.ones_like(small), None, False, 2)
     assert _compiled.split_counts()[0] == after[0]
@@ -95,13 +100,15 @@ def test_helpers_round_as_the_caller_does_after_it_changed_its_floating_point_co
     if not torch.set_flush_denormal(True):
         pytest.skip("no flush-to-zero on this CPU")
     try:
-        one, two = update(1), update(2)
-        two_again = update(2)
+        one = update(1)
+        assert not one.any()  # 3e-39 - 0.5e-39 flushed to 0
+        for _ in range(TRIES):  # until a helper took part (on a loaded host it may wake after the caller is done)
+            assert numpy.array_equal(update(2), one)
+            if _compiled.split_counts()[1] > helped:
+                break
     finally:
         torch.set_flush_denormal(False)
-    assert not one.any()  # 3e-39 - 0.5e-39 flushed to 0
-    assert numpy.array_equal(one, two) and numpy.array_equal(one, two_again)
-    assert _compiled.split_counts()[1] > helped
+    assert _compiled.split_counts()[1] > helped, f"no helper took a chunk of {TRIES} keys"
 
 
 def test_two_callers_at_once_each_get_their_keys_bits():
@@ -146,7 +153,9 @@ def test_a_forked_child_makes_its_own_helpers():
         ok = 0
         try:
             before = _compiled.split_counts()[1]
-            same = all(numpy.array_equal(update(2), want) for _ in range(10))
+            same, tries = True, 0
+            while same and tries < TRIES and _compiled.split_counts()[1] == before:
+                same, tries = numpy.array_equal(update(2), want), tries + 1
             ok = 1 + same + (_compiled.split_counts()[1] > before)
         finally:
             os.write(w, bytes([ok]))
