@@ -103,7 +103,8 @@ class RunConfig:
     among the ranks on its host, a shard among the ranks and shards launched there (alone on its
     host, as `psar server` runs it, all of them, and as many ZeroMQ I/O threads as it has
     workers, at most 4: ps/cores.py). A shard (with sgd, adam, adamw or adagrad) spends its share on
-    threads of its own for large keys and keeps torch on one (ps/shard/slices.py)."""
+    threads of its own for large keys and keeps torch on one (ps/shard/slices.py; sgd's compiled
+    kernel splits a key of 3 MiB or more over threads of its own, ps/shard/_split.h)."""
     timeout_s: float = 30.0
     """Longest wait on any peer (rendezvous, collective) before the run fails."""
     eval_batch_size: int = 512

@@ -836,6 +836,21 @@ static PyObject *py_set_threads(PyObject *mod, PyObject *arg) {
 
 static PyObject *py_threads(PyObject *mod, PyObject *unused) { return PyLong_FromLong(split_threads_now()); }
 
+/* fp_controls(): this thread's floating-point controls (_split.h); set_fp_controls(c): take
+ * them on this thread (another thread's, for Python's slice threads, ps.shard.slices). */
+static PyObject *py_fp_controls(PyObject *mod, PyObject *unused) { return PyLong_FromUnsignedLong(FP_CONTROLS()); }
+
+static PyObject *py_set_fp_controls(PyObject *mod, PyObject *arg) {
+    unsigned long c = PyLong_AsUnsignedLong(arg);
+    if (c == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (c > 0xffffffffUL || !FP_VALID((unsigned)c)) {
+        PyErr_Format(PyExc_ValueError, "%lu is not a thread's floating-point controls (fp_controls())", c);
+        return NULL;
+    }
+    FP_SET((unsigned)c);
+    Py_RETURN_NONE;
+}
+
 /* split_counts(): (keys split over the pool, chunks its helpers updated) since the process began. */
 static PyObject *py_split_counts(PyObject *mod, PyObject *unused) {
     return Py_BuildValue("(KK)", (unsigned long long)pool.keys, (unsigned long long)pool.helped);
@@ -846,6 +861,8 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_O, "The threads a large key's SGD is split over, the caller's among them."},
     {"threads", py_threads, METH_NOARGS, "The threads a large key's SGD is split over."},
     {"split_counts", py_split_counts, METH_NOARGS, "(keys split, chunks the helpers updated)."},
+    {"fp_controls", py_fp_controls, METH_NOARGS, "This thread's floating-point controls."},
+    {"set_fp_controls", py_set_fp_controls, METH_O, "Take floating-point controls (fp_controls()'s) on this thread."},
     {NULL},
 };
 

@@ -27,6 +27,22 @@
 
 #include "_sgd.h"
 
+/* A thread's floating-point controls (MXCSR's flush-to-zero, denormals-are-zero, rounding and
+ * exception masks, not its flags): a helper takes the caller's for each chunk, or its bits
+ * would differ from the caller's where those were changed (torch.set_flush_denormal).
+ * FP_VALID: the bits a thread's controls may have (others fault on x86). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FP_CONTROLS() (_mm_getcsr() & ~0x3fu)
+#define FP_SET(c) _mm_setcsr(((c) & 0xffc0u) | (_mm_getcsr() & 0x3fu))
+#define FP_VALID(c) (((c) & ~0xffc0u) == 0)
+#else
+#include <fenv.h>
+#define FP_CONTROLS() ((unsigned)fegetround())
+#define FP_SET(c) fesetround((int)(c))
+#define FP_VALID(c) ((c) == FE_TONEAREST || (c) == FE_UPWARD || (c) == FE_DOWNWARD || (c) == FE_TOWARDZERO)
+#endif
+
 #define SPLIT_MIN_BYTES (3 << 20)
 #define CHUNK_BYTES (256 << 10)
 #define SPLIT_MAX_THREADS 64
@@ -39,18 +55,6 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-/* The caller's floating-point controls (MXCSR's flush-to-zero, denormals-are-zero and rounding,
- * not its flags): a helper takes them for each chunk, or its bits would differ from the
- * caller's where those were changed (torch.set_flush_denormal). */
-#define FP_CONTROLS() (_mm_getcsr() & ~0x3fu)
-#define FP_SET(c) _mm_setcsr((c) | (_mm_getcsr() & 0x3fu))
-#else
-#include <fenv.h>
-#define FP_CONTROLS() ((unsigned)fegetround())
-#define FP_SET(c) fesetround((int)(c))
-#endif
 
 static struct {
     pthread_mutex_t lock;       /* one key at a time */

@@ -27,6 +27,11 @@ import queue
 import threading
 from typing import Callable
 
+try:  # the caller's floating-point controls go with each slice (ps/shard/_split.h)
+    from ps.shard._compiled import fp_controls, set_fp_controls
+except ImportError:  # not built: each thread keeps its own
+    fp_controls = set_fp_controls = None
+
 MIN_SLICE_BYTES = 4 << 20
 """A slice's least size. Handing a slice to another thread costs 40 to 80 us on this 2-core
 machine (a 1 MiB add: 44 us on one thread, 81 us split in two; 4 MiB 160 against 213; 16 MiB
@@ -40,7 +45,10 @@ class SlicePool:
     calls fn(start, end) for each slice, the last on the caller's thread. The other threads
     start with the first key large enough to split and sleep on a queue between slices. One
     caller at a time (a shard's serve loop); a run that raises has still waited for every
-    slice, but slices that succeeded beside one that failed have written their part."""
+    slice, but slices that succeeded beside one that failed have written their part. Each
+    slice runs under the caller's floating-point controls (flush-to-zero, rounding), where
+    the compiled module is built: a thread's are its own, and torch.set_flush_denormal on the
+    caller's would otherwise give other bits on the pool's."""
 
     def __init__(self, threads: int) -> None:
         if threads < 1:
@@ -66,8 +74,9 @@ class SlicePool:
         if len(jobs) > self.threads:
             raise ValueError(f"{len(jobs)} slices for a pool of {self.threads} threads")
         self._start(len(jobs) - 1)
+        controls = fp_controls() if fp_controls is not None else None
         for q, (a, b) in zip(self._queues, jobs[:-1]):
-            q.put((fn, a, b))
+            q.put((fn, a, b, controls))
         error: BaseException | None = None
         try:
             fn(*jobs[-1])
@@ -97,8 +106,10 @@ class SlicePool:
 
     def _serve(self, q: queue.SimpleQueue) -> None:
         while (job := q.get()) is not None:
-            fn, a, b = job
+            fn, a, b, controls = job
             try:
+                if controls is not None:
+                    set_fp_controls(controls)
                 fn(a, b)
                 self._done.put(None)
             except BaseException as e:  # handed to run, which raises it

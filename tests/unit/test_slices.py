@@ -214,3 +214,23 @@ def test_a_first_momentum_buffer_is_kept_only_once_every_slice_filled_it(kernel_
     with pytest.raises(RuntimeError, match="a slice failed"):
         shard.step([0])
     assert shard.optimizer.state[values[0]].get("momentum_buffer") is None
+
+
+@pytest.mark.skipif(compiled._compiled is None, reason="the compiled module is not built")
+def test_slices_run_under_the_callers_floating_point_controls(slice_pool):
+    """After torch.set_flush_denormal(True) on the caller's thread, a slice on a pool thread
+    started before it flushes denormals as the caller's does (halving 3e-39 gives 0)."""
+    x = torch.full((4096,), 3e-39)
+    out = torch.empty_like(x)
+    pool = slice_pool(3)
+    pool.run(lambda a, b: out[a:b].copy_(x[a:b] * 0.5), [0, 1024, 2048, 4096])  # the threads started
+    assert out.ne(0).all()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-to-zero on this CPU")
+    try:
+        pool.run(lambda a, b: out[a:b].copy_(x[a:b] * 0.5), [0, 1024, 2048, 4096])
+    finally:
+        torch.set_flush_denormal(False)
+    assert out.eq(0).all()
+    with pytest.raises(ValueError, match="floating-point controls"):
+        _compiled.set_fp_controls(1 << 20)
