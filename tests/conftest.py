@@ -12,6 +12,16 @@ import torch
 from experiments.settings.presets import build_config
 from experiments.runtime.launcher import launch, launch_batch, process_shape
 
+@pytest.fixture
+def kernel_threads():
+    """SGD's compiled kernel's threads (ps.shard.compiled.set_threads: process-wide) put back to
+    one after the test, whatever it set."""
+    from ps.shard import compiled
+
+    yield
+    compiled.set_threads(1)
+
+
 RUN_DEADLINE_S = 180
 POOL_STEPS = 20
 """A pooled job's steps unless it says (None: the experiment's own)."""

@@ -830,7 +830,7 @@ static PyObject *py_set_threads(PyObject *mod, PyObject *arg) {
         PyErr_Format(PyExc_ValueError, "a key is updated on at least 1 thread, got %ld", n);
         return NULL;
     }
-    split_threads(n > SPLIT_MAX_THREADS ? SPLIT_MAX_THREADS : (int)n);
+    split_threads(n);
     Py_RETURN_NONE;
 }
 

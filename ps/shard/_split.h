@@ -3,9 +3,10 @@
  * late takes only what is left.
  *
  * Measured on this 2-core machine (a key's SGD after its gradient was written, a sleep
- * between updates): 4 MiB took 934-940 us on one thread, 576-600 us split in two; 2 MiB 331-353
- * against 302-318; 1 MiB 203 against 194-242. Waking a sleeping thread here costs about 90 us
- * (1 MiB with the helper spinning: 104-108 us), so only a key of at least SPLIT_MIN_BYTES is
+ * between updates, medians of 100 through _compiled.sgd, six runs each): 2 MiB took 260-324 us
+ * on one thread, 266-323 split in two; 3 MiB 457-600 against 278-457; 4 MiB 586-894 against
+ * 366-462. Waking a sleeping thread here costs about 90 us (a C loop's 1 MiB key with the
+ * helper spinning: 104-108 us, 173-181 on one), so only a key of at least SPLIT_MIN_BYTES is
  * split; Python's threads (ps.shard.slices) cost 40 to 80 us more a hand-off, and split only
  * from 8 MiB.
  *
@@ -166,9 +167,12 @@ static long long split_now_ns(void) {
  * this thread alone. Call it with or without the GIL: it touches no Python object. */
 static void sgd_split(int f64, void *p, const void *g, void *buf, Py_ssize_t n, const Step *a) {
     Py_ssize_t size = f64 ? 8 : 4;
+    if (atomic_load_explicit(&pool.threads, memory_order_relaxed) < 2 || n * size < SPLIT_MIN_BYTES) {
+        sgd(f64, p, g, buf, n, a);
+        return;
+    }
     pthread_once(&split_once, split_register);
-    if (atomic_load_explicit(&pool.threads, memory_order_relaxed) < 2 || n * size < SPLIT_MIN_BYTES ||
-        pthread_mutex_trylock(&pool.lock) != 0) {
+    if (pthread_mutex_trylock(&pool.lock) != 0) {
         sgd(f64, p, g, buf, n, a);
         return;
     }
@@ -210,11 +214,12 @@ static void sgd_split(int f64, void *p, const void *g, void *buf, Py_ssize_t n, 
     pthread_mutex_unlock(&pool.lock);
 }
 
-/* The threads a large key is updated on (the caller's among them), at most SPLIT_MAX_THREADS;
- * from the next key on (a key being updated keeps its own). Helpers started are kept, asleep,
- * when there are fewer: threads - 1 are woken for a key (one still awake from the last may join). */
-static void split_threads(int threads) {
-    atomic_store_explicit(&pool.threads, threads < 1 ? 1 : threads > SPLIT_MAX_THREADS ? SPLIT_MAX_THREADS : threads,
+/* The threads a large key is updated on (the caller's among them; at least 1, at most
+ * SPLIT_MAX_THREADS); from the next key on (a key being updated keeps its own). Helpers started
+ * are kept, asleep, when there are fewer: threads - 1 are woken for a key (one still awake from
+ * the last may join). */
+static void split_threads(long threads) {
+    atomic_store_explicit(&pool.threads, threads < 1 ? 1 : threads > SPLIT_MAX_THREADS ? SPLIT_MAX_THREADS : (int)threads,
                           memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
 }
@@ -222,11 +227,11 @@ static void split_threads(int threads) {
 static int split_threads_now(void) { return atomic_load_explicit(&pool.threads, memory_order_relaxed); }
 
 #else /* no futex: one thread */
-static struct { int threads; unsigned long long keys, helped; } pool = {1, 0, 0};
+static struct { unsigned long long keys, helped; } pool = {0, 0};
 static void sgd_split(int f64, void *p, const void *g, void *buf, Py_ssize_t n, const Step *a) {
     sgd(f64, p, g, buf, n, a);
 }
-static void split_threads(int threads) { (void)threads; }
+static void split_threads(long threads) { (void)threads; }
 static int split_threads_now(void) { return 1; }
 #endif
 

@@ -127,7 +127,7 @@ def test_ps_sync_and_the_rpc_server_run_in_turn_and_each_pair_gives_a_ratio(monk
     assert pairs == {"ps_sync": [300.0, 330.0, 360.0], "rpc_ps": [200.0, 300.0, 180.0], "ratios": [1.5, 1.1, 2.0]}
 
 
-def test_the_update_rows_time_sgd_and_count_the_cores_each_way():
+def test_the_update_rows_time_sgd_and_count_the_cores_each_way(kernel_threads):
     """One row of each mode in this process (torch's threads restored after): the update's
     median and the cores held are measured; the thread counts span a share and the host."""
     import torch
@@ -144,7 +144,6 @@ def test_the_update_rows_time_sgd_and_count_the_cores_each_way():
             rows.append(one_row("kernel", 2, compiled.SPLIT_MIN_BYTES, gap_s=0.001, count=5))
     finally:
         torch.set_num_threads(before)
-        compiled.set_threads(1)
     for row, mode in zip(rows, modes):
         assert row["mode"] == mode and row["threads"] == 2 and row["bytes"] == 1 << 16
         assert 0 < row["update_us"] < 1e6 and 0 <= row["cores"] < 4

@@ -90,13 +90,6 @@ SIZES = {0: 2 * MIN_SLICE_BYTES // 8 + 5, 1: 3 * MIN_SLICE_BYTES // 8 + 131, 2: 
 STEPS = ([0, 1, 2], [1], [0, 2], [0, 1, 2])
 
 
-@pytest.fixture
-def kernel_threads():
-    """The compiled kernel's threads as a test left them, put back to one (process-wide)."""
-    yield
-    compiled.set_threads(1)
-
-
 def step_both(make, kernel: bool = False):
     """A shard's optimizer (make) on 8 slice threads and torch's own on the whole keys, over
     STEPS with the same gradients: asserts the same values and state, and returns how many
@@ -153,7 +146,7 @@ def test_sgd_split_by_the_compiled_kernel_is_torchs_bit_for_bit(name, kernel_thr
     assert len(calls) == firsts and _compiled.split_counts()[0] - split_before == 6 - firsts
 
 
-def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices():
+def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices(kernel_threads):
     from ps.config import PSConfig
     from ps.layout import ParamSpec, build_layout, split_values
     from ps.shard.server import ShardServer
@@ -176,7 +169,6 @@ def test_a_shard_keeps_torch_on_one_thread_only_where_it_slices():
         assert sgd.optimizer._fused is None or _compiled.threads() == 1
     finally:
         torch.set_num_threads(before)
-        compiled.set_threads(1)
 
 
 OTHERS = {

@@ -29,18 +29,13 @@ def _splits() -> bool:
     return splits
 
 
-pytestmark = pytest.mark.skipif(not _splits(), reason="the compiled module is not built, or splits on no threads here")
+pytestmark = [pytest.mark.skipif(not _splits(), reason="the compiled module is not built, or splits on no threads here"),
+              pytest.mark.usefixtures("kernel_threads")]
 
 MiB = 1 << 20
 CHUNK = 256 << 10
 TRIES = 500
 """Keys of 8 MiB (about 1.5 ms each here) a test splits until a helper has taken part."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread_after():
-    yield
-    compiled.set_threads(1)
 
 
 def step(p, g, buf, f64, threads, steps=2):
