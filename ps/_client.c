@@ -283,8 +283,8 @@ static long long small_int(Lane *self, PyObject *x) {
 }
 
 /* push(grads, step, version, pull, lr, hold, next_version, clock, timeout_s): PSClient.push of
- * whole keys (grads {key id: tensor}), sent, as (its Handle, bytes sent); None where the lane
- * does not take it (nothing sent). SendFailed (shard, errno, bytes sent before) where a send
+ * whole keys (grads {key id: tensor}), sent, as (its Handle, bytes sent, {request id: bytes of
+ * its message}); None where the lane does not take it (nothing sent). SendFailed (shard, errno, bytes sent before) where a send
  * failed. */
 static PyObject *Lane_push(Lane *self, PyObject *args) {
     PyObject *grads, *step_obj, *version_obj, *lr_obj, *clock_obj;
@@ -320,6 +320,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     }
     PyObject *result = Py_None, *handle = NULL;
     PyObject *pending = NULL, *req_obj = NULL, *shard_key = NULL; /* the handle's, and a message's */
+    PyObject *sizes = NULL; /* request id: bytes of its message */
     Py_INCREF(Py_None);
     int nshards = 0;
     Py_ssize_t pos = 0, i = 0;
@@ -387,6 +388,8 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
     if (!handle) goto fail;
     pending = PyObject_GetAttr(handle, s_pending);
     if (!pending) goto fail;
+    sizes = PyDict_New();
+    if (!sizes) goto fail;
     Py_ssize_t sent_bytes = 0;
     for (int j = 0; j < nshards; j++) {
         int s = first[j];
@@ -482,17 +485,22 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         sent_bytes += w->len + data;
         if (PyDict_SetItem(pending, req_obj, shard_key) < 0 || PyDict_SetItem(self->inflight, req_obj, handle) < 0)
             goto fail;
+        PyObject *size = PyLong_FromSsize_t(w->len + data);
+        int stored = size ? PyDict_SetItem(sizes, req_obj, size) : -1;
+        Py_XDECREF(size);
+        if (stored < 0) goto fail;
         Py_CLEAR(req_obj);
         Py_CLEAR(shard_key);
     }
     Py_DECREF(result);
-    result = Py_BuildValue("(On)", handle, sent_bytes);
+    result = Py_BuildValue("(OnO)", handle, sent_bytes, sizes);
     goto done;
 fail:
     Py_CLEAR(result);
 done:
     Py_XDECREF(handle);
     Py_XDECREF(pending);
+    Py_XDECREF(sizes);
     Py_XDECREF(req_obj);
     Py_XDECREF(shard_key);
     for (Py_ssize_t a = 0; a < n; a++) {

@@ -198,7 +198,8 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
         layout = self._need_layout()
         if (next_version or clock is not None) and not pull:
             raise ValueError("next_version and clock are conditions of the values push(pull=True) asks for")
-        if self._lane is not None and not self._window:  # (a window holds messages back: Python's)
+        # the compiled lane: a message the window would send at once (or that it never holds)
+        if self._lane is not None and not (pull and self._window and not self._window_open(grads)):
             try:
                 sent = self._lane.push(grads, step, version, pull, lr, hold, next_version, clock, self.timeout_s)
             except SendFailed as e:
@@ -206,8 +207,11 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
                 self.bytes_sent += before
                 raise self._transports[shard].send_failed(err) from None
             if sent is not None:
-                self.bytes_sent += sent[1]
-                return sent[0]
+                handle, nbytes, sizes = sent
+                self.bytes_sent += nbytes
+                if pull and self._window:
+                    self._count_sent(handle.pending, sizes)
+                return handle
         by_shard: dict[int, tuple[list[int], list[torch.Tensor], list]] = {}
         n_keys, wire = len(layout.keys), TORCH_DTYPES[self._wire] if self._wire else None
         key_shard, key_dtype, keys_of = layout.key_shard, layout.key_dtype, layout.keys

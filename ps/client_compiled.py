@@ -14,11 +14,16 @@ takes a reply (poll, receive, the checks of ps.protocol_short.decode_reply, the 
 ZeroMQ's buffers) in another, on the sockets of the worker's transports, calling the libzmq
 that pyzmq calls.
 
+Under a window of push+pulls (ps.window_mb: ps-sync's workers) it sends those the window
+would send at once: nothing held for any of their shards, and room for the keys' bytes and
+the largest header the lane writes (ps.client_window's _window_open); the window counts each
+message's bytes as it counts the Python path's. One it would hold back, the Python path holds.
+
 Anything else it leaves to the Python paths, unchanged: a push it does not take it returns
 before it has sent anything (a tensor that needs grad, is not contiguous, lies on another
-device, another dtype, rows, compression, a window of push+pulls, a transport whose monitor
-is due to be read), and a reply it does not read it hands over as the transport would, for
-ps.protocol.decode to read and name what is wrong.
+device, another dtype, rows, compression, a transport whose monitor is due to be read), and
+a reply it does not read it hands over as the transport would, for ps.protocol.decode to
+read and name what is wrong.
 tests/unit/test_client_compiled.py holds both ways to the same bytes on the wire and the same
 results. PSAR_COMPILED=0 turns it off (a comparison).
 """

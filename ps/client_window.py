@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import heapq
 
+LANE_HEADER_BYTES = 256
+"""The most bytes a push's header has besides its keys' entries (msgpack: every field the
+compiled lane writes, each integer at its widest: 179)."""
+LANE_KEY_BYTES = 48
+"""The most bytes a key adds to that header: its id (9), its dtype's name (16 at most, 5 of
+string header) and its shape (whole keys leave flat: one dimension, 9, and 5 of array header)."""
+
 
 class PushWindow:
     """Each push+pull is answered once every worker has pushed its keys, so a worker whose
@@ -22,6 +29,34 @@ class PushWindow:
             heapq.heappush(self._held[s], (req if priority is None else priority, req, frames, nbytes))
         else:
             self._send(s, req, frames, nbytes, counted=True)
+
+    def _window_open(self, grads) -> bool:
+        """Whether the window would send a push+pull of whole keys grads to each of its shards at
+        once (nothing held there, and room for the keys' bytes and the largest header a message
+        of them can have: LANE_HEADER_BYTES, and LANE_KEY_BYTES a key): then the compiled lane may
+        send it (ps.client_compiled), and _count_sent counts what it sent. Else the Python path
+        decides, message by message."""
+        key_shard, key_nbytes = self.layout.key_shard, self.layout.key_nbytes
+        n_keys = len(key_shard)
+        need: dict[int, int] = {}
+        for k in grads:
+            if type(k) is not int or not 0 <= k < n_keys:
+                return False  # (the Python path names the key)
+            s = key_shard[k]
+            need[s] = need.get(s, LANE_HEADER_BYTES) + key_nbytes[k] + LANE_KEY_BYTES
+        held, unanswered, window = self._held, self._unanswered, self._window
+        for s, nbytes in need.items():  # as _push_pull and _fits decide
+            if held[s] or (unanswered[s] and unanswered[s] + nbytes > window):
+                return False
+        return True
+
+    def _count_sent(self, pending: dict[int, int], sizes: dict[int, int]) -> None:
+        """Count push+pulls the compiled lane sent ({req: shard}, {req: bytes}) in the window,
+        as _send counts the Python path's."""
+        for req, s in pending.items():
+            nbytes = sizes[req]
+            self._unanswered[s] += nbytes
+            self._counted[req] = (s, nbytes)
 
     def _drop_held(self, reqs) -> None:
         """What the window still holds of requests reqs is never sent (their handle failed)."""

@@ -114,6 +114,7 @@ class Layout:
         self.key_shard = [k.shard for k in self.keys]
         self.key_dtype = [self.specs[k.param].dtype for k in self.keys]
         self.key_wire_shape = [[k.numel] for k in self.keys]
+        self.key_nbytes = [k.numel * self.specs[k.param].itemsize for k in self.keys]
 
     def shard_keys(self, shard: int) -> list[Key]:
         """Keys held by shard, by id."""

@@ -292,3 +292,118 @@ def test_a_reply_from_any_of_many_shards_is_taken(wired):
     routers[shards - 1].send_multipart([identity, *encode(
         {"op": "ok", "worker": 1, "req": dict(pairs)["req"], "version": 1, "keys": [key]}, [torch.full((3,), 2.0)])])
     assert torch.equal(client.wait(handle).values[key], torch.full((3,), 2.0))
+
+
+class Recorded:
+    """A lane whose sent push+pulls are noted (their request ids), the rest its own."""
+
+    def __init__(self, lane):
+        self.lane, self.sent = lane, []
+
+    def push(self, *args):
+        sent = self.lane.push(*args)
+        if sent is not None:
+            self.sent += list(sent[0].pending)
+        return sent
+
+    def __getattr__(self, name):
+        return getattr(self.lane, name)
+
+
+@pytest.fixture
+def windowed(wired, monkeypatch):
+    """wired's (lane?) -> (client, routers), the client pushing through a window of
+    window bytes, its lane recorded and never leaving a push to the transport's monitor."""
+    monkeypatch.setattr(client_compiled, "MONITOR_DRAIN_S", 1e15)
+
+    def make(lane: bool, window: int):
+        client, routers = wired(lane=lane)
+        client._window = window
+        if lane:
+            client._lane = Recorded(client._lane)
+        return client, routers
+
+    return make
+
+
+def answer(router, values=None):
+    """Answer the next push+pull on router with its keys' values (each grads_of's, seed 1);
+    the request answered."""
+    identity, pairs, _, _ = received(router)
+    fields = dict(pairs)
+    header, vals = reply_frames(fields["keys"], req=fields["req"])
+    router.send_multipart([identity, *encode(header, [vals[k] for k in fields["keys"]])])
+    return fields["req"]
+
+
+def window_state(client):
+    return (dict(client._unanswered), dict(client._counted), {s: [m[:2] for m in h] for s, h in client._held.items() if h},
+            client.bytes_sent)
+
+
+@pytest.mark.parametrize("keys", [[0], [0, 1, 2], [5, 4, 1, 0]])
+def test_under_a_window_the_lane_sends_what_it_lets_through_and_counts_it_as_python_does(windowed, keys):
+    """ps-sync's workers push through a window (ps.window_mb): a push+pull the window sends at
+    once leaves by the lane, counted in the window as the Python path counts its own (the same
+    bytes); one it holds back (no room, or others held for the shard) the Python path holds,
+    whatever the lane, and a reply lets it go as before."""
+    window = 120_000  # room for a push of key 4 or 5 (80 KB each) on its shard, not for a second
+    by_lane, lane_routers = windowed(True, window)
+    by_python, python_routers = windowed(False, window)
+    grads = grads_of(keys)
+    first = [c.push(3, None, grads, pull=True, next_version=True) for c in (by_lane, by_python)]
+    assert by_lane._lane.sent == list(first[0].pending)  # all of it by the lane
+    assert window_state(by_lane) == window_state(by_python) and by_lane._unanswered
+    second = [c.push(4, None, grads, pull=True, next_version=True, priority=1) for c in (by_lane, by_python)]
+    big = 4 in keys
+    assert (by_lane._lane.sent == list(first[0].pending)) == big  # held (Python's) where it did not fit
+    assert window_state(by_lane) == window_state(by_python) and any(by_lane._held.values()) == big
+    third = [c.push(5, None, grads_of([0]), pull=True, next_version=True, priority=0) for c in (by_lane, by_python)]
+    assert window_state(by_lane) == window_state(by_python)  # behind held messages: held too
+    orders = []
+    for c, routers, handles in ((by_lane, lane_routers, (first[0], second[0], third[0])),
+                                (by_python, python_routers, (first[1], second[1], third[1]))):
+        order = []
+        orders.append(order)
+        for h in handles:  # each shard's messages answered as they arrive (held ones leave by priority)
+            while h.pending:
+                s = next(iter(sorted(set(h.pending.values()))))
+                order.append(answer(routers[s]))
+                c._progress(5.0, drain=True)
+            c.wait(h)
+        assert not c._unanswered or not any(c._unanswered.values())
+        assert not c._counted and not any(c._held.values())
+    assert window_state(by_lane) == window_state(by_python) and orders[0] == orders[1]
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("keys", [[0], [1], [2], [4], [0, 1, 2], [5, 4, 1, 0]])
+def test_a_lane_message_is_never_larger_than_the_window_counts_it_before(wired, call, keys):
+    """The window decides for the lane with its keys' bytes and the most a header adds
+    (client_window.LANE_HEADER_BYTES, LANE_KEY_BYTES a key): with every integer at its widest,
+    each message the lane writes is within that."""
+    import itertools
+
+    from ps.client_window import LANE_HEADER_BYTES, LANE_KEY_BYTES
+
+    client, routers = wired()
+    widest = (1 << 62) - 100  # the protocol's integers are below 1 << 62 (msgpack: 9 bytes from 1 << 32)
+    client._reqs = itertools.count(widest)
+    client.versions.update({0: widest, 1: widest + 1})
+    args = dict(pull=False, lr=None, hold=False, next_version=False, clock=None) | call
+    if args["clock"] is not None:
+        args["clock"] = widest + args["clock"]
+    for _ in range(3):  # (a shard's first push is the transport's: it reads its monitor)
+        sent = client._lane.push(grads_of(keys), widest, None, args["pull"], args["lr"], args["hold"],
+                                 args["next_version"], args["clock"], 5.0)
+        if sent is not None:
+            break
+    assert sent is not None
+    handle, nbytes, sizes = sent
+    assert sum(sizes.values()) == nbytes and sizes.keys() == handle.pending.keys()
+    for req, s in handle.pending.items():
+        own = [k for k in keys if LAYOUT.keys[k].shard == s]
+        data = sum(LAYOUT.nbytes(k) for k in own)
+        assert data < sizes[req] <= data + LANE_HEADER_BYTES + LANE_KEY_BYTES * len(own)
+        _, _, raw, frames = received(routers[s])
+        assert len(raw) + sum(map(len, frames)) == sizes[req]

@@ -18,11 +18,12 @@ from ps import client_compiled
 from ps.shard import ShardServer, compiled
 
 LAYOUT = build_layout([ParamSpec("w", (256,), "float32"), ParamSpec("b", (256,), "float32")], 1, 1 << 20)
-BUDGET = {"shard": 100, "compiled": 5, "push": 45, "wait": 80, "lane push": 8, "lane wait": 45}
+BUDGET = {"shard": 100, "compiled": 5, "push": 45, "wait": 80, "lane push": 8, "lane wait": 45,
+          "window push": 12, "window wait": 45}
 """Calls (Python functions and C functions called from Python) at most, of one 1 KiB
 push+pull: the short paths make 90, 35 and 65 of them, the general ones 164, 72 and 90, a
 shard's compiled path (ps.shard.compiled) 3, the clock's among them; a worker's compiled
-lane (ps.client_compiled) 4 and 39."""
+lane (ps.client_compiled) 4 and 39, and 10 and 39 under a window (ps-sync's workers)."""
 
 
 def counted(fn, *args):
@@ -63,13 +64,14 @@ def test_a_shard_takes_a_push_pull_in_its_budget_of_calls(path):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("path", ["python", "compiled"])
+@pytest.mark.parametrize("path", ["python", "compiled", "window"])
 def test_a_worker_sends_and_files_a_push_pull_in_its_budget_of_calls(path):
-    if path == "compiled" and not client_compiled.available():
+    if path != "python" and not client_compiled.available():
         pytest.skip("ps._client is not built")
     config = PSConfig(timeout_s=10.0, heartbeat_s=5.0, worker_timeout_s=10.0)
     with LocalCluster(LAYOUT, [torch.zeros(256), torch.zeros(256)], lambda p: torch.optim.SGD(p, lr=0.1),
-                      "async", 1, config) as cluster, cluster.client(0) as client:
+                      "async", 1, config) as cluster, \
+            cluster.client(0, window_mb=1.0 if path == "window" else 0.0) as client:
         client.join()
         if path == "python":
             client._lane = None
@@ -85,5 +87,7 @@ def test_a_worker_sends_and_files_a_push_pull_in_its_budget_of_calls(path):
     else:
         assert push_calls["C:Lane.push"] == 1 and wait_calls["C:Lane.take"] == 1
         assert wait_calls["protocol_short.py:decode_reply"] == 0 and wait_calls["protocol.py:decode"] == 0
-    assert sum(push_calls.values()) <= BUDGET["push" if path == "python" else "lane push"], push_calls.most_common(20)
-    assert sum(wait_calls.values()) <= BUDGET["wait" if path == "python" else "lane wait"], wait_calls.most_common(20)
+    push_budget, wait_budget = {"python": ("push", "wait"), "compiled": ("lane push", "lane wait"),
+                                "window": ("window push", "window wait")}[path]
+    assert sum(push_calls.values()) <= BUDGET[push_budget], push_calls.most_common(20)
+    assert sum(wait_calls.values()) <= BUDGET[wait_budget], wait_calls.most_common(20)
