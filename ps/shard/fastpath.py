@@ -28,7 +28,7 @@ import torch
 
 from ps.protocol import pack_header, pull_of
 from ps.protocol_schema import PROTOCOL_VERSION, Message
-from ps.protocol_short import WholeKeys, ints
+from ps.protocol_short import ints
 from ps.shard.compiled import compiled_path
 from ps.shard.reject import Reject
 
@@ -42,8 +42,7 @@ class PushPullPath:
 
     def __init__(self, server: Any) -> None:
         self.server = server
-        dense = [k for k, c in server.chunks.items() if c.dim() == 1 and c.device.type == "cpu"]
-        self._whole = WholeKeys(server.layout, dense, server._dispatch.limits)
+        self._whole = server.whole_keys
         self._wire = server.config.wire_dtype  # the config is fixed for the shard's life
         self.compiled = compiled_path(server, self._whole.table)  # None: this shard's are Python's
 

@@ -27,7 +27,8 @@ import torch
 from ps.codec import Codec, GradientPulls
 from ps.config import PSConfig
 from ps.layout import TORCH_DTYPES, Layout
-from ps.protocol import REQUESTS, Limits, Message, encode, pull_of
+from ps.protocol import REQUESTS, Limits, Message, encode, pack_header, pull_of
+from ps.protocol_short import WholeKeys
 from ps.shard.consistency import rule_for
 from ps.shard.dispatch import Dispatcher, Reply, serve
 from ps.shard.fastpath import PushPullPath
@@ -119,6 +120,10 @@ class ShardServer(ShardState):
                                     Limits(max_tensor_bytes=config.max_message_bytes),
                                     {op: getattr(self, f"_on_{op}") for op in REQUESTS}, self._release,
                                     self.counters, clock)
+        dense = [k for k, c in self.chunks.items() if c.dim() == 1 and c.device.type == "cpu"]
+        self.whole_keys = WholeKeys(layout, dense, self._dispatch.limits)
+        """The whole dense keys of this shard, as a reply or push+pull of them carries each (its
+        dtype's name, shape and bytes): what the short paths read and write."""
         self._started = clock()
         self.aborted: str | None = None
         self.stopped = False
@@ -369,6 +374,20 @@ class ShardServer(ShardState):
         if slowest is not None:
             self.max_clock_gap = max(self.max_clock_gap, clock - slowest[1])
 
+    def whole_values(self, header: dict, keys: list[int]) -> list | None:
+        """A reply of whole keys' current values: header's fields, each key's dtype and shape
+        (what encode would add for the chunk's flat values: the same bytes), and the chunks'
+        own bytes (SnapshotPool.reply_bytes), without encode's look at each tensor; None where
+        a key is not whole and dense here. The short path's replies, and those of pulls that
+        waited (a sync step's first pushes, ssp's)."""
+        table = self.whole_keys.table
+        entries = [table.get(k) for k in keys]
+        if None in entries:
+            return None
+        header["dtypes"] = [e[0] for e in entries]
+        header["shapes"] = [e[1] for e in entries]
+        return [pack_header(header), *map(self.snapshots.reply_bytes, keys)]
+
     def _values(self, peer: bytes, msg: Message, keys: list[int], exact: bool = False, **fields: Any) -> Reply:
         """The values of keys, in the wire dtype under compression unless exact (join, the
         final pull, checkpoint: what the worker keeps must be the master values); of the rows
@@ -381,6 +400,10 @@ class ShardServer(ShardState):
         if self.pulls is not None and not exact and pull:  # the update's compressed gradient
             parts = [self.pulls.message(k, self.rule.version_of([k])) for k in keys]
             return self._dispatch.send(peer, encode(header, parts=[(p.frames, p.meta) for p in parts]))
+        if pull and not msg.ids and (exact or self.snapshots.wire is None):
+            frames = self.whole_values(header, keys)
+            if frames is not None:
+                return self._dispatch.send(peer, frames)
         if not pull or not msg.ids:
             return self._dispatch.send(peer, encode(header, [self.snapshots.snapshot(k, exact) for k in keys]))
         wire = self.snapshots.wire if not exact else None

@@ -4,6 +4,7 @@ so the count is the same on every machine; a change that sends the message the l
 (ps.protocol.decode, the shard's general dispatch) or adds work per message fails here, and
 `psar bench` says what it costs."""
 
+import gc
 import sys
 from collections import Counter
 
@@ -36,11 +37,13 @@ def counted(fn, *args):
         elif event == "c_call":
             calls["C:" + getattr(arg, "__qualname__", str(arg))] += 1
 
+    gc.disable()  # the collector's finalizers (other tests' garbage) are not calls of fn's
     sys.setprofile(profile)
     try:
         result = fn(*args)
     finally:
         sys.setprofile(None)
+        gc.enable()
     return result, calls
 
 

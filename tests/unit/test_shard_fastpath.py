@@ -358,3 +358,35 @@ def test_compiled_push_lets_a_waiting_ssp_pull_go_on():
     assert len(a.waiting) == 0 and a.stats() == b.stats()
     for k in MINE:
         assert torch.equal(a.chunks[k], b.chunks[k])
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_pull_that_waited_is_answered_in_the_bytes_encode_writes(mode):
+    """A sync step's first push+pulls wait for the last worker's (ssp's, for the slowest
+    worker's clock); their replies come from the chunks' own bytes (ShardServer.whole_values),
+    byte for byte the frames ps.protocol.encode writes for the same header and the keys'
+    values; keys that are not whole here it leaves to encode."""
+    server, _ = shard(mode, 2, OPTIMIZERS["momentum"], short=True)
+    for w in range(2):
+        server.handle(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
+
+    def push_pull(w, req, step):
+        grads = [torch.randn(LAYOUT.keys[k].numel, dtype=torch.float64) for k in MINE]
+        header = {"op": "push", "worker": w, "req": req, "step": step, "version": server.version, "keys": MINE,
+                  "pull": 1, **({"min_version": step + 1} if mode == "sync" else {"clock": step + 1})}
+        return server.handle(f"w{w}".encode(), frames_of(header, grads))
+
+    if mode == "ssp":
+        push_pull(0, 1, 0)  # worker 0 one clock ahead: its next pull waits for worker 1's
+    for step in range(3):
+        ahead = step + 1 if mode == "ssp" else step
+        assert push_pull(0, ahead + 1, ahead) == [] and len(server.waiting) == 1
+        replies = push_pull(1, step + 1, step)
+        assert [peer for peer, _ in replies] == [b"w1", b"w0"]
+        frames = replies[1][1]
+        header = msgpack.unpackb(bytes(frames[0]))
+        assert "waited_us" in header and header["keys"] == MINE
+        expected = encode({k: v for k, v in header.items() if k not in ("v", "dtypes", "shapes")},
+                          [server.chunks[k].detach().reshape(-1) for k in MINE])
+        assert [bytes(f) for f in frames] == [bytes(f) for f in expected]
+    assert server.whole_values({"op": "ok"}, [OTHER[0]]) is None  # another shard's key: encode's
