@@ -66,6 +66,31 @@ def test_a_shard_takes_a_push_pull_in_its_budget_of_calls(path):
     assert sum(calls.values()) <= BUDGET["shard" if path == "python" else "compiled"], calls.most_common(20)
 
 
+SYNC_BUDGET = (100, 225)
+"""Calls at most of a sync step's push+pulls of two 1 KiB keys by two workers: the first,
+which waits (90 of them), and the last, which updates and answers both (212; 234 when the
+pull that waited was written by encode)."""
+
+
+def test_a_sync_step_is_taken_in_its_budget_of_calls():
+    server = ShardServer(0, LAYOUT, split_values(LAYOUT, [torch.zeros(256), torch.zeros(256)], 0),
+                         lambda p: torch.optim.SGD(p, lr=0.1), "sync", 2, PSConfig())
+    for w in range(2):
+        server.handle(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
+    for step in range(3):  # the third is counted
+        made = []
+        for w in range(2):
+            frames = encode({"op": "push", "worker": w, "req": step + 1, "step": step, "version": server.version,
+                             "keys": [0, 1], "pull": 1, "min_version": step + 1}, [torch.ones(256), torch.ones(256)])
+            frames = [bytes(frames[0]), *(memoryview(bytearray(f)) for f in frames[1:])]
+            replies, calls = counted(server.handle, f"w{w}".encode(), frames)
+            made.append((len(replies), calls))
+            del replies  # sent
+    assert server.version == 3 and [n for n, _ in made] == [0, 2]
+    for budget, (_, calls) in zip(SYNC_BUDGET, made):
+        assert calls["protocol.py:decode"] == 0 and sum(calls.values()) <= budget, calls.most_common(20)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", ["python", "compiled", "window"])
 def test_a_worker_sends_and_files_a_push_pull_in_its_budget_of_calls(path):
