@@ -29,7 +29,8 @@
 
 #define LANE_COPY_BYTES 65536 /* frames up to this are copied (pyzmq copies below 64 KiB), larger ones lent */
 
-static PyObject *SendFailed; /* (shard, errno, bytes sent to shards before it) of a send that failed */
+static PyObject *SendFailed; /* (shard, errno, bytes sent to shards before it, {request id: bytes} of those
+                               * messages) of a send that failed */
 
 /* ---------------------------------------------------------------- a reply's part */
 
@@ -284,8 +285,8 @@ static long long small_int(Lane *self, PyObject *x) {
 
 /* push(grads, step, version, pull, lr, hold, next_version, clock, timeout_s): PSClient.push of
  * whole keys (grads {key id: tensor}), sent, as (its Handle, bytes sent, {request id: bytes of
- * its message}); None where the lane does not take it (nothing sent). SendFailed (shard, errno, bytes sent before) where a send
- * failed. */
+ * its message}); None where the lane does not take it (nothing sent). SendFailed (shard, errno,
+ * bytes sent before, {request id: bytes} of the messages sent before) where a send failed. */
 static PyObject *Lane_push(Lane *self, PyObject *args) {
     PyObject *grads, *step_obj, *version_obj, *lr_obj, *clock_obj;
     int pull, hold, next_version;
@@ -475,7 +476,7 @@ static PyObject *Lane_push(Lane *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
         if (rc < 0) {
-            PyObject *e = Py_BuildValue("(iin)", s, err, sent_bytes);
+            PyObject *e = Py_BuildValue("(iinO)", s, err, sent_bytes, sizes);
             if (e) {
                 PyErr_SetObject(SendFailed, e);
                 Py_DECREF(e);

@@ -203,8 +203,10 @@ class PSClient(Replies, PushWindow, Heartbeats, WholeCalls):
             try:
                 sent = self._lane.push(grads, step, version, pull, lr, hold, next_version, clock, self.timeout_s)
             except SendFailed as e:
-                shard, err, before = e.args  # the messages to the shards before it left
+                shard, err, before, sizes = e.args  # the messages to the shards before it left
                 self.bytes_sent += before
+                if pull and self._window:  # in flight: counted, as the Python path counts each it sent
+                    self._count_sent({req: self._inflight[req].pending[req] for req in sizes}, sizes)
                 raise self._transports[shard].send_failed(err) from None
             if sent is not None:
                 handle, nbytes, sizes = sent

@@ -79,4 +79,5 @@ def lane_for(client: Any) -> Any:
 
 
 SendFailed = _client.SendFailed if _client is not None else None
-"""What the lane raises where a send failed: (shard, errno, bytes sent to shards before it)."""
+"""What the lane raises where a send failed: (shard, errno, bytes sent to shards before it,
+{request id: bytes} of those messages)."""

@@ -43,13 +43,13 @@ def wired():
     """(compiled?, timeout, layout) -> (a joined client, its shards' ROUTER sockets)."""
     made = []
 
-    def make(lane: bool = True, timeout_s: float = 5.0, layout=LAYOUT):
+    def make(lane: bool = True, timeout_s: float = 5.0, layout=LAYOUT, worker: int = 1):
         ctx = zmq.Context()
         routers = [ctx.socket(zmq.ROUTER) for _ in range(layout.num_shards)]
         addresses = [f"inproc://lane-{id(ctx)}-{s}" for s in range(layout.num_shards)]
         for r, a in zip(routers, addresses):
             r.bind(a)
-        client = PSClient(addresses, worker=1, timeout_s=timeout_s, context=ctx)
+        client = PSClient(addresses, worker=worker, timeout_s=timeout_s, context=ctx)
         client.versions.update({0: 3, 1: 5})
         joined(client, layout, lane)
         made.append((client, routers, ctx))
@@ -219,7 +219,7 @@ def test_a_send_that_cannot_leave_says_so_as_the_transport_does():
                 with pytest.raises(client_compiled.SendFailed) as failed:
                     for step in range(1 << 20):
                         client._lane.push({0: torch.ones(12)}, step, None, True, None, False, False, None, 0.2)
-                assert failed.value.args == (0, errno.EAGAIN, 0)
+                assert failed.value.args == (0, errno.EAGAIN, 0, {})
                 error = client._transports[0].send_failed(errno.EAGAIN)
                 assert type(error) is TransportError and str(error) == f"could not send to {address}: its queue stayed full"
             else:
@@ -376,7 +376,7 @@ def test_under_a_window_the_lane_sends_what_it_lets_through_and_counts_it_as_pyt
     assert window_state(by_lane) == window_state(by_python) and orders[0] == orders[1]
 
 
-@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("call", CALLS + [dict(pull=True, lr=0.25, hold=True, next_version=True, clock=7)])
 @pytest.mark.parametrize("keys", [[0], [1], [2], [4], [0, 1, 2], [5, 4, 1, 0]])
 def test_a_lane_message_is_never_larger_than_the_window_counts_it_before(wired, call, keys):
     """The window decides for the lane with its keys' bytes and the most a header adds
@@ -386,8 +386,8 @@ def test_a_lane_message_is_never_larger_than_the_window_counts_it_before(wired, 
 
     from ps.client_window import LANE_HEADER_BYTES, LANE_KEY_BYTES
 
-    client, routers = wired()
     widest = (1 << 62) - 100  # the protocol's integers are below 1 << 62 (msgpack: 9 bytes from 1 << 32)
+    client, routers = wired(worker=widest)
     client._reqs = itertools.count(widest)
     client.versions.update({0: widest, 1: widest + 1})
     args = dict(pull=False, lr=None, hold=False, next_version=False, clock=None) | call
@@ -407,3 +407,34 @@ def test_a_lane_message_is_never_larger_than_the_window_counts_it_before(wired, 
         assert data < sizes[req] <= data + LANE_HEADER_BYTES + LANE_KEY_BYTES * len(own)
         _, _, raw, frames = received(routers[s])
         assert len(raw) + sum(map(len, frames)) == sizes[req]
+
+
+def test_a_send_that_fails_after_others_left_leaves_them_counted_in_the_window(monkeypatch):
+    """A push+pull to two shards whose second cannot leave (its queue full, nobody there):
+    the message to the first is in flight, and the window counts it as the Python path,
+    which counts each message as it sends it, does."""
+    from experiments.runtime.launcher import free_port
+
+    monkeypatch.setattr(client_compiled, "MONITOR_DRAIN_S", 1e15)
+    k0, k1 = (next(k for k in (0, 1, 2) if LAYOUT.key_shard[k] == s) for s in (0, 1))
+    states = []
+    for lane in (True, False):
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(f"inproc://failed-{lane}")
+        client = joined(PSClient([f"inproc://failed-{lane}", f"tcp://127.0.0.1:{free_port()}"], worker=1,
+                                 timeout_s=0.2, context=ctx), LAYOUT, lane)
+        client._window = 1 << 20
+        try:
+            with pytest.raises(TransportError):
+                for step in range(1 << 20):  # shard 1's queue fills with pushes (never held)
+                    client.push(step, None, grads_of([k1]), pull=False)
+            with pytest.raises(TransportError, match="queue stayed full"):
+                client.push(0, None, grads_of([k0, k1]), pull=True)
+            states.append(window_state(client)[:3])
+            assert client._unanswered[0] > 0 and len(client._counted) == 1
+        finally:
+            client.close()
+            router.close(0)
+            ctx.term()
+    assert states[0] == states[1]

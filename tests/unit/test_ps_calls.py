@@ -37,13 +37,15 @@ def counted(fn, *args):
         elif event == "c_call":
             calls["C:" + getattr(arg, "__qualname__", str(arg))] += 1
 
+    collecting = gc.isenabled()
     gc.disable()  # the collector's finalizers (other tests' garbage) are not calls of fn's
     sys.setprofile(profile)
     try:
         result = fn(*args)
     finally:
         sys.setprofile(None)
-        gc.enable()
+        if collecting:
+            gc.enable()
     return result, calls
 
 

@@ -389,4 +389,5 @@ def test_a_pull_that_waited_is_answered_in_the_bytes_encode_writes(mode):
         expected = encode({k: v for k, v in header.items() if k not in ("v", "dtypes", "shapes")},
                           [server.chunks[k].detach().reshape(-1) for k in MINE])
         assert [bytes(f) for f in frames] == [bytes(f) for f in expected]
+        assert all(f.obj is server.snapshots._arrays[k] for f, k in zip(frames[1:], MINE))  # the chunks' own
     assert server.whole_values({"op": "ok"}, [OTHER[0]]) is None  # another shard's key: encode's
