@@ -266,7 +266,7 @@ class SyncRule(Rule):
                 self._sum[k].add_(g)
             else:
                 self._sum[k] = g  # built on the received frame, which is ours to keep and write
-                self.summing += g.numel() * g.element_size()
+                self.summing += g.nbytes
                 self.most_summing = max(self.most_summing, self.summing)
             self._pushed.setdefault(k, set()).add(w)
         self._update_ready(keys)  # a push makes only its own keys ready
@@ -326,8 +326,10 @@ class SyncRule(Rule):
                                torch.cat([i for i, _ in parts]), coalesced=len(parts) == 1)
                 grad, divisor = grad / count, 1
             else:
-                grad, divisor = self._sum.pop(k).reshape(host.chunks[k].shape), count
-                self.summing -= grad.numel() * grad.element_size()
+                grad, divisor, shape = self._sum.pop(k), count, host.chunks[k].shape
+                if grad.shape != shape:  # (a whole key's frame is already its flat chunk's shape)
+                    grad = grad.reshape(shape)
+                self.summing -= grad.nbytes
             if self._step_hold:
                 self._held[k] = grad.div_(divisor) if divisor != 1 else grad
             else:
