@@ -44,9 +44,8 @@ class PushWindow:
                 return False  # (the Python path names the key)
             s = key_shard[k]
             need[s] = need.get(s, LANE_HEADER_BYTES) + key_nbytes[k] + LANE_KEY_BYTES
-        held, unanswered, window = self._held, self._unanswered, self._window
-        for s, nbytes in need.items():  # as _push_pull and _fits decide
-            if held[s] or (unanswered[s] and unanswered[s] + nbytes > window):
+        for s, nbytes in need.items():  # as _push_pull decides
+            if self._held[s] or not self._fits(s, nbytes):
                 return False
         return True
 

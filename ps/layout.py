@@ -141,8 +141,7 @@ class Layout:
         return self.specs[(self.keys[key] if isinstance(key, int) else key).param].dtype
 
     def nbytes(self, key: Key | int) -> int:
-        key = self.keys[key] if isinstance(key, int) else key
-        return key.numel * self.specs[key.param].itemsize
+        return self.key_nbytes[key if isinstance(key, int) else key.id]
 
     def bytes_per_shard(self) -> list[int]:
         return [sum(self.nbytes(k) for k in keys) for keys in self._by_shard]

@@ -24,7 +24,7 @@ BUDGET = {"shard": 100, "compiled": 5, "push": 45, "wait": 80, "lane push": 8, "
 """Calls (Python functions and C functions called from Python) at most, of one 1 KiB
 push+pull: the short paths make 90, 35 and 65 of them, the general ones 164, 72 and 90, a
 shard's compiled path (ps.shard.compiled) 3, the clock's among them; a worker's compiled
-lane (ps.client_compiled) 4 and 39, and 10 and 39 under a window (ps-sync's workers)."""
+lane (ps.client_compiled) 4 and 39, and 11 and 39 under a window (ps-sync's workers)."""
 
 
 def counted(fn, *args):
