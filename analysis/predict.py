@@ -60,6 +60,11 @@ class Target:
     """A message's fixed cost in psar's own collectives (an allreduce.algorithm other than the
     library's, zero.algorithm=ring: a hop is Python's work as well as the backend's), seconds
     (None: `message`)."""
+    shard_message: float | None = None
+    """A parameter-server shard's own seconds on each message it takes, whatever its size
+    (analysis/schedules.Cluster.shard_message; None: SHARD_MESSAGE_S)."""
+    shard_byte: float | None = None
+    """A shard's own seconds on each byte of a message (None: SHARD_BYTE_S)."""
 
     def costed(self, own: bool) -> "Target":
         """This target with a message costing what it does in psar's own collectives (own) or
@@ -67,9 +72,24 @@ class Target:
         return replace(self, message=self.own_message) if own and self.own_message is not None else self
 
     def cluster(self, engine_family: str) -> Cluster:
-        separate = engine_family == "ps" and self.placement == "separate"
+        ps = engine_family == "ps"
+        separate = ps and self.placement == "separate"
+        shard = (_given(self.shard_message, SHARD_MESSAGE_S), _given(self.shard_byte, SHARD_BYTE_S)) if ps else (0.0, 0.0)
         return Cluster(self.workers, self.rate, self.servers if separate else 0, self.racks, self.uplink, self.latency,
-                       self.fabric)
+                       self.fabric, *shard)
+
+
+SHARD_MESSAGE_S, SHARD_BYTE_S = 9.5e-6, 98.6e-6 / 2**20
+"""A shard's own time on a push+pull (its receive to its send), by default: a fit of
+fixed + per byte to `psar bench`'s legs (ps_legs' ps_server_us at 1 KiB, 1 MiB and 4 MiB,
+two runs: 11.9, 102.8, 373.1 and 9.8, 110.1, 435.4 us) on this project's 2-core machine,
+an async shard's compiled path. A sync shard's messages take it longer (its Python path: in
+one process, 29 us for a push that waits and 66 for the last of a 2-worker step of two
+keys, tests/unit/test_ps_calls.py), which this leaves to its runs' ratio."""
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _ps_settings(settings: dict | None) -> dict:
@@ -145,12 +165,15 @@ class Machine:
     message: float | None = None
     own_message: float | None = None
     fabric: float | None = None
+    shard_message: float | None = None
+    shard_byte: float | None = None
+    """A shard's own seconds on a message and on each of its bytes (bench_shard)."""
 
     @classmethod
     def from_bench(cls, path) -> "Machine":
-        """What `psar bench`'s report (bench.json) says of its machines: both messages' costs
-        and, where it measured one, the fabric."""
-        return cls(bench_message(path), bench_message(path, own=True), bench_fabric(path))
+        """What `psar bench`'s report (bench.json) says of its machines: both messages' costs,
+        where it measured one the fabric, and where it timed them a shard's own."""
+        return cls(bench_message(path), bench_message(path, own=True), bench_fabric(path), *bench_shard(path))
 
 
 def _own_target(run: Run, machine: Machine = Machine()) -> Target:
@@ -165,7 +188,7 @@ def _own_target(run: Run, machine: Machine = Machine()) -> Target:
                   config.get("placement", "colocated"), int(config.get("racks") or 1),
                   float(net["uplink_bits"]) / 8 if net.get("uplink_bits") else None,
                   float(config.get("latency_ms") or 0) / 1e3, machine.message, machine.fabric,
-                  machine.own_message).costed(own_collectives(run))
+                  machine.own_message, machine.shard_message, machine.shard_byte).costed(own_collectives(run))
 
 
 def own_collectives(run: Run) -> bool:
@@ -208,6 +231,27 @@ def bench_message(path, own: bool = False) -> float:
     if fit is None:
         raise ValueError(f"{path} has no all-reduce rows to read a message's cost from")
     return max(fit.alpha_s, 0.0) / 2
+
+
+def bench_shard(path) -> tuple[float | None, float | None]:
+    """(seconds a message, seconds a byte) of a shard's own time on a push+pull, fitted (least
+    squares) to the legs in `psar bench`'s report (bench.json's ps_legs: ps_server_us, its
+    receive to its send, at each size); (None, None) where it timed none."""
+    import json
+    from pathlib import Path
+
+    try:
+        legs = json.loads(Path(path).read_text()).get("ps_legs") or []
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"cannot read bench report {path}: {err}") from None
+    points = [(float(r["bytes"]), float(r["ps_server_us"]) / 1e6) for r in legs
+              if isinstance(r, dict) and isinstance(r.get("bytes"), (int, float))
+              and isinstance(r.get("ps_server_us"), (int, float))]
+    if len({x for x, _ in points}) < 2:
+        return None, None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    per_byte = max(sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points), 0.0)
+    return max(my - per_byte * mx, 0.0), per_byte  # neither below 0: more bytes never take less
 
 
 def bench_fabric(path) -> float | None:
@@ -427,7 +471,8 @@ def _measured_step(run: Run) -> float:
 
 
 def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = None,
-             fabric: float | None = None, own_message: float | None = None) -> list[dict]:
+             fabric: float | None = None, own_message: float | None = None,
+             shard: tuple[float | None, float | None] = (None, None)) -> list[dict]:
     """Each run with more workers than the fewest among the runs, predicted from those with
     the fewest alone (nothing is fitted on the rows checked): engine, its cluster, measured
     and predicted median step, the error, and whether it is link-bound (communication at
@@ -440,10 +485,11 @@ def validate(runs: list[Run], link_bound: float = 0.5, message: float | None = N
     bench_message; None: the default); fabric: what their links carried at once, bytes/s,
     where one machine emulated them all (see experiments/bench/fabric.py; None: unlimited);
     own_message: a message's cost in psar's own collectives there (bench_message(own=True);
-    None: message)."""
+    None: message); shard: a shard's own seconds a message and a byte there (bench_shard;
+    None: the defaults)."""
     if not runs:
         raise ValueError("validate needs runs")
-    machine = Machine(message, own_message, fabric)
+    machine = Machine(message, own_message, fabric, *shard)
     fewest = min(int(r.summary["workers"]) for r in runs)
     calibration_runs = [r for r in runs if int(r.summary["workers"]) == fewest]
     held_out = [r for r in runs if int(r.summary["workers"]) > fewest]

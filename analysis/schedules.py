@@ -22,11 +22,19 @@ four 2gbit links send).
   every worker once every worker's push of it has arrived, while later keys still come in.
   Hosts alike (same rack, same number of shards, a worker or none) are played as one class
   of flows (analysis/fairshare.py's fan), so 1024 workers cost what a few do.
+
+A shard's own work on a message (Cluster.shard_message and shard_byte: its decode, checks,
+update and reply) runs on one thread, one message at a time: the pipelined exchange plays
+it as a flow of microseconds over the shard's thread (a link of 1e6 us a second) between a
+push's arrival and its being counted in, and the phased one adds a shard's turn through the
+pushes it takes between its two phases. On links of a few Gbit/s it is a few percent of a
+step; with many workers on fast links it is what a shard's step waits on.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,13 +54,26 @@ class Cluster:
     latency: float = 0.0
     fabric: float | None = None
     """Bytes/s that every host's messages together can move (None: unlimited)."""
+    shard_message: float = 0.0
+    """A shard's own seconds for each message it takes (a push and its answer), whatever its
+    size: its decode, checks, bookkeeping and reply. A shard takes its messages one at a
+    time, on one thread, so its workers' messages queue for it (0: none)."""
+    shard_byte: float = 0.0
+    """A shard's own seconds for each byte of a message it takes (the update's pass over its
+    memory), beside shard_message."""
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.rate <= 0 or self.servers < 0 or self.racks < 1 or self.latency < 0:
             raise ValueError(f"cluster {self}: workers and racks >= 1, rate > 0, servers and latency >= 0")
+        if not (self.shard_message >= 0 and self.shard_byte >= 0):
+            raise ValueError(f"cluster {self}: a shard's seconds a message and a byte must be >= 0")
         for name in ("uplink", "fabric"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (or None)")
+
+    def shard_us(self, nbytes: float) -> float:
+        """Microseconds of a shard's own work on one message of nbytes (a push and its answer)."""
+        return (self.shard_message + self.shard_byte * nbytes) * 1e6
 
     def rack(self, host: str) -> int:
         """Hosts are spread over the racks in turn, workers and shards alike (net.worker_rack's
@@ -96,7 +117,11 @@ def parameter_server(cluster: Cluster, nbytes: float, shards: int) -> float:
         raise ValueError(f"the cluster has {cluster.servers} shard hosts for {shards} shards")
     where = [f"s{j}" if cluster.servers else f"w{j % cluster.workers}" for j in range(shards)]
     pushes = [(f"w{i}", where[j], nbytes / shards) for i in range(cluster.workers) for j in range(shards)]
-    return _phase(cluster, pushes) + _phase(cluster, [(b, a, size) for a, b, size in pushes])
+    # every push is in at about the same moment, then each shard takes its remote ones in turn
+    into, shards_on = Counter(b for a, b, _ in pushes if a != b), Counter(where)  # remote pushes, shards: by host
+    taken = max((into[h] / shards_on[h] for h in into), default=0)
+    return _phase(cluster, pushes) + taken * cluster.shard_us(nbytes / shards) / 1e6 \
+        + _phase(cluster, [(b, a, size) for a, b, size in pushes])
 
 
 def gossip(cluster: Cluster, nbytes: float, topology: str) -> float:
@@ -190,6 +215,8 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
     fabric = ("fabric",) if cluster.fabric is not None else ()
     if fabric:
         capacity["fabric"] = cluster.fabric
+    taking = cluster.shard_us(key) > 0  # a shard's own time on each push, one at a time
+    capacity |= {f"cpu:{c.name}": 1e6 for c in classes if c.shards and taking}  # one shard's us a second
 
     def flow(name: str, src: _Hosts, dst: _Hosts, per_src: float, per_dst: float, start: float) -> Flow:
         """A class of flows: each src host sends per_src of them, each dst host takes per_dst
@@ -223,7 +250,13 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
         if kind == "reply":
             answered[a, b] += 1
             return send(a, b, at) if (a, b) in blocked else []
-        started = send(a, b, at - cluster.latency)
+        if kind == "push":
+            started = send(a, b, at - cluster.latency)
+            if taking:  # each shard takes the class's pushes of key k in turn
+                return started + [Flow(f"take {a} {b} {k}", (f"cpu:{b}",), cluster.shard_us(key), at, 0.0,
+                                       (pairs[a, b][1],))]
+        else:
+            started = []
         waiting[b, k] -= 1
         if not waiting[b, k]:  # every worker's push of key k is in: the shard answers it
             for (aa, bb), (rs, rw) in pairs.items():

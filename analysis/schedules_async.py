@@ -17,8 +17,10 @@ So one worker of each kind is played, against the others' load on average:
   exchange), never less than its share of the link's bytes;
 - its messages leave its host first come, first served, in the order it sends them (key by
   key, each to every remote shard), and a message held back by a shard's busy link leaves
-  the rest of its own link to the next ones; each is answered as soon as it is in, and its
-  answer comes back while later ones still leave.
+  the rest of its own link to the next ones; each is answered as soon as it is in and the
+  shard has taken it (its own time on a message, Cluster.shard_message and shard_byte, on a
+  thread the others' messages take their part of, as they take their part of its links),
+  and its answer comes back while later ones still leave.
 """
 
 from __future__ import annotations
@@ -137,9 +139,14 @@ def _one_worker(cluster: Cluster, a: _Hosts, by_name: dict[str, _Hosts], pairs: 
     sends = [(k, b, rs) for k in range(keys) for (wa, b), (rs, _) in sorted(pairs.items()) if wa == a.name]
     size = math.ceil(sum(rs for k, _, rs in sends if k == 0) / BATCHES)
     batches = [(k, b, first // size, min(size, rs - first)) for k, b, rs in sends for first in range(0, rs, size)]
+    taking = cluster.shard_us(key) > 0  # a shard's own time on each message, one at a time
+    taken = {b: sum(rw for (_, bb), (_, rw) in pairs.items() if bb == b) * keys * cluster.shard_us(key)
+             for b in remote}  # us a step all workers' messages take of one shard of class b
     for _, b, slot, _ in batches:
         capacity[f"in:{b}#{slot}"] = _left(cluster.rate, remote[b], total[f"in:{b}"], period) / by_name[b].shards
         capacity[f"out:{b}#{slot}"] = _left(cluster.rate, remote[b], total[f"out:{b}"], period) / by_name[b].shards
+        if taking:  # one shard's thread (1e6 us a second), less what the others' messages take
+            capacity[f"cpu:{b}#{slot}"] = _left(1e6, keys * cluster.shard_us(key), taken[b], period)
 
     def flow(name: str, i: int, start: float) -> Flow:
         _, b, slot, count = batches[i]
@@ -153,7 +160,10 @@ def _one_worker(cluster: Cluster, a: _Hosts, by_name: dict[str, _Hosts], pairs: 
 
     def then(name: str, at: float) -> list[Flow]:
         kind, i = name.split(" ")
-        return [flow("answer", int(i), at)] if kind == "push" else []
+        if kind == "push" and taking:
+            _, b, slot, _ = batches[int(i)]
+            return [Flow(f"take {i}", (f"cpu:{b}#{slot}",), cluster.shard_us(key), at, 0.0, (1.0,), priority=int(i))]
+        return [flow("answer", int(i), at)] if kind in ("push", "take") else []
 
     arrived = simulate([flow("push", i, leaves[k]) for i, (k, *_) in enumerate(batches)], capacity, then,
                        priority_rates)

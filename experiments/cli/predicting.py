@@ -43,7 +43,7 @@ def _params_bytes(given: dict[str, str]) -> float | None:
 
 
 def _targets(workers: str, net: str, servers: int, given: dict[str, str], message_us: float | None = None,
-             own_message_us: float | None = None):
+             own_message_us: float | None = None, shard: tuple = (None, None)):
     from analysis.predict import Target
     from experiments.settings.net import parse_rate
 
@@ -59,7 +59,7 @@ def _targets(workers: str, net: str, servers: int, given: dict[str, str], messag
     uplink = parse_rate(given["net.uplink"]) / 8 if given.get("net.uplink") else None
     return [Target(n, parse_rate(net) / 8, servers, placement, int(given.get("net.racks", 1)), uplink,
                    float(given.get("net.latency_ms", 0)) / 1e3, _seconds(message_us), _fabric(given),
-                   _seconds(own_message_us)) for n in counts]
+                   _seconds(own_message_us), *shard) for n in counts]
 
 
 def _seconds(us: float | None) -> float | None:
@@ -126,6 +126,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
     given = _given(settings)
     own_message_us = None  # psar's own collectives': as message_us
     runs_fabric = _fabric(given)  # with --validate, what the runs' machine's links carried at once
+    shard = (None, None)  # a shard's own seconds a message and a byte (None: analysis/predict.py's defaults)
     if bench_path is not None:
         if message_us is not None:
             raise click.UsageError("give a message's cost by --message-us or read it from --bench, not both")
@@ -134,6 +135,7 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--bench") from None
         message_us, own_message_us = machine.message * 1e6, machine.own_message * 1e6
+        shard = (machine.shard_message, machine.shard_byte)
         if validate and machine.fabric is not None:
             if runs_fabric is not None:
                 raise click.UsageError("give the runs' fabric by --set net.fabric or read it from --bench, not both")
@@ -146,16 +148,16 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
         raise click.UsageError("give the RUN_DIRS to predict from (or --published)")
     runs = load_runs(run_dirs)
     if validate:
-        _print_validation(runs, as_json, message_us, runs_fabric, own_message_us)
+        _print_validation(runs, as_json, message_us, runs_fabric, own_message_us, shard)
         return
     labels = [label_info(e.strip())[1].name for e in engines.split(",") if e.strip()] or \
         list(dict.fromkeys(r.label for r in runs))
     if map_path is not None:
-        _draw_map(runs, labels, map_path, workers, net, servers, given, message_us, own_message_us)
+        _draw_map(runs, labels, map_path, workers, net, servers, given, message_us, own_message_us, shard)
         return
     if not workers or not net:
         raise click.UsageError("--workers and --net name the cluster to predict (or give --validate or --map)")
-    rows = predict(runs, labels, _targets(workers, net, servers, given, message_us, own_message_us),
+    rows = predict(runs, labels, _targets(workers, net, servers, given, message_us, own_message_us, shard),
                    _params_bytes(given))
     if as_json:
         click.echo(json.dumps(rows, indent=1))
@@ -188,11 +190,12 @@ def predict_cmd(run_dirs, workers, net, servers, engines, settings, message_us, 
 
 
 def _print_validation(runs, as_json: bool, message_us: float | None = None, fabric: float | None = None,
-                      own_message_us: float | None = None) -> None:
+                      own_message_us: float | None = None, shard: tuple = (None, None)) -> None:
     from analysis.predict import validate
     from analysis.validation import table
 
-    rows = validate(runs, message=_seconds(message_us), fabric=fabric, own_message=_seconds(own_message_us))
+    rows = validate(runs, message=_seconds(message_us), fabric=fabric, own_message=_seconds(own_message_us),
+                    shard=shard)
     click.echo(json.dumps(rows, indent=1) if as_json else table(rows))
 
 
@@ -219,13 +222,13 @@ def _print_published(as_json: bool) -> None:
 
 
 def _draw_map(runs, labels, path: Path, workers: str, net: str, servers: int, given, message_us,
-              own_message_us=None) -> None:
+              own_message_us=None, shard=(None, None)) -> None:
     from analysis import predict_map
 
     rate = net or runs[0].summary.get("network", {}).get("rate") or ""
     if not rate:
         raise click.UsageError("--map needs --net, or runs on an emulated network")
-    [like] = _targets("2", rate, servers, given, message_us, own_message_us)
+    [like] = _targets("2", rate, servers, given, message_us, own_message_us, shard)
     counts = tuple(t.workers for t in _targets(workers, rate, servers, given)) if workers else predict_map.WORKERS
     written = predict_map.draw(runs, labels, path, like, like.rate * 8, counts, params_bytes=_params_bytes(given))
     click.echo(f"wrote {written}")

@@ -347,3 +347,37 @@ def test_psar_own_collectives_take_the_cost_of_a_message_on_its_ring(tmp_path):
     assert bench_message(tmp_path / "bench.json", own=True) == pytest.approx(2e-3)
     text, _ = report(cases["zero-1"][0], tmp_path)
     assert "a message 1000 us (2000 in psar's own collectives)" in text.splitlines()[0]
+
+
+def test_a_shards_own_time_is_read_off_the_bench_reports_legs_and_slows_only_the_parameter_servers(tmp_path):
+    """bench.json's ps_legs (a shard's receive to its send at each size) fit a shard's time: a
+    message's and a byte's; without legs, (None, None) and the defaults. With a shard ten times
+    slower a message on a fast cluster, ps-sync's predicted step grows and the ring's does not."""
+    from analysis.predict import SHARD_BYTE_S, SHARD_MESSAGE_S, bench_shard
+
+    legs = [{"bytes": b, "ps_server_us": 10.0 + 100.0 * b / 2**20} for b in (1024, 1 << 20, 4 << 20)]
+    rows = [{"algorithm": "library", "bytes": b, "time_us": 80.0 + b * 1e-3} for b in (1024, 65536, 1 << 20)]
+    (tmp_path / "bench.json").write_text(json.dumps({"ps_legs": legs,
+                                                    "allreduce_table": {"world": 2, "backend": "gloo", "rows": rows}}))
+    message, byte = bench_shard(tmp_path / "bench.json")
+    assert message == pytest.approx(10e-6) and byte == pytest.approx(100e-6 / 2**20)
+    (tmp_path / "none.json").write_text(json.dumps({"ps_legs": legs[:1]}))
+    assert bench_shard(tmp_path / "none.json") == (None, None)
+    target = Target(64, 50e9 / 8, 4, "separate")
+    assert target.cluster("ps").shard_message == SHARD_MESSAGE_S and target.cluster("ps").shard_byte == SHARD_BYTE_S
+    assert target.cluster("ring").shard_message == 0 and target.cluster("ring").shard_byte == 0
+
+    fake_run(tmp_path / "ar", "allreduce", workers=2)
+    fake_run(tmp_path / "ps", "ps-sync", workers=2)
+    common = [str(tmp_path / "ar"), str(tmp_path / "ps"), "--workers", "64", "--net", "400gbit", "--servers", "4",
+              "--set", "net.placement=separate", "--json"]
+    legs = [{"bytes": b, "ps_server_us": 10 * (SHARD_MESSAGE_S + SHARD_BYTE_S * b) * 1e6} for b in (1024, 1 << 20)]
+    (tmp_path / "slow.json").write_text(json.dumps({"ps_legs": legs,
+                                                   "allreduce_table": {"world": 2, "backend": "gloo", "rows": rows}}))
+    steps = {}
+    for name in ("bench.json", "slow.json"):
+        out = CliRunner().invoke(predict_cmd, common + ["--bench", str(tmp_path / name)])
+        assert out.exit_code == 0, out.output
+        steps[name] = {r["engine"]: r["step_s"] for r in json.loads(out.output)}
+    assert steps["slow.json"]["ps-sync"] > steps["bench.json"]["ps-sync"]
+    assert steps["slow.json"]["allreduce/library"] == pytest.approx(steps["bench.json"]["allreduce/library"])

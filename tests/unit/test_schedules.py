@@ -125,3 +125,46 @@ def test_a_window_of_one_key_waits_out_each_round_trip():
     assert parameter_server_pipelined(cluster, 4e6, 1, 1e6) == pytest.approx(5.2)
     assert parameter_server_pipelined(cluster, 4e6, 1, 1e6, window=3) == pytest.approx(5.2)
     assert parameter_server_pipelined(cluster, 4e6, 1, 1e6, window=2) == pytest.approx(5.4)
+
+
+FAST = 1e15  # bytes/s: links so fast that only a shard's own time is left
+
+
+def test_a_shard_takes_its_workers_pushes_one_at_a_time():
+    """On links that take no time, a shard's exchange is its own time on the pushes it takes,
+    one after the other (Cluster.shard_message a message, shard_byte a byte): 16 workers' k
+    keys each to one shard take 16 k of a key's; 4 shards take theirs at once; phased, a
+    shard takes its pushes between its two phases, and one on a worker's host takes only the
+    others' (co-located: 3 of 4)."""
+    message, byte = 1e-4, 1e-9
+    cluster = Cluster(16, FAST, 1, shard_message=message, shard_byte=byte)
+    for keys in (1, 4):
+        key = M / keys
+        assert parameter_server_pipelined(cluster, M, 1, key) == pytest.approx(16 * keys * (message + byte * key), 1e-4)
+    four = Cluster(16, FAST, 4, shard_message=message, shard_byte=byte)
+    assert parameter_server_pipelined(four, M, 4, M / 4) == pytest.approx(16 * (message + byte * M / 4), 1e-4)
+    assert parameter_server(four, M, 4) == pytest.approx(16 * (message + byte * M / 4), 1e-4)
+    colocated = Cluster(4, FAST, shard_message=message)
+    assert parameter_server(colocated, M, 4) == pytest.approx(3 * message, 1e-4)
+    assert parameter_server_pipelined(colocated, M, 4, M / 4) == pytest.approx(3 * message, 1e-4)
+
+
+def test_a_shards_own_time_overlaps_the_links_and_adds_little_where_they_are_slow():
+    """At 200mbit, 4 workers and 4 shards, M = 4 MB in 16 keys a shard: the default time of
+    a shard (psar bench's on this project's machine) adds under 1% to the pipelined exchange,
+    and less than all of it (a shard takes a key while the next ones come in)."""
+    from analysis.predict import SHARD_BYTE_S, SHARD_MESSAGE_S
+
+    plain = Cluster(4, RATE, 4)
+    costed = Cluster(4, RATE, 4, shard_message=SHARD_MESSAGE_S, shard_byte=SHARD_BYTE_S)
+    key = M / 4 / 16
+    without, with_shard = (parameter_server_pipelined(c, M, 4, key) for c in (plain, costed))
+    after = 4 * 16 * (SHARD_MESSAGE_S + SHARD_BYTE_S * key)  # a shard's time on every push it takes
+    assert without < with_shard < min(without + after, 1.01 * without)
+
+
+def test_a_shards_time_cannot_be_negative():
+    with pytest.raises(ValueError, match="shard"):
+        Cluster(4, RATE, shard_message=-1e-6)
+    with pytest.raises(ValueError, match="shard"):
+        Cluster(4, RATE, shard_byte=-1e-12)

@@ -101,3 +101,14 @@ def test_ps_ssp_is_played_in_lockstep(tmp_path):
     [row] = predict([run], ["ps-ssp"], [target])
     ratio = (step - 0.01) / exchange("ps-ssp", _own_target(run), M)
     assert row["comm_s"] == pytest.approx(ratio * exchange("ps-ssp", target, M))
+
+
+def test_a_shards_own_time_answers_a_push_once_it_has_taken_it():
+    """Links that take no time, one key to one shard taking 1e-4 s a message: alone, its answer
+    comes 1e-4 s after its push; at a pace where the other worker's messages take half of the
+    shard's thread, 2e-4 s; and never sooner than its own share of that thread."""
+    message = 1e-4
+    cluster = Cluster(2, 1e15, 1, shard_message=message)
+    assert parameter_server_async(cluster, M, 1, key_bytes=M, period=LONG) == pytest.approx(message, rel=1e-3)
+    assert parameter_server_async(cluster, M, 1, key_bytes=M, period=2 * message) == pytest.approx(2 * message, rel=1e-3)
+    assert parameter_server_async(cluster, M, 1, key_bytes=M, period=1e-9) == pytest.approx(2 * message, rel=1e-3)
