@@ -79,13 +79,14 @@ class Target:
                        self.fabric, *shard)
 
 
-SHARD_MESSAGE_S, SHARD_BYTE_S = 9.5e-6, 98.6e-6 / 2**20
-"""A shard's own time on a push+pull (its receive to its send), by default: a fit of
-fixed + per byte to `psar bench`'s legs (ps_legs' ps_server_us at 1 KiB, 1 MiB and 4 MiB,
-two runs: 11.9, 102.8, 373.1 and 9.8, 110.1, 435.4 us) on this project's 2-core machine,
-an async shard's compiled path. A sync shard's messages take it longer (its Python path: in
-one process, 29 us for a push that waits and 66 for the last of a 2-worker step of two
-keys, tests/unit/test_ps_calls.py), which this leaves to its runs' ratio."""
+SHARD_MESSAGE_S, SHARD_BYTE_S = 42.6e-6, 118.0e-6 / 2**20
+"""A shard's own time on a push+pull, by default: bench_shard's fit to `psar bench`'s legs
+on this project's 2-core machine (ps_legs' ps_thread_us, the shard's thread's CPU from one
+push+pull's send to the next, at 1 KiB, 1 MiB and 4 MiB, two runs: 41.3, 190.7, 481.2 and
+42.1, 183.0, 464.4 us), an async shard's compiled path one message at a time. A sync
+shard's messages take it longer (its Python path: in one process, 29 us for a push that
+waits and 66 for the last of a 2-worker step of two keys, tests/unit/test_ps_calls.py),
+which this leaves to its runs' ratio."""
 
 
 def _given(value: float | None, default: float) -> float:
@@ -234,9 +235,11 @@ def bench_message(path, own: bool = False) -> float:
 
 
 def bench_shard(path) -> tuple[float | None, float | None]:
-    """(seconds a message, seconds a byte) of a shard's own time on a push+pull, fitted (least
-    squares) to the legs in `psar bench`'s report (bench.json's ps_legs: ps_server_us, its
-    receive to its send, at each size); (None, None) where it timed none."""
+    """(seconds a message, seconds a byte) of a shard's own time on a push+pull, fitted to the
+    legs in `psar bench`'s report (bench.json's ps_legs at each size: ps_thread_us, its
+    thread's CPU from one send to the next, else ps_server_us, its receive to its send) by
+    least squares of the relative error, so that 1 KiB counts as much as 4 MiB; (None, None)
+    where it timed none."""
     import json
     from pathlib import Path
 
@@ -244,14 +247,19 @@ def bench_shard(path) -> tuple[float | None, float | None]:
         legs = json.loads(Path(path).read_text()).get("ps_legs") or []
     except (OSError, json.JSONDecodeError, AttributeError) as err:
         raise ValueError(f"cannot read bench report {path}: {err}") from None
-    points = [(float(r["bytes"]), float(r["ps_server_us"]) / 1e6) for r in legs
-              if isinstance(r, dict) and isinstance(r.get("bytes"), (int, float))
-              and isinstance(r.get("ps_server_us"), (int, float))]
+    rows = [r for r in legs if isinstance(r, dict) and isinstance(r.get("bytes"), (int, float))]
+    field = "ps_thread_us" if rows and all(isinstance(r.get("ps_thread_us"), (int, float)) for r in rows) \
+        else "ps_server_us"
+    points = [(float(r["bytes"]), float(r[field]) / 1e6) for r in rows
+              if isinstance(r.get(field), (int, float)) and r[field] > 0]
     if len({x for x, _ in points}) < 2:
         return None, None
-    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
-    per_byte = max(sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points), 0.0)
-    return max(my - per_byte * mx, 0.0), per_byte  # neither below 0: more bytes never take less
+    w = [1 / y ** 2 for _, y in points]
+    sw, sx, sy = sum(w), sum(wi * x for wi, (x, _) in zip(w, points)), sum(wi * y for wi, (_, y) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
+    per_byte = max((sw * sxy - sx * sy) / (sw * sxx - sx * sx), 0.0)
+    return max((sy - per_byte * sx) / sw, 0.0), per_byte  # neither below 0: more bytes never take less
 
 
 def bench_fabric(path) -> float | None:

@@ -47,7 +47,9 @@ class TimedTransport(ServerTransport):
     """A ServerTransport that notes when each message of at least min_bytes came out of recv
     ("r") and went into send ("s"), in ns of the host's monotonic clock, which every process
     of the host reads alike: experiments/bench/legs.py lines them up with a worker's. A send's
-    mark also holds what count() says then (the shard's keys moved before an update)."""
+    mark also holds what count() says then (the shard's keys moved before an update), and the
+    CPU time its thread has used so far (ns: from one send to the next, the thread's own work
+    on a message, its wait for it in a poll and its receive included, its sleep not)."""
 
     def __init__(self, bind: str, max_message_bytes: int | None, send_timeout_s: float, min_bytes: int,
                  count=lambda: 0) -> None:
@@ -63,7 +65,7 @@ class TimedTransport(ServerTransport):
 
     def send(self, peer: bytes, frames) -> bool:
         if sum(memoryview(f).nbytes for f in frames) >= self.min_bytes:
-            self.marks.append(("s", time.monotonic_ns(), self.count()))
+            self.marks.append(("s", time.monotonic_ns(), self.count(), time.thread_time_ns()))
         return super().send(peer, frames)
 
 

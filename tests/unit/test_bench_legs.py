@@ -20,6 +20,8 @@ def test_the_marks_line_up_into_legs_per_size():
     ps = [(150, 300), (1200, 1350), (2400, 2600), (3500, 3800)]
     ps_marks = marks_of(ps)
     ps_marks[-1][2] = 1  # the last update moved its key first: the reply before still pointed at it
+    for send, cpu in zip(ps_marks[1::2], (5000, 9000, 20000, 90000)):  # the shard's thread's CPU ns so far
+        send.append(cpu)
     marks = {"echo": marks_of(echo), "ps": [["s", -5, 0], *ps_marks]}  # the join's reply comes first
     small, large = legs_rows(times, marks, (1024, 1 << 20), warmup=1)
     assert small["pairs"] == 1 and small["bytes"] == 1024
@@ -28,6 +30,8 @@ def test_the_marks_line_up_into_legs_per_size():
     assert (small["zmq_to_us"], small["zmq_server_us"], small["zmq_back_us"], small["zmq_total_us"]) == (0.03, 0.015, 0.055, 0.1)
     assert (small["ps_to_us"], small["ps_server_us"], small["ps_back_us"], small["ps_total_us"]) == (0.1, 0.15, 0.15, 0.4)
     assert small["push_call_us"] == 0.02
+    # its thread's CPU from one send to the next, within a size: 9000 - 5000 ns, 90000 - 20000
+    assert (small["ps_thread_us"], large["ps_thread_us"]) == (4.0, 70.0)
     assert large["ps_server_us"] == 0.3 and large["ps_to_us"] + large["ps_server_us"] + large["ps_back_us"] == \
         pytest.approx(large["ps_total_us"])
     assert "1 MiB" in format_legs_table([small, large])
@@ -49,3 +53,4 @@ def test_a_shard_and_a_worker_time_their_legs(tmp_path):
         legs = [row[f"{side}_{k}_us"] for k in ("to", "server", "back")]
         assert all(x > 0 for x in legs) and row[f"{side}_total_us"] >= max(legs)
     assert row["ps_server_us"] > row["zmq_server_us"]  # decoding, updating and answering, against handing back
+    assert row["ps_thread_us"] > 0  # the shard's thread's CPU on each push+pull

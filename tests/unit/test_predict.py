@@ -350,9 +350,10 @@ def test_psar_own_collectives_take_the_cost_of_a_message_on_its_ring(tmp_path):
 
 
 def test_a_shards_own_time_is_read_off_the_bench_reports_legs_and_slows_only_the_parameter_servers(tmp_path):
-    """bench.json's ps_legs (a shard's receive to its send at each size) fit a shard's time: a
-    message's and a byte's; without legs, (None, None) and the defaults. With a shard ten times
-    slower a message on a fast cluster, ps-sync's predicted step grows and the ring's does not."""
+    """bench.json's ps_legs (its thread's CPU a push+pull at each size, else its receive to
+    its send) fit a shard's time: a message's and a byte's; without legs, (None, None) and the
+    defaults. With a shard ten times slower on a fast cluster, ps-sync's predicted step grows
+    and the ring's does not."""
     from analysis.predict import SHARD_BYTE_S, SHARD_MESSAGE_S, bench_shard
 
     legs = [{"bytes": b, "ps_server_us": 10.0 + 100.0 * b / 2**20} for b in (1024, 1 << 20, 4 << 20)]
@@ -361,6 +362,11 @@ def test_a_shards_own_time_is_read_off_the_bench_reports_legs_and_slows_only_the
                                                     "allreduce_table": {"world": 2, "backend": "gloo", "rows": rows}}))
     message, byte = bench_shard(tmp_path / "bench.json")
     assert message == pytest.approx(10e-6) and byte == pytest.approx(100e-6 / 2**20)
+    for r in legs:  # the thread's CPU, where the legs hold it, over the receive-to-send
+        r["ps_thread_us"] = 40.0 + 120.0 * r["bytes"] / 2**20
+    (tmp_path / "thread.json").write_text(json.dumps({"ps_legs": legs}))
+    message, byte = bench_shard(tmp_path / "thread.json")
+    assert message == pytest.approx(40e-6) and byte == pytest.approx(120e-6 / 2**20)
     (tmp_path / "none.json").write_text(json.dumps({"ps_legs": legs[:1]}))
     assert bench_shard(tmp_path / "none.json") == (None, None)
     target = Target(64, 50e9 / 8, 4, "separate")
