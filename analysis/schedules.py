@@ -216,7 +216,8 @@ def parameter_server_pipelined(cluster: Cluster, nbytes: float, shards: int, key
     if fabric:
         capacity["fabric"] = cluster.fabric
     taking = cluster.shard_us(key) > 0  # a shard's own time on each push, one at a time
-    capacity |= {f"cpu:{c.name}": 1e6 for c in classes if c.shards and taking}  # one shard's us a second
+    if taking:
+        capacity |= {f"cpu:{c.name}": 1e6 for c in classes if c.shards}  # one shard's thread: 1e6 us a second
 
     def flow(name: str, src: _Hosts, dst: _Hosts, per_src: float, per_dst: float, start: float) -> Flow:
         """A class of flows: each src host sends per_src of them, each dst host takes per_dst

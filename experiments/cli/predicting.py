@@ -95,7 +95,7 @@ def _fabric(given: dict[str, str]) -> float | None:
               help="psar bench's bench.json, run on the target's machines: a message's fixed cost is half "
                    "the per-step latency of its all-reduce fit (in place of --message-us), the library's, and "
                    "its ring's for psar's own collectives; a shard's own time on a message and on a byte, "
-                   "fitted to its legs (default: 9.5 us and 98.6 us a MiB, measured on 2 cores); with "
+                   "fitted to its legs (default: 42.6 us and 118 us a MiB, measured on 2 cores); with "
                    "--validate, the fabric it measured too (psar compare predict's, in place of net.fabric).")
 @click.option("--validate", is_flag=True,
               help="Predict each run with more workers than the fewest from those alone, on its own "

@@ -378,8 +378,8 @@ class ShardServer(ShardState):
         """A reply of whole keys' current values: header's fields, each key's dtype and shape
         (what encode would add for the chunk's flat values: the same bytes), and the chunks'
         own bytes (SnapshotPool.reply_bytes), without encode's look at each tensor; None where
-        a key is not whole and dense here. The short path's replies, and those of pulls that
-        waited (a sync step's first pushes, ssp's)."""
+        a key is not whole and dense here. The replies of pulls that waited (a sync step's first
+        pushes, ssp's), written as the short path writes its own (ps.shard.fastpath)."""
         table = self.whole_keys.table
         entries = [table.get(k) for k in keys]
         if None in entries:
