@@ -7,7 +7,7 @@ them and its shards and workers take the Python paths."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ps.shard._compiled", ["ps/shard/_compiled.c"], optional=True,
-                             depends=["ps/shard/_msgpack.h", "ps/shard/_sgd.h", "ps/shard/_split.h"],
+                             depends=["ps/shard/_msgpack.h", "ps/shard/_sgd.h", "ps/shard/_split.h", "ps/shard/_sync.h"],
                              extra_compile_args=["-O3", "-ffp-contract=off", "-std=c11"], libraries=["m", "pthread"]),
                    Extension("ps._client", ["ps/_client.c"], optional=True,
                              depends=["ps/shard/_msgpack.h", "ps/_zmq.h"], extra_compile_args=["-O2", "-std=c11"]),

@@ -1,5 +1,6 @@
-/* A shard's compiled path for a push+pull of whole dense keys under async or ssp with
- * torch's SGD (ps/shard/compiled.py builds it and says when it is used).
+/* A shard's compiled path for a push+pull of whole dense keys with torch's SGD, under async
+ * and ssp here and under sync in _sync.h (ps/shard/compiled.py builds it and says when it is
+ * used).
  *
  * It does what the Python short path (ps/shard/fastpath.py) does to the shard's state, on the
  * same Python objects, in one call: it reads the msgpack header without making a dict
@@ -54,6 +55,8 @@ typedef struct {
     uint64_t calls;
     Py_ssize_t taken;
     Writer out;
+    int sync;                   /* the sync rule (_sync.h), else async or ssp */
+    PyObject *tensor_of, *wait; /* (frame, key) -> its tensor; (peer, frames, staleness): a sync pull waits */
 } Path;
 
 static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_workers, *s_seen, *s_lost,
@@ -61,7 +64,8 @@ static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_wo
     *s_bump, *s_snapshots, *s__arrays, *s_lent, *s_optimizer, *s__group, *s_lr, *s_momentum,
     *s_weight_decay, *s_maximize, *s_clock, *s_rule, *s_rows, *s__read_at, *s_bytes_in, *s_bytes_out,
     *s_pushes, *s_pulls, *s_updates, *s__release, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov,
-    *s_own, *s_reply_bytes, *s_moved_keys;
+    *s_own, *s_reply_bytes, *s_moved_keys, *s_numpy, *s__sum, *s__pushed, *s__updated, *s__held, *s__rows,
+    *s__step_lr, *s__step_hold, *s_summing, *s_most_summing, *s_readied;
 
 enum { F_V, F_OP, F_WORKER, F_REQ, F_STEP, F_VERSION, F_KEYS, F_DTYPES, F_SHAPES, F_PULL, F_MIN_VERSION, F_CLOCK,
        F_LR, NFIELDS };
@@ -221,6 +225,73 @@ done:
 
 #define MAX_KEYS_ON_STACK 64
 
+/* Workers.note_keys(w, step, keys) on partial (the worker's steps -> keys pushed; done: the
+ * step's set, or NULL where there is none yet), where completes says whether they complete
+ * the step here: 1, or 0 with an error set. */
+static int note_keys(Path *self, PyObject *partials, PyObject *partial, PyObject *clocks, PyObject *w_obj,
+                     PyObject *step_obj, PyObject *done, uint64_t step, Py_ssize_t nkeys, const Py_ssize_t *entries,
+                     int completes) {
+    if (!done) {
+        PyObject *fresh = PySet_New(NULL);
+        if (!fresh) return 0;
+        int rc = PyDict_SetItem(partial, step_obj, fresh);
+        Py_DECREF(fresh);
+        if (rc < 0) return 0;
+        done = PyDict_GetItem(partial, step_obj);
+    }
+    for (Py_ssize_t j = 0; j < nkeys; j++)
+        if (PySet_Add(done, self->keys[entries[j]].obj) < 0) return 0;
+    if (!completes) {
+        while (PyDict_GET_SIZE(partial) > 64) { /* Workers' PARTIAL_STEPS */
+            PyObject *kk, *vv, *least = NULL;
+            Py_ssize_t pos = 0;
+            long long lo = 0;
+            while (PyDict_Next(partial, &pos, &kk, &vv)) {
+                long long x;
+                if (!get_i64(kk, &x)) return 0;
+                if (!least || x < lo) {
+                    least = kk;
+                    lo = x;
+                }
+            }
+            if (PyDict_DelItem(partial, least) < 0) return 0;
+        }
+        return 1;
+    }
+    PyObject *next = PyLong_FromLongLong((long long)step + 1);
+    int rc = next ? PyDict_SetItem(clocks, w_obj, next) : -1;
+    Py_XDECREF(next);
+    if (rc < 0) return 0;
+    PyObject *later = PyDict_New(), *kk, *vv;
+    Py_ssize_t pos = 0;
+    if (!later) return 0;
+    while (PyDict_Next(partial, &pos, &kk, &vv)) {
+        long long x;
+        if (!get_i64(kk, &x) || (x > (long long)step && PyDict_SetItem(later, kk, vv) < 0)) {
+            Py_DECREF(later);
+            return 0;
+        }
+    }
+    rc = PyDict_SetItem(partials, w_obj, later);
+    Py_DECREF(later);
+    return rc == 0;
+}
+
+/* The shard's bump (a checkpoint may be due) where it saves, else its version set to after:
+ * 1, or 0 with an error set. */
+static int bump(PyObject *s, PyObject *save, long long after) {
+    if (save != Py_None) {
+        PyObject *r = PyObject_CallMethodNoArgs(s, s_bump);
+        Py_XDECREF(r);
+        return r != NULL;
+    }
+    PyObject *v = PyLong_FromLongLong(after);
+    int rc = v ? PyObject_SetAttr(s, s_version, v) : -1;
+    Py_XDECREF(v);
+    return rc == 0;
+}
+
+
 /* SnapshotPool.own(key) as the Python paths call it before an update (a chunk a reply still
  * points at moves to a copy; moved_keys counts it), then its reply_bytes(key), which makes the
  * view of its memory the replies lend: 1, or 0 with an error set. */
@@ -234,6 +305,88 @@ static int own(PyObject *snapshots, PyObject *key, PyObject *counters) {
     PyObject *view = PyObject_CallMethodOneArg(snapshots, s_reply_bytes, key);
     Py_XDECREF(view);
     return view != NULL;
+}
+
+/* Each key's memory (of entries): the numpy view its replies lend (SnapshotPool.reply_bytes),
+ * which no reply holds now, of a chunk no other reply was given (SnapshotPool.lent); a key a
+ * reply may still point at moved to a copy first, as the Python paths move it (its values
+ * stay). 1, with arrays_of filled (borrowed); 0 where one is not as this path writes it; -1
+ * with an error set. */
+static int key_arrays(Path *self, PyObject *snapshots, PyObject *arrays, PyObject *lent, PyObject *counters,
+                      Py_ssize_t nkeys, const Py_ssize_t *entries, PyObject **arrays_of) {
+    for (Py_ssize_t j = 0; j < nkeys; j++) {
+        Key *k = &self->keys[entries[j]];
+        PyObject *a = PyDict_GetItem(arrays, k->obj); /* borrowed */
+        int in = PySet_Contains(lent, k->obj);
+        if (in < 0) return -1;
+        if (!a || Py_REFCNT(a) != 1 || in) {
+            if (!own(snapshots, k->obj, counters)) return -1;
+            if (!(a = PyDict_GetItem(arrays, k->obj)) || Py_REFCNT(a) != 1) return 0;
+            if ((in = PySet_Contains(lent, k->obj)) < 0) return -1;
+            if (in) return 0;
+        }
+        arrays_of[j] = a;
+    }
+    return 1;
+}
+
+/* The reply to push+pull m of the keys of entries, whose memory is arrays_of's: {"v", "op",
+ * "worker", "req", "version", "keys", "staleness", "dtypes", "shapes"} as ps.protocol.pack_header
+ * writes it, then each key's bytes, counted in bytes_out; then the replies in others (or
+ * NULL). [(peer, frames), *others], or NULL with an error set. */
+static PyObject *reply_of(Path *self, PyObject *peer, const Push *m, const Py_ssize_t *entries, PyObject **arrays_of,
+                          long long version, long long stale, PyObject *counters, PyObject *others) {
+    Writer *o = &self->out;
+    o->len = 0;
+    if (!wr_reserve(o, 16) || !(o->buf[o->len++] = 0x89, 1) || !WR_KEY(o, "v") || !wr_uint(o, self->version_tag) ||
+        !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") || !wr_uint(o, m->worker) ||
+        !WR_KEY(o, "req") || !wr_uint(o, m->req) || !WR_KEY(o, "version") || !wr_uint(o, version) ||
+        !WR_KEY(o, "keys") || !wr_array(o, m->nkeys))
+        return NULL;
+    for (Py_ssize_t j = 0; j < m->nkeys; j++)
+        if (!wr_uint(o, self->keys[entries[j]].id)) return NULL;
+    if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, m->nkeys))
+        return NULL;
+    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+        Key *k = &self->keys[entries[j]];
+        if (!wr_str(o, k->dtype, k->dtype_len)) return NULL;
+    }
+    if (!WR_KEY(o, "shapes") || !wr_array(o, m->nkeys)) return NULL;
+    for (Py_ssize_t j = 0; j < m->nkeys; j++)
+        if (!wr_array(o, 1) || !wr_uint(o, self->keys[entries[j]].numel)) return NULL;
+    PyObject *out = PyList_New(m->nkeys + 1);
+    if (!out) return NULL;
+    PyObject *hb = PyBytes_FromStringAndSize((const char *)o->buf, o->len);
+    if (!hb) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyList_SET_ITEM(out, 0, hb);
+    Py_ssize_t out_bytes = o->len;
+    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+        PyObject *mv = PyMemoryView_FromObject(arrays_of[j]);
+        if (!mv) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j + 1, mv);
+        out_bytes += self->keys[entries[j]].nbytes;
+    }
+    if (!add_to(counters, s_bytes_out, out_bytes, 0)) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyObject *pair = PyTuple_Pack(2, peer, out);
+    Py_DECREF(out);
+    if (!pair) return NULL;
+    PyObject *result = PyList_New(1);
+    if (!result) {
+        Py_DECREF(pair);
+        return NULL;
+    }
+    PyList_SET_ITEM(result, 0, pair);
+    if (others && PyList_SetSlice(result, 1, 1, others) < 0) Py_CLEAR(result);
+    return result;
 }
 
 /* A float, or an int (not a bool) where ints may be: 1, or 0. */
@@ -261,13 +414,13 @@ static int flag(PyObject *o, int *out) {
  * 1, or 0 where one is not there yet (the first step makes it: Python's) or not as this path
  * updates it, with an error set only where one occurred. A key's buffer is looked up in the
  * optimizer's state on each call; the view of its bytes is made once per buffer tensor. */
-static int momentum_buffers(Path *self, PyObject *s, PyObject *shard_optimizer, Push *m, Py_ssize_t *entries,
-                            Py_buffer *bufs, Py_ssize_t *nbufs) {
+static int momentum_buffers(Path *self, PyObject *s, PyObject *shard_optimizer, Py_ssize_t nkeys,
+                            const Py_ssize_t *entries, Py_buffer *bufs, Py_ssize_t *nbufs) {
     int ok = 0;
     PyObject *chunks = attr(s, s_chunks), *torch_optimizer = attr(shard_optimizer, s_optimizer),
              *state = attr(torch_optimizer, s_state);
     if (!chunks || !state || !PyDict_Check(chunks) || !PyDict_Check(state)) goto done;
-    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+    for (Py_ssize_t j = 0; j < nkeys; j++) {
         Key *k = &self->keys[entries[j]];
         PyObject *chunk = PyDict_GetItemWithError(chunks, k->obj);
         PyObject *param = chunk ? PyDict_GetItemWithError(state, chunk) : NULL;
@@ -296,6 +449,51 @@ done:
     return ok;
 }
 
+/* Whether each key's frame (frames[1:]) is a writable, contiguous byte view of its size. */
+static int frames_fit(Path *self, PyObject *frames, const Push *m, const Py_ssize_t *entries) {
+    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+        PyObject *f = PyList_GET_ITEM(frames, j + 1);
+        Key *k = &self->keys[entries[j]];
+        if (!PyMemoryView_Check(f) || Py_TYPE(f) != &PyMemoryView_Type) return 0;
+        Py_buffer *b = PyMemoryView_GET_BUFFER(f);
+        if (b->readonly || b->ndim != 1 || (b->format && strcmp(b->format, "B") != 0) || b->len != k->nbytes ||
+            !PyBuffer_IsContiguous(b, 'C'))
+            return 0;
+    }
+    return 1;
+}
+
+/* What a call that stopped on an error (set, or not) returns: None where nothing changed yet
+ * (the Python paths take the message and say what is wrong); else, as the Python paths, an
+ * error reply to push m (ShardServer._dispatch.failed), never a dead shard. */
+static PyObject *failed(Path *self, PyObject *peer, const Push *m, int mutated) {
+    PyObject *result = NULL;
+    if (!mutated) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the shard's state is not as its compiled path reads it");
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *dispatch = PyObject_GetAttrString(self->server, "_dispatch");
+    PyObject *reply = dispatch ? PyObject_CallMethod(dispatch, "failed", "OKKsO", peer, (unsigned long long)m->worker,
+                                                     (unsigned long long)m->req, "push", value ? value : Py_None)
+                               : NULL;
+    Py_XDECREF(dispatch);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (reply) {
+        result = PyList_New(1);
+        if (result) PyList_SET_ITEM(result, 0, reply);
+        else Py_DECREF(reply);
+    }
+    return result;
+}
+
+#include "_sync.h"
+
 /* Path(peer, frames) -> [(peer, frames)] or None (see the top of the file). */
 static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     PyObject *peer, *frames;
@@ -316,6 +514,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
                    nframes - 1) ||
         m.nkeys != nframes - 1)
         Py_RETURN_NONE;
+    if (self->sync) return sync_call(self, peer, frames, &m, entries);
 
     PyObject *result = NULL, *s = self->server;
     PyObject *aborted = NULL, *trace = NULL, *waiting = NULL, *waiters = NULL, *version_o = NULL, *workers = NULL,
@@ -335,15 +534,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     GET(waiting, s, s_waiting);
     GET(waiters, waiting, s__waiting);
     if (!PyList_CheckExact(waiters)) PASS;
-    for (Py_ssize_t j = 0; j < m.nkeys; j++) {
-        PyObject *f = PyList_GET_ITEM(frames, j + 1);
-        Key *k = &self->keys[entries[j]];
-        if (!PyMemoryView_Check(f) || Py_TYPE(f) != &PyMemoryView_Type) PASS;
-        Py_buffer *b = PyMemoryView_GET_BUFFER(f);
-        if (b->readonly || b->ndim != 1 || (b->format && strcmp(b->format, "B") != 0) || b->len != k->nbytes ||
-            !PyBuffer_IsContiguous(b, 'C'))
-            PASS;
-    }
+    if (!frames_fit(self, frames, &m, entries)) PASS;
     GET(workers, s, s_workers);
     GET(seen, workers, s_seen);
     GET(lost, workers, s_lost);
@@ -388,7 +579,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         !flag(PyDict_GetItem(group, s_maximize), &a.maximize) || !flag(PyDict_GetItem(group, s_nesterov), &a.nesterov))
         PASS;
     if (m.has_lr) a.lr = m.lr;
-    if (a.momentum != 0.0 && !momentum_buffers(self, s, optimizer, &m, entries, bufs, &nbufs)) {
+    if (a.momentum != 0.0 && !momentum_buffers(self, s, optimizer, m.nkeys, entries, bufs, &nbufs)) {
         if (PyErr_Occurred()) goto error;
         PASS;
     }
@@ -400,18 +591,10 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     GET(arrays, snapshots, s__arrays);
     GET(lent, snapshots, s_lent);
     if (!PyDict_Check(arrays) || !PyAnySet_Check(lent)) PASS;
-    for (Py_ssize_t j = 0; j < m.nkeys; j++) {
-        Key *k = &self->keys[entries[j]];
-        PyObject *a = PyDict_GetItem(arrays, k->obj); /* borrowed */
-        int in = PySet_Contains(lent, k->obj);
-        if (in < 0) goto error;
-        if (!a || Py_REFCNT(a) != 1 || in) { /* a reply may still point at it: moved first, as the Python paths */
-            if (!own(snapshots, k->obj, counters)) goto error;
-            if (!(a = PyDict_GetItem(arrays, k->obj)) || Py_REFCNT(a) != 1) PASS;
-            if ((in = PySet_Contains(lent, k->obj)) < 0) goto error;
-            if (in) PASS;
-        }
-        arrays_of[j] = a;
+    {
+        int got = key_arrays(self, snapshots, arrays, lent, counters, m.nkeys, entries, arrays_of);
+        if (got < 0) goto error;
+        if (!got) PASS;
     }
     for (Py_ssize_t j = 0; j < m.nkeys; j++) {
         if (PyObject_GetBuffer(arrays_of[j], &values[j], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto error;
@@ -468,59 +651,10 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     }
     if (!add_to(counters, s_updates, 1, 0)) goto error;
     /* Workers.note_keys, then the rule's bump where the step is complete */
-    if (!done) {
-        PyObject *fresh = PySet_New(NULL);
-        if (!fresh) goto error;
-        int rc = PyDict_SetItem(partial, step_obj, fresh);
-        Py_DECREF(fresh);
-        if (rc < 0) goto error;
-        done = PyDict_GetItem(partial, step_obj);
-    }
-    for (Py_ssize_t j = 0; j < m.nkeys; j++)
-        if (PySet_Add(done, self->keys[entries[j]].obj) < 0) goto error;
-    if (!completes) {
-        while (PyDict_GET_SIZE(partial) > 64) { /* Workers' PARTIAL_STEPS */
-            PyObject *kk, *vv, *least = NULL;
-            Py_ssize_t pos = 0;
-            long long lo = 0;
-            while (PyDict_Next(partial, &pos, &kk, &vv)) {
-                long long x;
-                if (!get_i64(kk, &x)) goto error;
-                if (!least || x < lo) {
-                    least = kk;
-                    lo = x;
-                }
-            }
-            if (PyDict_DelItem(partial, least) < 0) goto error;
-        }
-    } else {
-        PyObject *next = PyLong_FromLongLong((long long)m.step + 1);
-        int rc = next ? PyDict_SetItem(clocks, w_obj, next) : -1;
-        Py_XDECREF(next);
-        if (rc < 0) goto error;
-        PyObject *later = PyDict_New(), *kk, *vv;
-        Py_ssize_t pos = 0;
-        if (!later) goto error;
-        while (PyDict_Next(partial, &pos, &kk, &vv)) {
-            long long x;
-            if (!get_i64(kk, &x) || (x > (long long)m.step && PyDict_SetItem(later, kk, vv) < 0)) {
-                Py_DECREF(later);
-                goto error;
-            }
-        }
-        rc = PyDict_SetItem(partials, w_obj, later);
-        Py_DECREF(later);
-        if (rc < 0) goto error;
-        if (save != Py_None) { /* a checkpoint may be due: the shard's own bump */
-            PyObject *r = PyObject_CallMethodNoArgs(s, s_bump);
-            if (!r) goto error;
-            Py_DECREF(r);
-        } else {
-            PyObject *v = PyLong_FromLongLong(version_s + 1);
-            int rc2 = v ? PyObject_SetAttr(s, s_version, v) : -1;
-            Py_XDECREF(v);
-            if (rc2 < 0) goto error;
-        }
+    if (!note_keys(self, partials, partial, clocks, w_obj, step_obj, done, m.step, m.nkeys, entries, completes))
+        goto error;
+    if (completes) {
+        if (!bump(s, save, version_s + 1)) goto error;
     }
     if (!add_to(counters, s_pulls, 1, 0)) goto error;
     if (PyList_GET_SIZE(waiters)) { /* the requests this push lets go on, answered by Python (_release) */
@@ -543,63 +677,7 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         PyObject *updates = PyDict_GetItem(counters, s_updates);
         if (!updates || PyDict_SetItem(read_at, w_obj, updates) < 0) goto error;
     }
-    /* the reply: {"v", "op", "worker", "req", "version", "keys", "staleness", "dtypes", "shapes"} as
-     * ps.protocol.pack_header writes it, then each key's bytes */
-    {
-        Writer *o = &self->out;
-        o->len = 0;
-        if (!wr_reserve(o, 16) || !(o->buf[o->len++] = 0x89, 1) || !WR_KEY(o, "v") || !wr_uint(o, self->version_tag) ||
-            !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") || !wr_uint(o, m.worker) ||
-            !WR_KEY(o, "req") || !wr_uint(o, m.req) || !WR_KEY(o, "version") || !wr_uint(o, version_after) ||
-            !WR_KEY(o, "keys") || !wr_array(o, m.nkeys))
-            goto error;
-        for (Py_ssize_t j = 0; j < m.nkeys; j++)
-            if (!wr_uint(o, self->keys[entries[j]].id)) goto error;
-        if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, m.nkeys))
-            goto error;
-        for (Py_ssize_t j = 0; j < m.nkeys; j++) {
-            Key *k = &self->keys[entries[j]];
-            if (!wr_str(o, k->dtype, k->dtype_len)) goto error;
-        }
-        if (!WR_KEY(o, "shapes") || !wr_array(o, m.nkeys)) goto error;
-        for (Py_ssize_t j = 0; j < m.nkeys; j++)
-            if (!wr_array(o, 1) || !wr_uint(o, self->keys[entries[j]].numel)) goto error;
-        PyObject *out = PyList_New(m.nkeys + 1);
-        if (!out) goto error;
-        PyObject *hb = PyBytes_FromStringAndSize((const char *)o->buf, o->len);
-        if (!hb) {
-            Py_DECREF(out);
-            goto error;
-        }
-        PyList_SET_ITEM(out, 0, hb);
-        Py_ssize_t out_bytes = o->len;
-        for (Py_ssize_t j = 0; j < m.nkeys; j++) {
-            PyObject *mv = PyMemoryView_FromObject(arrays_of[j]);
-            if (!mv) {
-                Py_DECREF(out);
-                goto error;
-            }
-            PyList_SET_ITEM(out, j + 1, mv);
-            out_bytes += self->keys[entries[j]].nbytes;
-        }
-        if (!add_to(counters, s_bytes_out, out_bytes, 0)) {
-            Py_DECREF(out);
-            goto error;
-        }
-        PyObject *pair = PyTuple_Pack(2, peer, out);
-        Py_DECREF(out);
-        if (!pair) goto error;
-        result = PyList_New(1);
-        if (!result) {
-            Py_DECREF(pair);
-            goto error;
-        }
-        PyList_SET_ITEM(result, 0, pair);
-        if (others && PyList_SetSlice(result, 1, 1, others) < 0) {
-            Py_CLEAR(result);
-            goto error;
-        }
-    }
+    if (!(result = reply_of(self, peer, &m, entries, arrays_of, version_after, stale, counters, others))) goto error;
     self->taken++;
     goto done;
 pass:
@@ -607,30 +685,7 @@ pass:
     Py_INCREF(result);
     goto done;
 error:
-    if (!mutated) { /* nothing changed: the Python paths take it and say what is wrong */
-        PyErr_Clear();
-        result = Py_None;
-        Py_INCREF(result);
-    } else { /* as the Python paths: an error reply, never a dead shard */
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the shard's state is not as its compiled path reads it");
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        PyObject *dispatch = PyObject_GetAttrString(s, "_dispatch");
-        PyObject *reply = dispatch ? PyObject_CallMethod(dispatch, "failed", "OKKsO", peer,
-                                                         (unsigned long long)m.worker, (unsigned long long)m.req,
-                                                         "push", value ? value : Py_None)
-                                   : NULL;
-        Py_XDECREF(dispatch);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        if (reply) {
-            result = PyList_New(1);
-            if (result) PyList_SET_ITEM(result, 0, reply);
-            else Py_DECREF(reply);
-        }
-    }
+    result = failed(self, peer, &m, mutated);
 done:
     for (Py_ssize_t j = 0; j < nvalues; j++) PyBuffer_Release(&values[j]);
     for (Py_ssize_t j = 0; j < ngrads; j++) PyBuffer_Release(&grads[j]);
@@ -666,15 +721,20 @@ done:
 }
 
 /* Path(server, table, buffer_bytes, ssp, mean, staleness, version, max_int, max_header, max_keys, max_str_len,
- *      max_map_len, num_workers, shard_keys): table is [(key id, nbytes, float64?, dtype name, numel)]. */
+ *      max_map_len, num_workers, shard_keys, sync, tensor_of, wait): table is [(key id, nbytes, float64?,
+ *      dtype name, numel)]. */
 static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
-    PyObject *server, *table, *buffer_bytes;
+    PyObject *server, *table, *buffer_bytes, *tensor_of, *wait;
     unsigned long long staleness, version, max_int;
-    if (!PyArg_ParseTuple(args, "OO!OppKKKnnnnnn", &server, &PyList_Type, &table, &buffer_bytes, &self->ssp, &self->mean,
-                          &staleness,
-                          &version, &max_int, &self->max_header, &self->max_keys, &self->max_str_len,
-                          &self->max_map_len, &self->num_workers, &self->shard_keys))
+    if (!PyArg_ParseTuple(args, "OO!OppKKKnnnnnnpOO", &server, &PyList_Type, &table, &buffer_bytes, &self->ssp,
+                          &self->mean, &staleness, &version, &max_int, &self->max_header, &self->max_keys,
+                          &self->max_str_len, &self->max_map_len, &self->num_workers, &self->shard_keys, &self->sync,
+                          &tensor_of, &wait))
         return -1;
+    Py_INCREF(tensor_of);
+    Py_XSETREF(self->tensor_of, tensor_of);
+    Py_INCREF(wait);
+    Py_XSETREF(self->wait, wait);
     self->staleness = staleness;
     self->version_tag = version;
     self->max_int = max_int;
@@ -722,6 +782,8 @@ static int Path_init(Path *self, PyObject *args, PyObject *kwargs) {
 static int Path_traverse(Path *self, visitproc visit, void *arg) {
     Py_VISIT(self->server);
     Py_VISIT(self->buffer_bytes);
+    Py_VISIT(self->tensor_of);
+    Py_VISIT(self->wait);
     for (Py_ssize_t i = 0; self->keys && i < self->nkeys; i++) {
         Py_VISIT(self->keys[i].buf_tensor);
         Py_VISIT(self->keys[i].buf_array);
@@ -732,6 +794,8 @@ static int Path_traverse(Path *self, visitproc visit, void *arg) {
 static int Path_clear(Path *self) {
     Py_CLEAR(self->server);
     Py_CLEAR(self->buffer_bytes);
+    Py_CLEAR(self->tensor_of);
+    Py_CLEAR(self->wait);
     for (Py_ssize_t i = 0; self->keys && i < self->nkeys; i++) {
         Py_CLEAR(self->keys[i].buf_tensor);
         Py_CLEAR(self->keys[i].buf_array);
@@ -888,7 +952,11 @@ PyMODINIT_FUNC PyInit__compiled(void) {
                  {&s_pulls, "pulls"},       {&s_updates, "updates"},   {&s_chunks, "chunks"}, {&s__release, "_release"},
                  {&s_state, "state"},       {&s_momentum_buffer, "momentum_buffer"},
                  {&s_dampening, "dampening"}, {&s_nesterov, "nesterov"},
-                 {&s_own, "own"},           {&s_reply_bytes, "reply_bytes"}, {&s_moved_keys, "moved_keys"}};
+                 {&s_own, "own"},           {&s_reply_bytes, "reply_bytes"}, {&s_moved_keys, "moved_keys"},
+                 {&s_numpy, "numpy"},       {&s__sum, "_sum"},         {&s__pushed, "_pushed"},
+                 {&s__updated, "_updated"}, {&s__held, "_held"},       {&s__rows, "_rows"},
+                 {&s__step_lr, "_step_lr"}, {&s__step_hold, "_step_hold"}, {&s_summing, "summing"},
+                 {&s_most_summing, "most_summing"}, {&s_readied, "readied"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].var = PyUnicode_InternFromString(names[i].name))) return NULL;
     if (PyType_Ready(&PathType) < 0) return NULL;

@@ -1,5 +1,5 @@
-"""A shard's compiled path for a push+pull of whole dense keys, where the rule is async or ssp
-and the optimizer is torch's SGD (ps/shard/_compiled.c, built with psar).
+"""A shard's compiled path for a push+pull of whole dense keys, where the optimizer is torch's
+SGD (ps/shard/_compiled.c, built with psar; the sync rule's step in ps/shard/_sync.h).
 
 Python's short path (ps.shard.fastpath) still makes about 90 calls a push+pull, each several
 times dearer on a core that has just slept in a poll than in a loop; with nothing done at all
@@ -7,7 +7,12 @@ between its receive and its send, the shard's part of a 1 KiB push+pull fell fro
 35-86 us (docs/results.md). This path is one call: it reads the header's bytes without a dict, checks the keys
 against a table built here once, updates the keys' memory with SGD's arithmetic, counts and
 notes on the shard's own objects what the Python paths do, and writes the reply's header
-(requests waiting that the push lets go on, ssp's pulls, it leaves to the shard's _release).
+(requests waiting that the push lets go on, ssp's pulls, it leaves to the shard's _release;
+a sync pull that waits for the step's other workers it hands to the shard's Waiting).
+Under sync a push+pull of 4 small keys (quickstart's model, 2 workers, in a loop) took 28 us
+where the Python short path took 72 (async's 7); quickstart ps-sync x2 ran at 37,900 to
+39,700 samples/s against 34,100 to 35,800, its shard using 0.73 of the CPU a message
+(docs/results.md, "A sync step in the compiled path").
 A key a reply still points at it first moves to a copy, as the Python paths do
 (SnapshotPool.own). Anything it does not take (another field, a failed check, a pull that
 would wait, a key's first step with momentum, which makes its buffer) it leaves, unchanged,
@@ -51,26 +56,36 @@ def available() -> bool:
     return _compiled is not None and os.environ.get("PSAR_COMPILED", "1") != "0"
 
 
-def compiled_path(server: Any, table: dict[int, tuple]) -> Callable[[bytes, list], list | None] | None:
+def compiled_path(server: Any, table: dict[int, tuple], wait: Callable[[bytes, list, int], None]) \
+        -> Callable[[bytes, list], list | None] | None:
     """The compiled path of server (a ps.shard.ShardServer) over the keys of `table`
     (ps.protocol_short.WholeKeys' table: key -> (dtype name, shape, bytes, torch dtype)), or
-    None where it cannot serve this shard: not built, a rule other than async and ssp,
-    compression, an optimizer other than SGD's replay (ps.shard.optim), or torch rounding
-    otherwise than it does. Keys it cannot update itself (another dtype, a key large enough
-    to update in slices) stay with the Python paths."""
-    if not available() or server.rule.name not in ("async", "ssp") or server.codec is not None \
-            or server.pulls is not None or server.config.wire_dtype or not server.optimizer._sgd \
-            or not arithmetic_matches():
+    None where it cannot serve this shard: not built, sync with backup workers (a step's late
+    pushes dropped), compression, an optimizer other than SGD's replay (ps.shard.optim), or
+    torch rounding otherwise than it does. Keys it cannot update itself (another dtype, a key
+    large enough to update in slices, a row-sparse parameter's) stay with the Python paths.
+    wait(peer, frames, staleness): a sync push+pull's pull that waits, once its push is taken
+    (ps.shard.fastpath)."""
+    rule = server.rule.name
+    if not available() or rule not in ("async", "ssp", "sync") or rule == "sync" and server.config.backup_workers \
+            or server.codec is not None or server.pulls is not None or server.config.wire_dtype \
+            or not server.optimizer._sgd or not arithmetic_matches():
         return None
     keys = [(k, nbytes, DTYPES[dtype], dtype, shape[0]) for k, (dtype, shape, nbytes, _) in sorted(table.items())
-            if dtype in DTYPES and len(shape) == 1 and nbytes < 2 * MIN_SLICE_BYTES]
+            if dtype in DTYPES and len(shape) == 1 and nbytes < 2 * MIN_SLICE_BYTES and k not in server.sparse_keys]
     if not keys:
         return None
     limits = server._dispatch.limits
-    return _compiled.Path(server, keys, buffer_bytes, server.rule.name == "ssp", server.config.async_scale == "mean",
+    dtypes = {k: torch_dtype for k, (_, _, _, torch_dtype) in table.items()}
+
+    def tensor_of(frame: memoryview, k: int) -> torch.Tensor:
+        """A sync step's first gradient of key k, on its frame (as ps.protocol_short's WholeKeys.tensors)."""
+        return torch.frombuffer(frame, dtype=dtypes[k])
+
+    return _compiled.Path(server, keys, buffer_bytes, rule == "ssp", server.config.async_scale == "mean",
                           server.config.staleness, PROTOCOL_VERSION, _MAX_INT, limits.max_header_bytes,
                           limits.max_keys, limits.max_str_len, limits.max_map_len, server.num_workers,
-                          len(server.keys))
+                          len(server.keys), rule == "sync", tensor_of, wait)
 
 
 SPLIT_MIN_BYTES = _compiled.SPLIT_MIN_BYTES if _compiled is not None else None

@@ -1,4 +1,5 @@
-"""A shard's short path for the message it gets most: a push+pull of whole dense keys.
+"""A shard's short path for the message it gets most: a push+pull of whole dense keys (the
+compiled one, ps.shard.compiled, first where it is built).
 
 The engines send one a bucket (sync: asking for the next version, `min_version`; async and
 ssp: under a `clock`), and `psar bench` times one against a ZeroMQ round trip. The general
@@ -44,7 +45,7 @@ class PushPullPath:
         self.server = server
         self._whole = server.whole_keys
         self._wire = server.config.wire_dtype  # the config is fixed for the shard's life
-        self.compiled = compiled_path(server, self._whole.table)  # None: this shard's are Python's
+        self.compiled = compiled_path(server, self._whole.table, self._wait)  # None: this shard's are Python's
 
     def __call__(self, peer: bytes, frames: list) -> list | None:
         if self.compiled is not None:
@@ -52,6 +53,12 @@ class PushPullPath:
             if replies is not None:
                 return replies
         return self._python(peer, frames)
+
+    def _wait(self, peer: bytes, frames: list, stale: int) -> None:
+        """The compiled path's sync push+pull whose pull waits, its push taken: the pull waits
+        as _apply has it wait."""
+        s = self.server
+        s.waiting.add(peer, pull_of(self._whole.header(frames)), s.clock(), s.config.timeout_s, {"staleness": stale})
 
     def _python(self, peer: bytes, frames: list) -> list | None:
         s = self.server

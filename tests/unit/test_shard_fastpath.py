@@ -128,7 +128,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("path", ["python", "compiled"])
 def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optimizer, path):
     """path: Python's short path alone, or the compiled one before it (ps.shard.compiled),
-    which takes the push+pulls of async and ssp under SGD (with momentum: once a key's buffer
+    which takes the push+pulls of every rule under SGD (with momentum: once a key's buffer
     is made)."""
     if path == "compiled" and not compiled.available():
         pytest.skip("ps.shard._compiled is not built")
@@ -165,6 +165,7 @@ def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optim
                     req += 1
                     header["req"] = req
                 both(f"w{w}".encode(), frames_of(header, grads))
+                same_rule(a, b)
                 if rng.random() < 0.1:  # the same push again: refused
                     req += 1
                     both(f"w{w}".encode(), frames_of({**header, "req": req}, grads))
@@ -178,7 +179,20 @@ def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optim
     assert a.version == b.version > 0
     assert any(taken) and not all(taken)  # the short path took some, the general one the rest
     took = a._short.compiled.taken if a._short.compiled is not None else 0
-    assert took > 0 if path == "compiled" and mode != "sync" and optimizer != "adam" else took == 0
+    assert took > 0 if path == "compiled" and optimizer != "adam" else took == 0
+
+
+def same_rule(a, b):
+    """Under sync, the two shards' step in progress alike: the gradients summed so far, bit for
+    bit, who pushed what, the keys updated, the step's learning rate."""
+    ra, rb = a.rule, b.rule
+    if ra.name != "sync":
+        return
+    assert (ra.summing, ra.most_summing, ra._step_lr, ra._step_hold, ra._pushed, ra._updated, ra.readied) == \
+        (rb.summing, rb.most_summing, rb._step_lr, rb._step_hold, rb._pushed, rb._updated, rb.readied)
+    assert ra._sum.keys() == rb._sum.keys()
+    for k in ra._sum:
+        assert torch.equal(ra._sum[k], rb._sum[k]), k
 
 
 def test_short_path_takes_a_push_pull_and_its_reply_decodes():
@@ -246,7 +260,7 @@ def mangled(rng, header_bytes):
     return bytes(b)
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
 def test_compiled_path_reads_mangled_headers_as_the_general_path(mode):
     """Push+pulls whose header has a byte changed, dropped or added (or a float32 lr, or ints
     of every width as the requests grow): a shard whose compiled path may take them answers
@@ -268,7 +282,7 @@ def test_compiled_path_reads_mangled_headers_as_the_general_path(mode):
         keys = rng.sample(MINE, rng.randrange(1, len(MINE) + 1))
         step = a.workers.clocks[w]
         header = {"op": "push", "worker": w, "req": req, "step": step, "version": a.version, "keys": keys, "pull": 1,
-                  "clock": step + 1}
+                  **({"min_version": step + 1} if mode == "sync" else {"clock": step + 1})}
         if rng.random() < 0.3:
             header["lr"] = rng.choice([0.05, 0.3, 1e-3])
         grads = [torch.randn(LAYOUT.keys[k].numel, dtype=torch.float64) for k in keys]
@@ -278,9 +292,10 @@ def test_compiled_path_reads_mangled_headers_as_the_general_path(mode):
         if rng.random() < 0.6:
             frames[0] = mangled(rng, frames[0])
         both(f"w{w}".encode(), frames)
+        same_rule(a, b)
     for k in MINE:
         assert torch.equal(a.chunks[k], b.chunks[k]), k
-    assert a.stats() == b.stats() and a.version == b.version > 20
+    assert a.stats() == b.stats() and a.version == b.version > (10 if mode == "sync" else 20)  # sync: steps of both
     assert a._short.compiled.taken > 20
 
 
