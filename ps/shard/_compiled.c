@@ -53,7 +53,7 @@ typedef struct {
     Py_ssize_t max_header, max_keys, max_str_len, max_map_len;
     Py_ssize_t num_workers, shard_keys;
     uint64_t calls;
-    Py_ssize_t taken;
+    Py_ssize_t taken, released;
     Writer out;
     int sync;                   /* the sync rule (_sync.h), else async or ssp */
     PyObject *tensor_of, *wait; /* (frame, key) -> its tensor; (peer, frames, staleness): a sync pull waits */
@@ -65,7 +65,9 @@ static PyObject *s_aborted, *s_trace, *s_waiting, *s__waiting, *s_version, *s_wo
     *s_weight_decay, *s_maximize, *s_clock, *s_rule, *s_rows, *s__read_at, *s_bytes_in, *s_bytes_out,
     *s_pushes, *s_pulls, *s_updates, *s__release, *s_chunks, *s_state, *s_momentum_buffer, *s_dampening, *s_nesterov,
     *s_own, *s_reply_bytes, *s_moved_keys, *s_numpy, *s__sum, *s__pushed, *s__updated, *s__held, *s__rows,
-    *s__step_lr, *s__step_hold, *s_summing, *s_most_summing, *s_readied;
+    *s__step_lr, *s__step_hold, *s_summing, *s_most_summing, *s_readied, *s_msg, *s_header, *s_ids, *s_fields,
+    *s_since, *s_peer, *s_op, *s_keys, *s_min_version, *s_v, *s_worker, *s_req, *s_waits, *s_count, *s_total_s,
+    *s_max_s;
 
 enum { F_V, F_OP, F_WORKER, F_REQ, F_STEP, F_VERSION, F_KEYS, F_DTYPES, F_SHAPES, F_PULL, F_MIN_VERSION, F_CLOCK,
        F_LR, NFIELDS };
@@ -330,31 +332,32 @@ static int key_arrays(Path *self, PyObject *snapshots, PyObject *arrays, PyObjec
     return 1;
 }
 
-/* The reply to push+pull m of the keys of entries, whose memory is arrays_of's: {"v", "op",
- * "worker", "req", "version", "keys", "staleness", "dtypes", "shapes"} as ps.protocol.pack_header
- * writes it, then each key's bytes, counted in bytes_out; then the replies in others (or
- * NULL). [(peer, frames), *others], or NULL with an error set. */
-static PyObject *reply_of(Path *self, PyObject *peer, const Push *m, const Py_ssize_t *entries, PyObject **arrays_of,
-                          long long version, long long stale, PyObject *counters, PyObject *others) {
+/* The frames of an 'ok' reply carrying the keys of entries (nkeys), whose memory is
+ * arrays_of's: {"v", "op", "worker", "req", "version", "keys"[, "waited_us"], "staleness",
+ * "dtypes", "shapes"} as ps.protocol.pack_header writes them (waited_us < 0: none), then each
+ * key's bytes, counted in bytes_out. A new list, or NULL with an error set. */
+static PyObject *reply_frames(Path *self, uint64_t worker, uint64_t req, Py_ssize_t nkeys, const Py_ssize_t *entries,
+                              PyObject **arrays_of, long long version, long long waited_us, long long stale,
+                              PyObject *counters) {
     Writer *o = &self->out;
     o->len = 0;
-    if (!wr_reserve(o, 16) || !(o->buf[o->len++] = 0x89, 1) || !WR_KEY(o, "v") || !wr_uint(o, self->version_tag) ||
-        !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") || !wr_uint(o, m->worker) ||
-        !WR_KEY(o, "req") || !wr_uint(o, m->req) || !WR_KEY(o, "version") || !wr_uint(o, version) ||
-        !WR_KEY(o, "keys") || !wr_array(o, m->nkeys))
+    if (!wr_reserve(o, 16) || !(o->buf[o->len++] = waited_us < 0 ? 0x89 : 0x8a, 1) || !WR_KEY(o, "v") ||
+        !wr_uint(o, self->version_tag) || !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") ||
+        !wr_uint(o, worker) || !WR_KEY(o, "req") || !wr_uint(o, req) || !WR_KEY(o, "version") ||
+        !wr_uint(o, version) || !WR_KEY(o, "keys") || !wr_array(o, nkeys))
         return NULL;
-    for (Py_ssize_t j = 0; j < m->nkeys; j++)
+    for (Py_ssize_t j = 0; j < nkeys; j++)
         if (!wr_uint(o, self->keys[entries[j]].id)) return NULL;
-    if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, m->nkeys))
-        return NULL;
-    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+    if (waited_us >= 0 && (!WR_KEY(o, "waited_us") || !wr_uint(o, (uint64_t)waited_us))) return NULL;
+    if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, nkeys)) return NULL;
+    for (Py_ssize_t j = 0; j < nkeys; j++) {
         Key *k = &self->keys[entries[j]];
         if (!wr_str(o, k->dtype, k->dtype_len)) return NULL;
     }
-    if (!WR_KEY(o, "shapes") || !wr_array(o, m->nkeys)) return NULL;
-    for (Py_ssize_t j = 0; j < m->nkeys; j++)
+    if (!WR_KEY(o, "shapes") || !wr_array(o, nkeys)) return NULL;
+    for (Py_ssize_t j = 0; j < nkeys; j++)
         if (!wr_array(o, 1) || !wr_uint(o, self->keys[entries[j]].numel)) return NULL;
-    PyObject *out = PyList_New(m->nkeys + 1);
+    PyObject *out = PyList_New(nkeys + 1);
     if (!out) return NULL;
     PyObject *hb = PyBytes_FromStringAndSize((const char *)o->buf, o->len);
     if (!hb) {
@@ -363,7 +366,7 @@ static PyObject *reply_of(Path *self, PyObject *peer, const Push *m, const Py_ss
     }
     PyList_SET_ITEM(out, 0, hb);
     Py_ssize_t out_bytes = o->len;
-    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+    for (Py_ssize_t j = 0; j < nkeys; j++) {
         PyObject *mv = PyMemoryView_FromObject(arrays_of[j]);
         if (!mv) {
             Py_DECREF(out);
@@ -376,6 +379,15 @@ static PyObject *reply_of(Path *self, PyObject *peer, const Push *m, const Py_ss
         Py_DECREF(out);
         return NULL;
     }
+    return out;
+}
+
+/* The reply to push+pull m (reply_frames, no waited_us) with the replies in others (or NULL)
+ * after it: [(peer, frames), *others], or NULL with an error set. */
+static PyObject *reply_of(Path *self, PyObject *peer, const Push *m, const Py_ssize_t *entries, PyObject **arrays_of,
+                          long long version, long long stale, PyObject *counters, PyObject *others) {
+    PyObject *out = reply_frames(self, m->worker, m->req, m->nkeys, entries, arrays_of, version, -1, stale, counters);
+    if (!out) return NULL;
     PyObject *pair = PyTuple_Pack(2, peer, out);
     Py_DECREF(out);
     if (!pair) return NULL;
@@ -817,9 +829,11 @@ static void Path_dealloc(Path *self) {
 }
 
 static PyObject *Path_taken(Path *self, void *closure) { return PyLong_FromSsize_t(self->taken); }
+static PyObject *Path_released(Path *self, void *closure) { return PyLong_FromSsize_t(self->released); }
 
 static PyGetSetDef Path_getset[] = {
     {"taken", (getter)Path_taken, NULL, "push+pulls this path took", NULL},
+    {"released", (getter)Path_released, NULL, "pulls that waited, answered by this path", NULL},
     {NULL},
 };
 
@@ -956,7 +970,12 @@ PyMODINIT_FUNC PyInit__compiled(void) {
                  {&s_numpy, "numpy"},       {&s__sum, "_sum"},         {&s__pushed, "_pushed"},
                  {&s__updated, "_updated"}, {&s__held, "_held"},       {&s__rows, "_rows"},
                  {&s__step_lr, "_step_lr"}, {&s__step_hold, "_step_hold"}, {&s_summing, "summing"},
-                 {&s_most_summing, "most_summing"}, {&s_readied, "readied"}};
+                 {&s_most_summing, "most_summing"}, {&s_readied, "readied"}, {&s_msg, "msg"},
+                 {&s_header, "header"},     {&s_ids, "ids"},           {&s_fields, "fields"},
+                 {&s_since, "since"},       {&s_peer, "peer"},         {&s_op, "op"},
+                 {&s_keys, "keys"},         {&s_min_version, "min_version"}, {&s_v, "v"},
+                 {&s_worker, "worker"},     {&s_req, "req"},           {&s_waits, "waits"},
+                 {&s_count, "count"},       {&s_total_s, "total_s"},   {&s_max_s, "max_s"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].var = PyUnicode_InternFromString(names[i].name))) return NULL;
     if (PyType_Ready(&PathType) < 0) return NULL;

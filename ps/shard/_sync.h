@@ -53,6 +53,218 @@ static int set_int_attr(PyObject *o, PyObject *name, long long v) {
     return rc == 0;
 }
 
+/* SyncRule.version_of(keys of entries): the shard's version now, one more where every key is
+ * updated in the step under way; -1 with an error set. */
+static long long version_of(Path *self, PyObject *updated, long long version_now, Py_ssize_t nkeys,
+                            const Py_ssize_t *entries) {
+    if (!PySet_GET_SIZE(updated)) return version_now;
+    for (Py_ssize_t j = 0; j < nkeys; j++) {
+        int in = PySet_Contains(updated, self->keys[entries[j]].obj);
+        if (in <= 0) return in < 0 ? -1 : version_now;
+    }
+    return version_now + 1;
+}
+
+/* A request waiting (ps.shard.waiting's Waiter), read where it is a pull of keys of the table
+ * as a push+pull leaves one (ps.protocol.pull_of: op, v, worker, req, keys and maybe
+ * min_version; no rows; the staleness its only field). */
+typedef struct {
+    PyObject *peer; /* borrowed from the Waiter, which the list holds */
+    uint64_t worker, req;
+    long long min_version, stale; /* min_version -1: none */
+    double since;
+    Py_ssize_t nkeys;
+    Py_ssize_t entries[MAX_KEYS_ON_STACK];
+} Pull;
+
+/* 1 where waiter d is such a pull (p filled), 0 where not, -1 with an error set. */
+static int read_pull(Path *self, PyObject *d, Pull *p) {
+    int ok = 0;
+    PyObject *msg = attr(d, s_msg), *header = attr(msg, s_header), *ids = attr(msg, s_ids),
+             *fields = attr(d, s_fields), *since = attr(d, s_since), *peer = attr(d, s_peer);
+    if (!peer || !since || !fields || !ids || !header) {
+        ok = PyErr_ExceptionMatches(PyExc_AttributeError) ? (PyErr_Clear(), 0) : -1;
+        goto done;
+    }
+    long long x;
+    if (!PyDict_CheckExact(header) || !PyList_CheckExact(ids) || PyList_GET_SIZE(ids) || !PyDict_CheckExact(fields) ||
+        PyDict_GET_SIZE(fields) != 1 || !get_i64(PyDict_GetItem(fields, s_staleness), &p->stale) || p->stale < 0 ||
+        !PyFloat_CheckExact(since) || !PyBytes_CheckExact(peer))
+        goto done;
+    Py_ssize_t size = PyDict_GET_SIZE(header);
+    PyObject *op = PyDict_GetItem(header, s_op), *keys = PyDict_GetItem(header, s_keys),
+             *min_version = PyDict_GetItem(header, s_min_version);
+    if (!op || !PyUnicode_CheckExact(op) || PyUnicode_CompareWithASCIIString(op, "pull") != 0 ||
+        !PyDict_GetItem(header, s_v) || size != 5 + (min_version != NULL) ||
+        !get_i64(PyDict_GetItem(header, s_worker), &x) || x < 0)
+        goto done;
+    p->worker = (uint64_t)x;
+    if (!get_i64(PyDict_GetItem(header, s_req), &x) || x < 0) goto done;
+    p->req = (uint64_t)x;
+    p->min_version = -1;
+    if (min_version && (!get_i64(min_version, &p->min_version) || p->min_version < 0)) goto done;
+    if (!keys || !PyList_CheckExact(keys) || !(p->nkeys = PyList_GET_SIZE(keys)) || p->nkeys > MAX_KEYS_ON_STACK)
+        goto done;
+    for (Py_ssize_t j = 0; j < p->nkeys; j++) {
+        if (!get_i64(PyList_GET_ITEM(keys, j), &x) || x < 0 || x > self->max_id || self->index[x] < 0) goto done;
+        p->entries[j] = self->index[x];
+    }
+    p->since = PyFloat_AS_DOUBLE(since);
+    p->peer = peer; /* the Waiter holds it */
+    ok = 1;
+done:
+    Py_XDECREF(msg);
+    Py_XDECREF(header);
+    Py_XDECREF(ids);
+    Py_XDECREF(fields);
+    Py_XDECREF(since);
+    Py_XDECREF(peer);
+    return ok;
+}
+
+/* ShardServer._release(readied) where every request waiting is such a pull (read_pull):
+ * Waiting.ready's look (readied: the keys the push made ready, or None: a new version), its
+ * counts and the list it keeps, then each pull's answer as ShardServer._answer writes it, in
+ * the order they waited. 1 with the replies in *out (a new list, or NULL: none); 0 where one
+ * waiting is another request (nothing done: the shard's _release answers them); -1 with an
+ * error set. */
+static int release_pulls(Path *self, PyObject *s, PyObject *readied, PyObject *updated, long long version_now,
+                         PyObject *counters, PyObject **out) {
+    int rc = -1;
+    Pull *pulls = NULL;
+    char *ready = NULL;
+    PyObject *waiting = NULL, *waiters = NULL, *waits = NULL, *now_o = NULL, *kept = NULL, *snapshots = NULL,
+             *arrays = NULL, *replies = NULL;
+    *out = NULL;
+    if (readied != Py_None && (!PyAnySet_CheckExact(readied) || !PySet_GET_SIZE(readied))) {
+        rc = PyAnySet_CheckExact(readied) ? 1 : 0; /* nothing made ready: nothing asked */
+        goto done;
+    }
+    if (!(waiting = attr(s, s_waiting)) || !(waiters = attr(waiting, s__waiting)) || !(waits = attr(waiting, s_waits)))
+        goto done;
+    rc = 0;
+    if (!PyList_CheckExact(waiters) || !PyDict_CheckExact(waits)) goto done;
+    Py_ssize_t n = PyList_GET_SIZE(waiters), found = 0;
+    if (!n) {
+        rc = 1;
+        goto done;
+    }
+    pulls = PyMem_Malloc(n * sizeof(Pull));
+    ready = PyMem_Malloc(n);
+    if (!pulls || !ready) {
+        PyErr_NoMemory();
+        rc = -1;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int got = read_pull(self, PyList_GET_ITEM(waiters, i), &pulls[i]);
+        if (got <= 0) {
+            rc = got;
+            goto done;
+        }
+        Pull *p = &pulls[i];
+        int asked = readied == Py_None;
+        for (Py_ssize_t j = 0; !asked && j < p->nkeys; j++) {
+            asked = PySet_Contains(readied, self->keys[p->entries[j]].obj);
+            if (asked < 0) {
+                rc = -1;
+                goto done;
+            }
+        }
+        long long at = asked && p->min_version >= 0 ? version_of(self, updated, version_now, p->nkeys, p->entries) : 0;
+        if (at < 0) {
+            rc = -1;
+            goto done;
+        }
+        ready[i] = asked && at >= p->min_version;
+        found += ready[i];
+    }
+    PyObject *count = PyDict_GetItem(waits, s_count), *total = PyDict_GetItem(waits, s_total_s),
+             *most = PyDict_GetItem(waits, s_max_s);
+    long long counted;
+    if (!get_i64(count, &counted) || !total || !PyFloat_CheckExact(total) || !most || !PyFloat_CheckExact(most))
+        goto done;
+    rc = -1;
+    PyObject *clock = attr(s, s_clock);
+    now_o = clock ? PyObject_CallNoArgs(clock) : NULL;
+    Py_XDECREF(clock);
+    if (!now_o) goto done;
+    rc = 0;
+    double now = PyFloat_AsDouble(now_o), sum = PyFloat_AS_DOUBLE(total), top = PyFloat_AS_DOUBLE(most);
+    if (now == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (ready[i] && !(now - pulls[i].since >= 0.0)) goto done; /* a clock gone back: Python's to write */
+    rc = 1;
+    if (!found) goto done;
+    rc = -1;
+    /* from here on Waiting.ready's, then each answer */
+    if (!(kept = PyList_New(0))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!ready[i] && PyList_Append(kept, PyList_GET_ITEM(waiters, i)) < 0) goto done;
+    if (!(replies = PyList_New(0))) goto done;
+    if (!(snapshots = attr(s, s_snapshots)) || !(arrays = attr(snapshots, s__arrays))) goto done;
+    if (!PyDict_Check(arrays)) {
+        PyErr_SetString(PyExc_TypeError, "SnapshotPool._arrays is not a dict");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        Pull *p = &pulls[i];
+        double waited = now - p->since;
+        sum += waited;
+        if (waited > top) top = waited;
+        PyObject *views[MAX_KEYS_ON_STACK];
+        for (Py_ssize_t j = 0; j < p->nkeys; j++) {
+            PyObject *key = self->keys[p->entries[j]].obj;
+            if (!(views[j] = PyDict_GetItem(arrays, key))) {
+                PyObject *view = PyObject_CallMethodOneArg(snapshots, s_reply_bytes, key);
+                Py_XDECREF(view);
+                if (!view || !(views[j] = PyDict_GetItem(arrays, key))) {
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "SnapshotPool.reply_bytes kept no view");
+                    goto done;
+                }
+            }
+        }
+        long long at = version_of(self, updated, version_now, p->nkeys, p->entries);
+        PyObject *frames = at < 0 ? NULL : reply_frames(self, p->worker, p->req, p->nkeys, p->entries, views, at,
+                                                         (long long)(waited * 1e6), p->stale, counters);
+        PyObject *pair = frames ? PyTuple_Pack(2, p->peer, frames) : NULL;
+        Py_XDECREF(frames);
+        if (!pair || PyList_Append(replies, pair) < 0) {
+            Py_XDECREF(pair);
+            goto done;
+        }
+        Py_DECREF(pair);
+    }
+    if (PyObject_SetAttr(waiting, s__waiting, kept) < 0) goto done;
+    PyObject *c = PyLong_FromLongLong(counted + found), *t = PyFloat_FromDouble(sum), *m = PyFloat_FromDouble(top);
+    int set = c && t && m && PyDict_SetItem(waits, s_count, c) == 0 && PyDict_SetItem(waits, s_total_s, t) == 0 &&
+              PyDict_SetItem(waits, s_max_s, m) == 0;
+    Py_XDECREF(c);
+    Py_XDECREF(t);
+    Py_XDECREF(m);
+    if (!set) goto done;
+    *out = replies;
+    replies = NULL;
+    self->released += found;
+    rc = 1;
+done:
+    PyMem_Free(pulls);
+    PyMem_Free(ready);
+    Py_XDECREF(waiting);
+    Py_XDECREF(waiters);
+    Py_XDECREF(waits);
+    Py_XDECREF(now_o);
+    Py_XDECREF(kept);
+    Py_XDECREF(snapshots);
+    Py_XDECREF(arrays);
+    Py_XDECREF(replies);
+    return rc;
+}
+
 /* The sync rule's push+pull m (read by read_push; entries: its keys' entries): its replies, or
  * None for the Python paths. */
 static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m, Py_ssize_t *entries) {
@@ -282,29 +494,23 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
     }
     /* fastpath._apply: the pull, after the requests the push lets go on */
     if (!add_to(counters, s_pulls, 1, 0)) goto error;
-    if (PyList_GET_SIZE(waiters)) {
+    if (PyList_GET_SIZE(waiters)) { /* the requests this push lets go on: ours where they are pulls, else Python's */
         PyObject *now_readied = attr(rule, s_readied);
         if (!now_readied) goto error;
-        others = PyObject_CallMethodOneArg(s, s__release, now_readied);
+        int got = release_pulls(self, s, now_readied, updated, version_now, counters, &others);
+        if (!got) {
+            others = PyObject_CallMethodOneArg(s, s__release, now_readied);
+            if (others && !PyList_CheckExact(others)) {
+                PyErr_SetString(PyExc_TypeError, "ShardServer._release gave no list");
+                Py_CLEAR(others);
+            }
+        }
         Py_DECREF(now_readied);
-        if (!others) goto error;
-        if (!PyList_CheckExact(others)) {
-            PyErr_SetString(PyExc_TypeError, "ShardServer._release gave no list");
-            goto error;
-        }
+        if (got < 0 || (!got && !others)) goto error;
     }
-    /* SyncRule.version_of(keys) */
-    long long version_of = version_now;
-    if (PySet_GET_SIZE(updated)) {
-        int all = 1;
-        for (Py_ssize_t j = 0; all && j < m->nkeys; j++) {
-            int in = PySet_Contains(updated, self->keys[entries[j]].obj);
-            if (in < 0) goto error;
-            all = in;
-        }
-        version_of += all;
-    }
-    if (m->has_min_version && version_of < (long long)m->min_version) { /* the pull waits */
+    long long at = version_of(self, updated, version_now, m->nkeys, entries);
+    if (at < 0) goto error;
+    if (m->has_min_version && at < (long long)m->min_version) { /* the pull waits */
         PyObject *r = PyObject_CallFunction(self->wait, "OOL", peer, frames, stale);
         if (!r) goto error;
         Py_DECREF(r);
@@ -336,7 +542,7 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
             }
         }
     }
-    if (!(result = reply_of(self, peer, m, entries, reply_arrays, version_of, stale, counters, others))) goto error;
+    if (!(result = reply_of(self, peer, m, entries, reply_arrays, at, stale, counters, others))) goto error;
     self->taken++;
     goto done;
 pass:

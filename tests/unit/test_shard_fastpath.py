@@ -164,6 +164,12 @@ def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optim
                     both(f"w{w}".encode(), bad(rng, header, grads))
                     req += 1
                     header["req"] = req
+                if mode == "sync" and rng.random() < 0.2:  # requests of the general path waiting beside the pulls
+                    other = rng.choice([{"op": "pull", "keys": part, "min_version": step + 1},
+                                        {"op": "wait", "min_version": step + 1}])
+                    both(f"w{w}".encode(), encode({**other, "worker": w, "req": req}))
+                    req += 1
+                    header["req"] = req
                 both(f"w{w}".encode(), frames_of(header, grads))
                 same_rule(a, b)
                 if rng.random() < 0.1:  # the same push again: refused
@@ -180,6 +186,8 @@ def test_short_and_general_paths_leave_the_same_bytes_and_parameters(mode, optim
     assert any(taken) and not all(taken)  # the short path took some, the general one the rest
     took = a._short.compiled.taken if a._short.compiled is not None else 0
     assert took > 0 if path == "compiled" and optimizer != "adam" else took == 0
+    if took and mode == "sync":  # and answered pulls that waited for the step's last push
+        assert a._short.compiled.released > 0
 
 
 def same_rule(a, b):
