@@ -4,7 +4,9 @@
  * A sync step's push adds each key's gradient to the step's sum (the first one kept on its
  * frame, as the rule keeps it); the push that brings a key's last worker updates the key with
  * the mean (SGD's arithmetic with the count as divisor) and, with the step's last key, ends the
- * step. The pull then answers at once where the keys are at the version it asks for, or waits
+ * step. The pulls that waited for it are answered here (release_pulls), where every request
+ * waiting is a push+pull's pull (else by the shard's _release); then this push's pull is
+ * answered at once where its keys are at the version it asks for, or waits
  * (ps.shard.fastpath's wait: the shard's Waiting, as the Python path adds it). It takes the
  * common case only: every worker live and none rejoining, no backup workers (the shard's
  * config: compiled.py), no rows, held step or clip, a learning rate that agrees with the
@@ -51,6 +53,25 @@ static int set_int_attr(PyObject *o, PyObject *name, long long v) {
     int rc = x ? PyObject_SetAttr(o, name, x) : -1;
     Py_XDECREF(x);
     return rc == 0;
+}
+
+/* The array each key of entries lends its replies (SnapshotPool.reply_bytes, which makes one
+ * where there is none; arrays: the pool's _arrays), borrowed, in views: 1, or 0 with an error
+ * set. */
+static int reply_views(Path *self, PyObject *snapshots, PyObject *arrays, Py_ssize_t nkeys, const Py_ssize_t *entries,
+                       PyObject **views) {
+    for (Py_ssize_t j = 0; j < nkeys; j++) {
+        PyObject *key = self->keys[entries[j]].obj;
+        if (!(views[j] = PyDict_GetItem(arrays, key))) {
+            PyObject *view = PyObject_CallMethodOneArg(snapshots, s_reply_bytes, key);
+            Py_XDECREF(view);
+            if (!view || !(views[j] = PyDict_GetItem(arrays, key))) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "SnapshotPool.reply_bytes kept no view");
+                return 0;
+            }
+        }
+    }
+    return 1;
 }
 
 /* SyncRule.version_of(keys of entries): the shard's version now, one more where every key is
@@ -217,17 +238,7 @@ static int release_pulls(Path *self, PyObject *s, PyObject *readied, PyObject *u
         sum += waited;
         if (waited > top) top = waited;
         PyObject *views[MAX_KEYS_ON_STACK];
-        for (Py_ssize_t j = 0; j < p->nkeys; j++) {
-            PyObject *key = self->keys[p->entries[j]].obj;
-            if (!(views[j] = PyDict_GetItem(arrays, key))) {
-                PyObject *view = PyObject_CallMethodOneArg(snapshots, s_reply_bytes, key);
-                Py_XDECREF(view);
-                if (!view || !(views[j] = PyDict_GetItem(arrays, key))) {
-                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "SnapshotPool.reply_bytes kept no view");
-                    goto done;
-                }
-            }
-        }
+        if (!reply_views(self, snapshots, arrays, p->nkeys, p->entries, views)) goto done;
         long long at = version_of(self, updated, version_now, p->nkeys, p->entries);
         PyObject *frames = at < 0 ? NULL : reply_frames(self, p->worker, p->req, p->nkeys, p->entries, views, at,
                                                          (long long)(waited * 1e6), p->stale, counters);
@@ -531,17 +542,7 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
             goto error;
         }
     }
-    for (Py_ssize_t j = 0; j < m->nkeys; j++) { /* SnapshotPool.reply_bytes: the view each key's replies lend */
-        PyObject *key = self->keys[entries[j]].obj;
-        if (!(reply_arrays[j] = PyDict_GetItem(arrays, key))) {
-            PyObject *view = PyObject_CallMethodOneArg(snapshots, s_reply_bytes, key);
-            Py_XDECREF(view);
-            if (!view || !(reply_arrays[j] = PyDict_GetItem(arrays, key))) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "SnapshotPool.reply_bytes kept no view");
-                goto error;
-            }
-        }
-    }
+    if (!reply_views(self, snapshots, arrays, m->nkeys, entries, reply_arrays)) goto error;
     if (!(result = reply_of(self, peer, m, entries, reply_arrays, at, stale, counters, others))) goto error;
     self->taken++;
     goto done;

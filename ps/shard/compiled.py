@@ -8,11 +8,12 @@ between its receive and its send, the shard's part of a 1 KiB push+pull fell fro
 against a table built here once, updates the keys' memory with SGD's arithmetic, counts and
 notes on the shard's own objects what the Python paths do, and writes the reply's header
 (requests waiting that the push lets go on, ssp's pulls, it leaves to the shard's _release;
-a sync pull that waits for the step's other workers it hands to the shard's Waiting).
-Under sync a push+pull of 4 small keys (quickstart's model, 2 workers, in a loop) took 28 us
-where the Python short path took 72 (async's 7); quickstart ps-sync x2 ran at 37,900 to
-39,700 samples/s against 34,100 to 35,800, its shard using 0.73 of the CPU a message
-(docs/results.md, "A sync step in the compiled path").
+under sync it answers the pulls that waited for the step's last push itself, where they are
+all push+pulls' pulls, and hands a pull that waits to the shard's Waiting). Under sync a
+push+pull of 4 small keys (quickstart's model, 2 workers, in a loop) takes 17 us where the
+Python short path took 72 (async's: 7); quickstart ps-sync x2 ran 2 to 29% faster (six
+pairs, median 17%), its shard using two thirds of the CPU (docs/results.md, "A sync step in
+the compiled path").
 A key a reply still points at it first moves to a copy, as the Python paths do
 (SnapshotPool.own). Anything it does not take (another field, a failed check, a pull that
 would wait, a key's first step with momentum, which makes its buffer) it leaves, unchanged,
