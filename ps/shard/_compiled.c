@@ -334,21 +334,21 @@ static int key_arrays(Path *self, PyObject *snapshots, PyObject *arrays, PyObjec
 
 /* The frames of an 'ok' reply carrying the keys of entries (nkeys), whose memory is
  * arrays_of's: {"v", "op", "worker", "req", "version", "keys"[, "waited_us"], "staleness",
- * "dtypes", "shapes"} as ps.protocol.pack_header writes them (waited_us < 0: none), then each
+ * "dtypes", "shapes"} as ps.protocol.pack_header writes them (waited_us NULL: none), then each
  * key's bytes, counted in bytes_out. A new list, or NULL with an error set. */
 static PyObject *reply_frames(Path *self, uint64_t worker, uint64_t req, Py_ssize_t nkeys, const Py_ssize_t *entries,
-                              PyObject **arrays_of, long long version, long long waited_us, long long stale,
+                              PyObject **arrays_of, long long version, const long long *waited_us, long long stale,
                               PyObject *counters) {
     Writer *o = &self->out;
     o->len = 0;
-    if (!wr_reserve(o, 16) || !(o->buf[o->len++] = waited_us < 0 ? 0x89 : 0x8a, 1) || !WR_KEY(o, "v") ||
+    if (!wr_reserve(o, 16) || !(o->buf[o->len++] = waited_us ? 0x8a : 0x89, 1) || !WR_KEY(o, "v") ||
         !wr_uint(o, self->version_tag) || !WR_KEY(o, "op") || !WR_KEY(o, "ok") || !WR_KEY(o, "worker") ||
         !wr_uint(o, worker) || !WR_KEY(o, "req") || !wr_uint(o, req) || !WR_KEY(o, "version") ||
         !wr_uint(o, version) || !WR_KEY(o, "keys") || !wr_array(o, nkeys))
         return NULL;
     for (Py_ssize_t j = 0; j < nkeys; j++)
         if (!wr_uint(o, self->keys[entries[j]].id)) return NULL;
-    if (waited_us >= 0 && (!WR_KEY(o, "waited_us") || !wr_uint(o, (uint64_t)waited_us))) return NULL;
+    if (waited_us && (!WR_KEY(o, "waited_us") || !wr_int(o, *waited_us))) return NULL;
     if (!WR_KEY(o, "staleness") || !wr_uint(o, stale) || !WR_KEY(o, "dtypes") || !wr_array(o, nkeys)) return NULL;
     for (Py_ssize_t j = 0; j < nkeys; j++) {
         Key *k = &self->keys[entries[j]];
@@ -386,7 +386,7 @@ static PyObject *reply_frames(Path *self, uint64_t worker, uint64_t req, Py_ssiz
  * after it: [(peer, frames), *others], or NULL with an error set. */
 static PyObject *reply_of(Path *self, PyObject *peer, const Push *m, const Py_ssize_t *entries, PyObject **arrays_of,
                           long long version, long long stale, PyObject *counters, PyObject *others) {
-    PyObject *out = reply_frames(self, m->worker, m->req, m->nkeys, entries, arrays_of, version, -1, stale, counters);
+    PyObject *out = reply_frames(self, m->worker, m->req, m->nkeys, entries, arrays_of, version, NULL, stale, counters);
     if (!out) return NULL;
     PyObject *pair = PyTuple_Pack(2, peer, out);
     Py_DECREF(out);
@@ -489,9 +489,17 @@ static PyObject *failed(Path *self, PyObject *peer, const Push *m, int mutated) 
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     PyObject *dispatch = PyObject_GetAttrString(self->server, "_dispatch");
+    PyObject *was_type, *was_value, *was_tb; /* the error as the one being handled: its log has its traceback */
+    PyErr_GetExcInfo(&was_type, &was_value, &was_tb);
+    if (value && tb) PyException_SetTraceback(value, tb);
+    Py_XINCREF(type);
+    Py_XINCREF(value);
+    Py_XINCREF(tb);
+    PyErr_SetExcInfo(type, value, tb);
     PyObject *reply = dispatch ? PyObject_CallMethod(dispatch, "failed", "OKKsO", peer, (unsigned long long)m->worker,
                                                      (unsigned long long)m->req, "push", value ? value : Py_None)
                                : NULL;
+    PyErr_SetExcInfo(was_type, was_value, was_tb);
     Py_XDECREF(dispatch);
     Py_XDECREF(type);
     Py_XDECREF(value);

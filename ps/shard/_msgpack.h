@@ -160,6 +160,18 @@ static int wr_uint(Writer *w, uint64_t v) {
     return 1;
 }
 
+/* As msgpack's Packer writes an int: a negative one in the shortest signed form, else wr_uint's. */
+static int wr_int(Writer *w, long long v) {
+    if (v >= 0) return wr_uint(w, (uint64_t)v);
+    if (!wr_reserve(w, 9)) return 0;
+    if (v >= -32) w->buf[w->len++] = (uint8_t)(0xe0 | (v & 0x1f));
+    else if (v >= -128) wr_be(w, 0xd0, (uint64_t)v, 1);
+    else if (v >= -32768) wr_be(w, 0xd1, (uint64_t)v, 2);
+    else if (v >= -2147483648LL) wr_be(w, 0xd2, (uint64_t)v, 4);
+    else wr_be(w, 0xd3, (uint64_t)v, 8);
+    return 1;
+}
+
 static int wr_str(Writer *w, const char *s, Py_ssize_t n) {
     if (!wr_reserve(w, n + 5)) return 0;
     if (n < 32) w->buf[w->len++] = (uint8_t)(0xa0 | n);

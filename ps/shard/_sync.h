@@ -101,9 +101,9 @@ typedef struct {
 /* 1 where waiter d is such a pull (p filled), 0 where not, -1 with an error set. */
 static int read_pull(Path *self, PyObject *d, Pull *p) {
     int ok = 0;
-    PyObject *msg = attr(d, s_msg), *header = attr(msg, s_header), *ids = attr(msg, s_ids),
-             *fields = attr(d, s_fields), *since = attr(d, s_since), *peer = attr(d, s_peer);
-    if (!peer || !since || !fields || !ids || !header) {
+    PyObject *msg = NULL, *header = NULL, *ids = NULL, *fields = NULL, *since = NULL, *peer = NULL;
+    if (!(msg = attr(d, s_msg)) || !(header = attr(msg, s_header)) || !(ids = attr(msg, s_ids)) ||
+        !(fields = attr(d, s_fields)) || !(since = attr(d, s_since)) || !(peer = attr(d, s_peer))) {
         ok = PyErr_ExceptionMatches(PyExc_AttributeError) ? (PyErr_Clear(), 0) : -1;
         goto done;
     }
@@ -205,43 +205,51 @@ static int release_pulls(Path *self, PyObject *s, PyObject *readied, PyObject *u
     long long counted;
     if (!get_i64(count, &counted) || !total || !PyFloat_CheckExact(total) || !most || !PyFloat_CheckExact(most))
         goto done;
+    double sum = PyFloat_AS_DOUBLE(total), top = PyFloat_AS_DOUBLE(most);
+    /* from here on Waiting.ready's: the clock, the pulls taken out and counted; then each answer */
     rc = -1;
     PyObject *clock = attr(s, s_clock);
     now_o = clock ? PyObject_CallNoArgs(clock) : NULL;
     Py_XDECREF(clock);
     if (!now_o) goto done;
-    rc = 0;
-    double now = PyFloat_AsDouble(now_o), sum = PyFloat_AS_DOUBLE(total), top = PyFloat_AS_DOUBLE(most);
-    if (now == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
+    double now = PyFloat_AsDouble(now_o); /* (a clock that gives no number: Python's now - since raises too) */
+    if (now == -1.0 && PyErr_Occurred()) goto done;
+    if (!found) {
+        rc = 1;
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (ready[i] && !(now - pulls[i].since >= 0.0)) goto done; /* a clock gone back: Python's to write */
-    rc = 1;
-    if (!found) goto done;
-    rc = -1;
-    /* from here on Waiting.ready's, then each answer */
     if (!(kept = PyList_New(0))) goto done;
     for (Py_ssize_t i = 0; i < n; i++)
         if (!ready[i] && PyList_Append(kept, PyList_GET_ITEM(waiters, i)) < 0) goto done;
+    if (PyObject_SetAttr(waiting, s__waiting, kept) < 0) goto done; /* waiters still holds the ones taken */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!ready[i]) continue;
+        double waited = now - pulls[i].since;
+        sum += waited;
+        if (waited > top) top = waited;
+    }
+    PyObject *c = PyLong_FromLongLong(counted + found), *t = PyFloat_FromDouble(sum), *m = PyFloat_FromDouble(top);
+    int set = c && t && m && PyDict_SetItem(waits, s_count, c) == 0 && PyDict_SetItem(waits, s_total_s, t) == 0 &&
+              PyDict_SetItem(waits, s_max_s, m) == 0;
+    Py_XDECREF(c);
+    Py_XDECREF(t);
+    Py_XDECREF(m);
+    if (!set) goto done;
     if (!(replies = PyList_New(0))) goto done;
     if (!(snapshots = attr(s, s_snapshots)) || !(arrays = attr(snapshots, s__arrays))) goto done;
     if (!PyDict_Check(arrays)) {
         PyErr_SetString(PyExc_TypeError, "SnapshotPool._arrays is not a dict");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* ShardServer._answer: each in the order they waited */
         if (!ready[i]) continue;
         Pull *p = &pulls[i];
-        double waited = now - p->since;
-        sum += waited;
-        if (waited > top) top = waited;
+        long long waited_us = (long long)((now - p->since) * 1e6); /* int(): toward zero, as C's cast */
         PyObject *views[MAX_KEYS_ON_STACK];
         if (!reply_views(self, snapshots, arrays, p->nkeys, p->entries, views)) goto done;
         long long at = version_of(self, updated, version_now, p->nkeys, p->entries);
         PyObject *frames = at < 0 ? NULL : reply_frames(self, p->worker, p->req, p->nkeys, p->entries, views, at,
-                                                         (long long)(waited * 1e6), p->stale, counters);
+                                                         &waited_us, p->stale, counters);
         PyObject *pair = frames ? PyTuple_Pack(2, p->peer, frames) : NULL;
         Py_XDECREF(frames);
         if (!pair || PyList_Append(replies, pair) < 0) {
@@ -250,14 +258,6 @@ static int release_pulls(Path *self, PyObject *s, PyObject *readied, PyObject *u
         }
         Py_DECREF(pair);
     }
-    if (PyObject_SetAttr(waiting, s__waiting, kept) < 0) goto done;
-    PyObject *c = PyLong_FromLongLong(counted + found), *t = PyFloat_FromDouble(sum), *m = PyFloat_FromDouble(top);
-    int set = c && t && m && PyDict_SetItem(waits, s_count, c) == 0 && PyDict_SetItem(waits, s_total_s, t) == 0 &&
-              PyDict_SetItem(waits, s_max_s, m) == 0;
-    Py_XDECREF(c);
-    Py_XDECREF(t);
-    Py_XDECREF(m);
-    if (!set) goto done;
     *out = replies;
     replies = NULL;
     self->released += found;
@@ -285,7 +285,8 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
              *rule = NULL, *sums = NULL, *pushed = NULL, *updated = NULL, *held = NULL, *rows = NULL,
              *step_lr = NULL, *step_hold = NULL, *summing_o = NULL, *most_o = NULL, *counters = NULL,
              *staleness = NULL, *snapshots = NULL, *arrays = NULL, *lent = NULL, *optimizer = NULL, *group = NULL,
-             *save = NULL, *w_obj = NULL, *step_obj = NULL, *lr_obj = NULL, *readied = NULL, *others = NULL;
+             *save = NULL, *w_obj = NULL, *step_obj = NULL, *lr_obj = NULL, *readied = NULL, *others = NULL,
+             *partial = NULL, *done = NULL; /* held: Python code runs between their look-up and their use */
     Py_ssize_t ready[MAX_KEYS_ON_STACK], nready = 0, ngrads = 0, nsums = 0, nvalues = 0, nbufs = 0;
     int in_sum[MAX_KEYS_ON_STACK], is_ready[MAX_KEYS_ON_STACK];
     Py_buffer grads[MAX_KEYS_ON_STACK], sumv[MAX_KEYS_ON_STACK], values[MAX_KEYS_ON_STACK], bufs[MAX_KEYS_ON_STACK];
@@ -304,6 +305,10 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
     GET(waiters, waiting, s__waiting);
     if (!PyList_CheckExact(waiters)) PASS;
     if (!frames_fit(self, frames, m, entries)) PASS;
+    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(frames, j + 1), &grads[j], PyBUF_SIMPLE) < 0) goto error;
+        ngrads++;
+    }
     /* the worker: joined, heard from; every worker live, none rejoining (the rule's needed() is all) */
     GET(workers, s, s_workers);
     GET(seen, workers, s_seen);
@@ -314,7 +319,9 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
         PySet_GET_SIZE(left) || !PyAnySet_Check(joining) || PySet_GET_SIZE(joining))
         PASS;
     if (!(w_obj = PyLong_FromUnsignedLongLong(m->worker))) goto error;
-    if (PyDict_Contains(seen, w_obj) != 1) PASS;
+    int joined = PyDict_Contains(seen, w_obj);
+    if (joined < 0) goto error;
+    if (!joined) PASS;
     /* ShardServer.check_push: the version, the worker's clock, the rule's step, each key once a step */
     GET(version_o, s, s_version);
     if (!get_i64(version_o, &version_s) || (long long)m->version > version_s || (long long)m->step != version_s) PASS;
@@ -322,11 +329,19 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
     if (!PyDict_Check(clocks) || !get_i64(PyDict_GetItem(clocks, w_obj), &clock_w) || (long long)m->step < clock_w)
         PASS;
     GET(partials, workers, s__partial);
-    PyObject *partial = PyDict_Check(partials) ? PyDict_GetItem(partials, w_obj) : NULL; /* borrowed */
-    if (!partial || !PyDict_Check(partial)) PASS;
+    partial = PyDict_Check(partials) ? PyDict_GetItem(partials, w_obj) : NULL;
+    if (!partial || !PyDict_Check(partial)) {
+        partial = NULL;
+        PASS;
+    }
+    Py_INCREF(partial);
     if (!(step_obj = PyLong_FromUnsignedLongLong(m->step))) goto error;
-    PyObject *done = PyDict_GetItem(partial, step_obj); /* borrowed */
-    if (done && !PyAnySet_CheckExact(done)) PASS;
+    done = PyDict_GetItem(partial, step_obj);
+    if (done && !PyAnySet_CheckExact(done)) {
+        done = NULL;
+        PASS;
+    }
+    Py_XINCREF(done);
     for (Py_ssize_t j = 0; done && j < m->nkeys; j++) {
         int in = PySet_Contains(done, self->keys[entries[j]].obj);
         if (in < 0) goto error;
@@ -419,10 +434,6 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
             nvalues++;
             if (values[j].len != self->keys[ready[j]].nbytes) PASS;
         }
-    }
-    for (Py_ssize_t j = 0; j < m->nkeys; j++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(frames, j + 1), &grads[j], PyBUF_SIMPLE) < 0) goto error;
-        ngrads++;
     }
 
     /* Every check of the Python paths holds: from here on the push is applied, as they do. */
@@ -561,7 +572,7 @@ done:
     PyObject *held_refs[] = {aborted, trace, waiting, waiters, workers, seen, lost, left, joining, clocks, partials,
                              version_o, rule, sums, pushed, updated, held, rows, step_lr, step_hold, summing_o,
                              most_o, counters, staleness, snapshots, arrays, lent, optimizer, group, save, w_obj,
-                             step_obj, lr_obj, readied, others};
+                             step_obj, lr_obj, readied, others, partial, done};
     for (size_t i = 0; i < sizeof held_refs / sizeof held_refs[0]; i++) Py_XDECREF(held_refs[i]);
     return result;
 #undef GET

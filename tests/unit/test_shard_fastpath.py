@@ -383,6 +383,41 @@ def test_compiled_push_lets_a_waiting_ssp_pull_go_on():
         assert torch.equal(a.chunks[k], b.chunks[k])
 
 
+@pytest.mark.parametrize("back_s", [0.0, 0.5, 3e-7])
+def test_compiled_sync_answers_waiting_pulls_as_the_general_path_whatever_the_clock(back_s):
+    """The pulls a sync step's last push lets go on, answered by the compiled path, carry the
+    bytes the general path writes (waited_us by the shard's clock, read as often: negative
+    where the clock went back, and truncated as int() truncates) and leave the same waiting
+    counts, with 3 workers of whom 2 wait."""
+    if not compiled.available():
+        pytest.skip("ps.shard._compiled is not built")
+
+    class Back(Clock):
+        def __call__(self):
+            self.now -= back_s
+            return self.now
+
+    a, _ = shard("sync", 3, OPTIMIZERS["momentum"], short=True)
+    b, _ = shard("sync", 3, OPTIMIZERS["momentum"], short=False)
+    a.clock, b.clock = Back(), Back()
+    both = both_ways(a, b)
+    for w in range(3):
+        both(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
+    torch.manual_seed(1)
+    for step in range(4):
+        for w in (2, 0, 1):
+            grads = [torch.randn(LAYOUT.keys[k].numel, dtype=torch.float64) for k in MINE]
+            replies = both(f"w{w}".encode(), frames_of({"op": "push", "worker": w, "req": step + 1, "step": step,
+                                                        "version": step, "keys": MINE, "pull": 1,
+                                                        "min_version": step + 1}, grads))
+            a.clock.now += 1.234567e-3  # between messages
+            b.clock.now += 1.234567e-3
+        waited = [msgpack.unpackb(bytes(f[0]))["waited_us"] for _, f in replies[1:]]
+        assert len(waited) == 2 and (min(waited) < 0 if back_s == 0.5 else min(waited) >= 0)
+    assert a.waiting.waits == b.waiting.waits and a.waiting.waits["count"] == 8
+    assert a._short.compiled.released == 6 and a.stats() == b.stats()  # the first step makes the momentum: Python's
+
+
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_a_pull_that_waited_is_answered_in_the_bytes_encode_writes(mode):
     """A sync step's first push+pulls wait for the last worker's (ssp's, for the slowest
