@@ -21,6 +21,7 @@ from experiments.bench.startup import format_startup, startup
 from experiments.bench.fabric import fabric_if_possible
 from experiments.bench.incast import incast_if_possible
 from experiments.bench.legs import format_legs_table, push_pull_legs
+from experiments.bench.shard_loop import format_shard_loop, shard_loop
 from experiments.bench.update_threads import format_update_threads_table, update_threads_table
 from experiments.rundir import files
 from experiments.runtime.cpumeter import cores_in_windows
@@ -312,6 +313,8 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo(format_ps_load_table(load_rows))
     update_rows = update_threads_table()
     echo(format_update_threads_table(update_rows))
+    loop_rows = shard_loop()
+    echo(format_shard_loop(loop_rows))
     carried = fabric_if_possible(echo)
     incast_rows = incast_if_possible(echo)
     echo("")
@@ -355,7 +358,7 @@ def run(echo: Callable[[str], None] = print, steps: int = 15, rounds: int = 3,
     echo("")
     fault_report = faults_goals(out, echo)
     report = {"collectives": collectives, "faults": fault_report, "allreduce_table": table, "ps_bandwidth": ps_rows, "ps_legs": legs, "ps_load": load_rows,
-              "update_threads": update_rows, "throughput": tput, "median": med,
+              "update_threads": update_rows, "shard_loop": loop_rows, "throughput": tput, "median": med,
               "quickstart": quick, "startup": start,
               "rpc_ps": rpc_rates, "rpc_pairs": pairs, "sparse": sparse, "compression": compression}
     if carried is not None:

@@ -154,3 +154,20 @@ def test_the_update_rows_time_sgd_and_count_the_cores_each_way(kernel_threads):
     assert thread_counts(16) == [2, 8, 16] and thread_counts(2) == [2] and thread_counts(3) == [2, 3]
     with pytest.raises(ValueError, match="mode 'omp'"):
         one_row("omp", 2, 1 << 16)
+
+
+def test_the_shard_loop_times_each_rule_both_ways():
+    """A few steps of each rule through a shard's handle() in this process: both paths time
+    the same messages, none refused, and the compiled path (where built) takes all of them
+    (its first momentum step, in the warm-up, is Python's)."""
+    from experiments.bench.shard_loop import format_shard_loop, shard_loop
+    from ps.shard import compiled
+
+    rows = shard_loop(steps=10)
+    assert [r["rule"] for r in rows] == ["sync", "async"]
+    for r in rows:
+        assert 0 < r["python_us"] < 1e6
+        if compiled.available():
+            assert 0 < r["compiled_us"] < 1e6 and r["compiled_share"] == 1.0
+    table = format_shard_loop(rows)
+    assert table.startswith("a shard's push+pull in one process") and "  sync   compiled " in table
