@@ -461,6 +461,72 @@ done:
     return ok;
 }
 
+/* Whether the shard's compiled path may take a message now: not aborted, no trace, and its
+ * waiting requests a list (held in *waiting and *waiters): 1; 0 where not; -1 with an error set. */
+static int shard_open(PyObject *s, PyObject **waiting, PyObject **waiters) {
+    PyObject *aborted = attr(s, s_aborted);
+    if (!aborted) return -1;
+    PyObject *trace = attr(s, s_trace);
+    int open = aborted == Py_None && trace == Py_None;
+    Py_DECREF(aborted);
+    Py_XDECREF(trace);
+    if (!trace) return -1;
+    if (!open) return 0;
+    if (!(*waiting = attr(s, s_waiting)) || !(*waiters = attr(*waiting, s__waiting))) return -1;
+    return PyList_CheckExact(*waiters);
+}
+
+/* What worker w_obj has pushed of m's step here (Workers.pushed): its steps' keys (*partial,
+ * Workers._partial[w]) and the step's set (*done, or NULL where none yet), both held: 1; 0
+ * where they are not as this path reads them, or a key of m is among them (pushed twice in a
+ * step: refused, by the Python paths); -1 with an error set. */
+static int step_pushed(Path *self, PyObject *partials, PyObject *w_obj, PyObject *step_obj, const Push *m,
+                       const Py_ssize_t *entries, PyObject **partial, PyObject **done) {
+    PyObject *p = PyDict_Check(partials) ? PyDict_GetItem(partials, w_obj) : NULL;
+    if (!p || !PyDict_Check(p)) return 0;
+    PyObject *d = PyDict_GetItem(p, step_obj);
+    if (d && !PyAnySet_CheckExact(d)) return 0;
+    for (Py_ssize_t j = 0; d && j < m->nkeys; j++) {
+        int in = PySet_Contains(d, self->keys[entries[j]].obj);
+        if (in) return in < 0 ? -1 : 0;
+    }
+    Py_INCREF(p);
+    Py_XINCREF(d);
+    *partial = p;
+    *done = d;
+    return 1;
+}
+
+/* SGD's settings in the shard optimizer's parameter group (a float learning rate) into a: 1, or
+ * 0 where one is not as this path reads it. */
+static int group_step(PyObject *group, Step *a) {
+    return PyDict_CheckExact(group) && number(PyDict_GetItem(group, s_lr), &a->lr, 1) &&
+           number(PyDict_GetItem(group, s_momentum), &a->momentum, 0) &&
+           number(PyDict_GetItem(group, s_weight_decay), &a->wd, 0) &&
+           number(PyDict_GetItem(group, s_dampening), &a->dampening, 0) &&
+           flag(PyDict_GetItem(group, s_maximize), &a->maximize) && flag(PyDict_GetItem(group, s_nesterov), &a->nesterov);
+}
+
+/* What the Python paths count of a push taken (fastpath._apply, ShardServer.take_push): its
+ * bytes in (header and grads), the worker heard from now, its staleness, one more push: 1, or 0
+ * with an error set. */
+static int count_push(PyObject *s, PyObject *counters, PyObject *staleness, PyObject *seen, PyObject *w_obj,
+                      PyObject *head, const Py_buffer *grads, Py_ssize_t nkeys, long long stale) {
+    Py_ssize_t in_bytes = PyBytes_GET_SIZE(head);
+    for (Py_ssize_t j = 0; j < nkeys; j++) in_bytes += grads[j].len;
+    if (!add_to(counters, s_bytes_in, in_bytes, 0)) return 0;
+    PyObject *clock = attr(s, s_clock);
+    PyObject *now = clock ? PyObject_CallNoArgs(clock) : NULL;
+    Py_XDECREF(clock);
+    int rc = now ? PyDict_SetItem(seen, w_obj, now) : -1;
+    Py_XDECREF(now);
+    if (rc < 0) return 0;
+    PyObject *st = PyLong_FromLongLong(stale);
+    int ok = st && add_to(staleness, st, 1, 1);
+    Py_XDECREF(st);
+    return ok && add_to(counters, s_pushes, 1, 0);
+}
+
 /* Whether each key's frame (frames[1:]) is a writable, contiguous byte view of its size. */
 static int frames_fit(Path *self, PyObject *frames, const Push *m, const Py_ssize_t *entries) {
     for (Py_ssize_t j = 0; j < m->nkeys; j++) {
@@ -537,8 +603,8 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     if (self->sync) return sync_call(self, peer, frames, &m, entries);
 
     PyObject *result = NULL, *s = self->server;
-    PyObject *aborted = NULL, *trace = NULL, *waiting = NULL, *waiters = NULL, *version_o = NULL, *workers = NULL,
-             *seen = NULL, *lost = NULL, *clocks = NULL, *partials = NULL, *counters = NULL, *staleness = NULL,
+    PyObject *waiting = NULL, *waiters = NULL, *version_o = NULL, *workers = NULL, *seen = NULL, *lost = NULL,
+             *clocks = NULL, *partials = NULL, *partial = NULL, *done = NULL, *counters = NULL, *staleness = NULL,
              *snapshots = NULL, *arrays = NULL, *lent = NULL, *optimizer = NULL, *group = NULL, *w_obj = NULL,
              *step_obj = NULL, *save = NULL, *rule = NULL, *rows = NULL, *read_at = NULL, *gap_o = NULL,
              *others = NULL;
@@ -548,12 +614,12 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
 #define GET(var, obj, name)                    \
     if (!(var = attr(obj, name))) goto error;
 #define PASS goto pass
-    GET(aborted, s, s_aborted);
-    GET(trace, s, s_trace);
-    if (aborted != Py_None || trace != Py_None) PASS;
-    GET(waiting, s, s_waiting);
-    GET(waiters, waiting, s__waiting);
-    if (!PyList_CheckExact(waiters)) PASS;
+#define TRY(call)             \
+    switch (call) {           \
+    case -1: goto error;      \
+    case 0: goto pass;        \
+    }
+    TRY(shard_open(s, &waiting, &waiters));
     if (!frames_fit(self, frames, &m, entries)) PASS;
     GET(workers, s, s_workers);
     GET(seen, workers, s_seen);
@@ -567,18 +633,9 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     if (!PyDict_Check(clocks) || !get_i64(PyDict_GetItem(clocks, w_obj), &clock_w) || (long long)m.step < clock_w)
         PASS;
     GET(partials, workers, s__partial);
-    PyObject *partial = PyDict_Check(partials) ? PyDict_GetItem(partials, w_obj) : NULL; /* borrowed */
-    if (!partial || !PyDict_Check(partial)) PASS;
     if (!(step_obj = PyLong_FromUnsignedLongLong(m.step))) goto error;
-    PyObject *done = PyDict_GetItem(partial, step_obj); /* borrowed */
-    if (done && !PyAnySet_CheckExact(done)) PASS;
-    for (Py_ssize_t j = 0; done && j < m.nkeys; j++) {
-        int in = PySet_Contains(done, self->keys[entries[j]].obj);
-        if (in < 0) goto error;
-        if (in) PASS; /* a key pushed twice in a step: refused, by the Python paths */
-    }
-    Py_ssize_t done_n = done ? PySet_GET_SIZE(done) : 0;
-    int completes = done_n + m.nkeys >= self->shard_keys;
+    TRY(step_pushed(self, partials, w_obj, step_obj, &m, entries, &partial, &done));
+    int completes = (done ? PySet_GET_SIZE(done) : 0) + m.nkeys >= self->shard_keys;
     long long version_after = version_s + completes;
     if (m.has_min_version && version_after < (long long)m.min_version) PASS; /* the pull waits */
     long long slowest = -1;
@@ -591,13 +648,8 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
     /* the optimizer: SGD, a float learning rate; with momentum, each key's buffer made already */
     GET(optimizer, s, s_optimizer);
     GET(group, optimizer, s__group);
-    if (!PyDict_CheckExact(group)) PASS;
     Step a = {.divisor = 1.0, .scale = 1.0};
-    if (!number(PyDict_GetItem(group, s_lr), &a.lr, 1) || !number(PyDict_GetItem(group, s_momentum), &a.momentum, 0) ||
-        !number(PyDict_GetItem(group, s_weight_decay), &a.wd, 0) ||
-        !number(PyDict_GetItem(group, s_dampening), &a.dampening, 0) ||
-        !flag(PyDict_GetItem(group, s_maximize), &a.maximize) || !flag(PyDict_GetItem(group, s_nesterov), &a.nesterov))
-        PASS;
+    if (!group_step(group, &a)) PASS;
     if (m.has_lr) a.lr = m.lr;
     if (a.momentum != 0.0 && !momentum_buffers(self, s, optimizer, m.nkeys, entries, bufs, &nbufs)) {
         if (PyErr_Occurred()) goto error;
@@ -636,27 +688,8 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
 
     /* Every check of the Python paths holds: from here on the push is applied, as they do. */
     mutated = 1;
-    Py_ssize_t in_bytes = PyBytes_GET_SIZE(head);
-    for (Py_ssize_t j = 0; j < m.nkeys; j++) in_bytes += grads[j].len;
-    if (!add_to(counters, s_bytes_in, in_bytes, 0)) goto error;
-    {
-        PyObject *clock = attr(s, s_clock);
-        if (!clock) goto error;
-        PyObject *now = PyObject_CallNoArgs(clock);
-        Py_DECREF(clock);
-        if (!now) goto error;
-        int rc = PyDict_SetItem(seen, w_obj, now);
-        Py_DECREF(now);
-        if (rc < 0) goto error;
-    }
     long long stale = version_s - (long long)m.version;
-    {
-        PyObject *st = PyLong_FromLongLong(stale);
-        int ok = st && add_to(staleness, st, 1, 1);
-        Py_XDECREF(st);
-        if (!ok) goto error;
-    }
-    if (!add_to(counters, s_pushes, 1, 0)) goto error;
+    if (!count_push(s, counters, staleness, seen, w_obj, head, grads, m.nkeys, stale)) goto error;
     Py_ssize_t live = self->num_workers - PyDict_GET_SIZE(lost);
     a.scale = self->mean ? 1.0 / (double)live : 1.0;
     if (m.has_lr) {
@@ -710,8 +743,6 @@ done:
     for (Py_ssize_t j = 0; j < nvalues; j++) PyBuffer_Release(&values[j]);
     for (Py_ssize_t j = 0; j < ngrads; j++) PyBuffer_Release(&grads[j]);
     for (Py_ssize_t j = 0; j < nbufs; j++) PyBuffer_Release(&bufs[j]);
-    Py_XDECREF(aborted);
-    Py_XDECREF(trace);
     Py_XDECREF(waiting);
     Py_XDECREF(waiters);
     Py_XDECREF(version_o);
@@ -720,6 +751,8 @@ done:
     Py_XDECREF(lost);
     Py_XDECREF(clocks);
     Py_XDECREF(partials);
+    Py_XDECREF(partial);
+    Py_XDECREF(done);
     Py_XDECREF(counters);
     Py_XDECREF(staleness);
     Py_XDECREF(snapshots);
@@ -738,6 +771,7 @@ done:
     return result;
 #undef GET
 #undef PASS
+#undef TRY
 }
 
 /* Path(server, table, buffer_bytes, ssp, mean, staleness, version, max_int, max_header, max_keys, max_str_len,

@@ -283,7 +283,7 @@ done:
  * None for the Python paths. */
 static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m, Py_ssize_t *entries) {
     PyObject *s = self->server, *result = NULL;
-    PyObject *aborted = NULL, *trace = NULL, *waiting = NULL, *waiters = NULL, *workers = NULL, *seen = NULL,
+    PyObject *waiting = NULL, *waiters = NULL, *workers = NULL, *seen = NULL,
              *lost = NULL, *left = NULL, *joining = NULL, *clocks = NULL, *partials = NULL, *version_o = NULL,
              *rule = NULL, *sums = NULL, *pushed = NULL, *updated = NULL, *held = NULL, *rows = NULL,
              *step_lr = NULL, *step_hold = NULL, *summing_o = NULL, *most_o = NULL, *counters = NULL,
@@ -300,13 +300,13 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
 #define GET(var, obj, name)                    \
     if (!(var = attr(obj, name))) goto error;
 #define PASS goto pass
+#define TRY(call)             \
+    switch (call) {           \
+    case -1: goto error;      \
+    case 0: goto pass;        \
+    }
     if (m->has_clock) PASS; /* a sync push+pull asks for a version; a clock is the Python paths' to read */
-    GET(aborted, s, s_aborted);
-    GET(trace, s, s_trace);
-    if (aborted != Py_None || trace != Py_None) PASS;
-    GET(waiting, s, s_waiting);
-    GET(waiters, waiting, s__waiting);
-    if (!PyList_CheckExact(waiters)) PASS;
+    TRY(shard_open(s, &waiting, &waiters));
     if (!frames_fit(self, frames, m, entries)) PASS;
     for (Py_ssize_t j = 0; j < m->nkeys; j++) {
         if (PyObject_GetBuffer(PyList_GET_ITEM(frames, j + 1), &grads[j], PyBUF_SIMPLE) < 0) goto error;
@@ -332,24 +332,8 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
     if (!PyDict_Check(clocks) || !get_i64(PyDict_GetItem(clocks, w_obj), &clock_w) || (long long)m->step < clock_w)
         PASS;
     GET(partials, workers, s__partial);
-    partial = PyDict_Check(partials) ? PyDict_GetItem(partials, w_obj) : NULL;
-    if (!partial || !PyDict_Check(partial)) {
-        partial = NULL;
-        PASS;
-    }
-    Py_INCREF(partial);
     if (!(step_obj = PyLong_FromUnsignedLongLong(m->step))) goto error;
-    done = PyDict_GetItem(partial, step_obj);
-    if (done && !PyAnySet_CheckExact(done)) {
-        done = NULL;
-        PASS;
-    }
-    Py_XINCREF(done);
-    for (Py_ssize_t j = 0; done && j < m->nkeys; j++) {
-        int in = PySet_Contains(done, self->keys[entries[j]].obj);
-        if (in < 0) goto error;
-        if (in) PASS;
-    }
+    TRY(step_pushed(self, partials, w_obj, step_obj, m, entries, &partial, &done));
     int completes = (done ? PySet_GET_SIZE(done) : 0) + m->nkeys >= self->shard_keys;
     /* the rule: no held step, no rows, the step's learning rate, no key already updated */
     GET(rule, s, s_rule);
@@ -410,14 +394,7 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
     if (nready) {
         GET(optimizer, s, s_optimizer);
         GET(group, optimizer, s__group);
-        if (!PyDict_CheckExact(group)) PASS;
-        if (!number(PyDict_GetItem(group, s_lr), &a.lr, 1) ||
-            !number(PyDict_GetItem(group, s_momentum), &a.momentum, 0) ||
-            !number(PyDict_GetItem(group, s_weight_decay), &a.wd, 0) ||
-            !number(PyDict_GetItem(group, s_dampening), &a.dampening, 0) ||
-            !flag(PyDict_GetItem(group, s_maximize), &a.maximize) ||
-            !flag(PyDict_GetItem(group, s_nesterov), &a.nesterov))
-            PASS;
+        if (!group_step(group, &a)) PASS;
         if (lr_obj != Py_None) a.lr = PyFloat_AS_DOUBLE(lr_obj);
         if (a.momentum != 0.0 && !momentum_buffers(self, s, optimizer, nready, ready, bufs, &nbufs)) {
             if (PyErr_Occurred()) goto error;
@@ -439,25 +416,9 @@ static PyObject *sync_call(Path *self, PyObject *peer, PyObject *frames, Push *m
 
     /* Every check of the Python paths holds: from here on the push is applied, as they do. */
     mutated = 1;
-    Py_ssize_t in_bytes = PyBytes_GET_SIZE(PyList_GET_ITEM(frames, 0));
-    for (Py_ssize_t j = 0; j < m->nkeys; j++) in_bytes += grads[j].len;
-    if (!add_to(counters, s_bytes_in, in_bytes, 0)) goto error;
-    {
-        PyObject *clock = attr(s, s_clock);
-        PyObject *now = clock ? PyObject_CallNoArgs(clock) : NULL;
-        Py_XDECREF(clock);
-        int rc = now ? PyDict_SetItem(seen, w_obj, now) : -1;
-        Py_XDECREF(now);
-        if (rc < 0) goto error;
-    }
     long long stale = version_s - (long long)m->version;
-    {
-        PyObject *st = PyLong_FromLongLong(stale);
-        int ok = st && add_to(staleness, st, 1, 1);
-        Py_XDECREF(st);
-        if (!ok) goto error;
-    }
-    if (!add_to(counters, s_pushes, 1, 0)) goto error;
+    if (!count_push(s, counters, staleness, seen, w_obj, PyList_GET_ITEM(frames, 0), grads, m->nkeys, stale))
+        goto error;
     /* SyncRule.push */
     if (!(readied = PySet_New(NULL)) || PyObject_SetAttr(rule, s_readied, readied) < 0) goto error;
     if (!note_keys(self, partials, partial, clocks, w_obj, step_obj, done, m->step, m->nkeys, entries, completes))
@@ -570,7 +531,7 @@ done:
     for (Py_ssize_t j = 0; j < nbufs; j++) PyBuffer_Release(&bufs[j]);
     for (Py_ssize_t j = 0; j < nsums; j++)
         if (in_sum[j]) PyBuffer_Release(&sumv[j]);
-    PyObject *held_refs[] = {aborted, trace, waiting, waiters, workers, seen, lost, left, joining, clocks, partials,
+    PyObject *held_refs[] = {waiting, waiters, workers, seen, lost, left, joining, clocks, partials,
                              version_o, rule, sums, pushed, updated, held, rows, step_lr, step_hold, summing_o,
                              most_o, counters, staleness, snapshots, arrays, lent, optimizer, group, save, w_obj,
                              step_obj, lr_obj, readied, others, partial, done};
@@ -578,6 +539,7 @@ done:
     return result;
 #undef GET
 #undef PASS
+#undef TRY
 }
 
 #endif
