@@ -27,15 +27,6 @@ SHAPES = ((128, 64), (128,), (10, 128), (10,))
 """quickstart's MLP 64-128-10."""
 
 
-def _frames(header: dict, tensors: list[torch.Tensor]) -> list:
-    """A message as a shard's transport hands it over: the header as bytes, each tensor's
-    frame a writable view."""
-    from ps.protocol import encode
-
-    frames = encode(header, tensors)
-    return [bytes(frames[0])] + [memoryview(bytearray(f)) for f in frames[1:]]
-
-
 def time_rule(rule: str, compiled: bool, steps: int = STEPS) -> tuple[float, float]:
     """Seconds a push+pull through ShardServer.handle, the median of 5 runs of `steps` steps;
     and the share of the timed messages the compiled path took (0 without it)."""
@@ -43,7 +34,7 @@ def time_rule(rule: str, compiled: bool, steps: int = STEPS) -> tuple[float, flo
 
     from ps.config import PSConfig
     from ps.layout import ParamSpec, build_layout, split_values
-    from ps.protocol import encode
+    from ps.protocol import encode, pack_header
     from ps.shard import ShardServer
 
     specs = [ParamSpec(f"p{i}", shape, "float32") for i, shape in enumerate(SHAPES)]
@@ -57,16 +48,18 @@ def time_rule(rule: str, compiled: bool, steps: int = STEPS) -> tuple[float, flo
     for w in range(WORKERS):
         server.handle(f"w{w}".encode(), encode({"op": "join", "worker": w, "req": 0}))
     peers = [f"w{w}".encode() for w in range(WORKERS)]
-    # two sets of gradient frames a worker, written once (a sync step keeps its first push's frame until the
-    # step ends); each step's headers written beforehand
+    # as a shard's transport hands a push over: two sets of gradient frames a worker (writable views),
+    # written once (a sync step keeps its first push's frame until the step ends); each step's header
+    # written beforehand, as PSClient.push writes it (ps.protocol.encode_whole)
     grads = [[[memoryview(bytearray((torch.randn(layout.keys[k].numel, generator=gen) * 1e-3).numpy().tobytes()))
                for k in keys] for _ in range(2)] for _ in range(WORKERS)]
     total = WARMUP + 5 * steps
+    whole = {"dtypes": [layout.key_dtype[k] for k in keys], "shapes": [layout.key_wire_shape[k] for k in keys]}
 
     def header(w: int, step: int) -> bytes:
-        h = {"op": "push", "worker": w, "req": step + 1, "step": step, "version": step if rule == "sync" else 0,
-             "keys": keys, "pull": 1, **({"min_version": step + 1} if rule == "sync" else {"clock": step + 1})}
-        return _frames(h, [torch.zeros(layout.keys[k].numel) for k in keys])[0]
+        return pack_header({"op": "push", "worker": w, "req": step + 1, "step": step,
+                            "version": step if rule == "sync" else 0, "keys": keys, "pull": 1,
+                            **({"min_version": step + 1} if rule == "sync" else {"clock": step + 1}), **whole})
 
     messages = [[[header(w, step)] + grads[w][step % 2] for w in range(WORKERS)] for step in range(total)]
     times = []
