@@ -70,7 +70,7 @@ class Fit:
         return 1e-9 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else math.inf
 
 
-def _fit_line(alpha_coef: Sequence[float], beta_coef: Sequence[float],
+def fit_line(alpha_coef: Sequence[float], beta_coef: Sequence[float],
               times: Sequence[float]) -> Fit:
     """Least squares of t = a·alpha + b·beta on relative error (rows weighted by 1/t).
 
@@ -108,7 +108,7 @@ def fit_allreduce(table: dict, algorithm: str) -> Fit:
         raise ValueError(f"allreduce_table has no rows for algorithm {algorithm!r} "
                          f"(found: {', '.join(found) or 'none'})")
     steps = 2 * (world - 1)
-    return _fit_line([steps] * len(rows), [steps / world * r["bytes"] for r in rows],
+    return fit_line([steps] * len(rows), [steps / world * r["bytes"] for r in rows],
                      [r["time_us"] * 1e-6 for r in rows])
 
 
@@ -120,7 +120,7 @@ def fit_ps(rows: list[dict]) -> Fit:
     """
     if not rows:
         raise ValueError("ps_bandwidth has no rows")
-    return _fit_line([2] * len(rows), [2 * r["bytes"] for r in rows],
+    return fit_line([2] * len(rows), [2 * r["bytes"] for r in rows],
                      [r["ps_us"] * 1e-6 for r in rows])
 
 

@@ -84,9 +84,9 @@ SHARD_MESSAGE_S, SHARD_BYTE_S = 42.6e-6, 118.0e-6 / 2**20
 on this project's 2-core machine (ps_legs' ps_thread_us, the shard's thread's CPU from one
 push+pull's send to the next, at 1 KiB, 1 MiB and 4 MiB, two runs: 41.3, 190.7, 481.2 and
 42.1, 183.0, 464.4 us), an async shard's compiled path one message at a time. A sync
-shard's messages take it longer (its Python path: in one process, 29 us for a push that
-waits and 66 for the last of a 2-worker step of two keys, tests/unit/test_ps_calls.py),
-which this leaves to its runs' ratio."""
+shard's messages take it longer (in one process, quickstart's 4 keys, 2 workers: 17 us a
+push+pull in the compiled path against async's 7; psar bench's shard_loop), which this
+leaves to its runs' ratio."""
 
 
 def _given(value: float | None, default: float) -> float:
@@ -238,10 +238,12 @@ def bench_shard(path) -> tuple[float | None, float | None]:
     """(seconds a message, seconds a byte) of a shard's own time on a push+pull, fitted to the
     legs in `psar bench`'s report (bench.json's ps_legs at each size: ps_thread_us, its
     thread's CPU from one send to the next, else ps_server_us, its receive to its send) by
-    least squares of the relative error, so that 1 KiB counts as much as 4 MiB; (None, None)
-    where it timed none."""
+    least squares of the relative error (costmodel.fit_line), so that 1 KiB counts as much as
+    4 MiB; (None, None) where it timed fewer than two sizes."""
     import json
     from pathlib import Path
+
+    from .costmodel import fit_line
 
     try:
         legs = json.loads(Path(path).read_text()).get("ps_legs") or []
@@ -254,12 +256,8 @@ def bench_shard(path) -> tuple[float | None, float | None]:
               if isinstance(r.get(field), (int, float)) and r[field] > 0]
     if len({x for x, _ in points}) < 2:
         return None, None
-    w = [1 / y ** 2 for _, y in points]
-    sw, sx, sy = sum(w), sum(wi * x for wi, (x, _) in zip(w, points)), sum(wi * y for wi, (_, y) in zip(w, points))
-    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
-    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
-    per_byte = max((sw * sxy - sx * sy) / (sw * sxx - sx * sx), 0.0)
-    return max((sy - per_byte * sx) / sw, 0.0), per_byte  # neither below 0: more bytes never take less
+    fit = fit_line([1.0] * len(points), [x for x, _ in points], [y for _, y in points])
+    return fit.alpha_s, fit.beta_s_per_byte
 
 
 def bench_fabric(path) -> float | None:
