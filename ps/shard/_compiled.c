@@ -279,18 +279,21 @@ static int note_keys(Path *self, PyObject *partials, PyObject *partial, PyObject
     return rc == 0;
 }
 
+/* o.name = v: 1, or 0 with an error set. */
+static int set_int_attr(PyObject *o, PyObject *name, long long v) {
+    PyObject *x = PyLong_FromLongLong(v);
+    int rc = x ? PyObject_SetAttr(o, name, x) : -1;
+    Py_XDECREF(x);
+    return rc == 0;
+}
+
 /* The shard's bump (a checkpoint may be due) where it saves, else its version set to after:
  * 1, or 0 with an error set. */
 static int bump(PyObject *s, PyObject *save, long long after) {
-    if (save != Py_None) {
-        PyObject *r = PyObject_CallMethodNoArgs(s, s_bump);
-        Py_XDECREF(r);
-        return r != NULL;
-    }
-    PyObject *v = PyLong_FromLongLong(after);
-    int rc = v ? PyObject_SetAttr(s, s_version, v) : -1;
-    Py_XDECREF(v);
-    return rc == 0;
+    if (save == Py_None) return set_int_attr(s, s_version, after);
+    PyObject *r = PyObject_CallMethodNoArgs(s, s_bump);
+    Py_XDECREF(r);
+    return r != NULL;
 }
 
 
@@ -720,12 +723,9 @@ static PyObject *Path_call(Path *self, PyObject *args, PyObject *kwargs) {
         Py_XSETREF(gap_o, attr(s, s_max_clock_gap)); /* their pulls may have widened it */
         if (!get_i64(gap_o, &gap)) goto error;
     }
-    if (m.has_clock && slowest >= 0 && (long long)m.clock - slowest > gap) {
-        PyObject *v = PyLong_FromLongLong((long long)m.clock - slowest);
-        int rc = v ? PyObject_SetAttr(s, s_max_clock_gap, v) : -1;
-        Py_XDECREF(v);
-        if (rc < 0) goto error;
-    }
+    if (m.has_clock && slowest >= 0 && (long long)m.clock - slowest > gap &&
+        !set_int_attr(s, s_max_clock_gap, (long long)m.clock - slowest))
+        goto error;
     {   /* rule.read: rows.read(w, updates) */
         PyObject *updates = PyDict_GetItem(counters, s_updates);
         if (!updates || PyDict_SetItem(read_at, w_obj, updates) < 0) goto error;

@@ -50,14 +50,6 @@ static void add_into(int f64, void *restrict sum, const void *restrict g, Py_ssi
     }
 }
 
-/* o.name = v: 1, or 0 with an error set. */
-static int set_int_attr(PyObject *o, PyObject *name, long long v) {
-    PyObject *x = PyLong_FromLongLong(v);
-    int rc = x ? PyObject_SetAttr(o, name, x) : -1;
-    Py_XDECREF(x);
-    return rc == 0;
-}
-
 /* The array each key of entries lends its replies (SnapshotPool.reply_bytes, which makes one
  * where there is none; arrays: the pool's _arrays), borrowed, in views: 1, or 0 with an error
  * set. */
