@@ -38,11 +38,13 @@ cores at 1gbit, 4 KB took 5.65 ms on the ring (4 ranks, 6 exchanges), 4.96 on ha
 (4 exchanges) and 1.85 on the tree (4 one-way hops): 0.46 to 0.62 ms a message with 2 ranks a
 core (0.55 to 0.68 before each receive was posted a step ahead). Ranks that share cores pay
 it `crowding` times."""
-EMULATED_BURST_S = 0.004
+EMULATED_BURST_S = 0.001
 """What an emulated link lets through at once after an idle spell, in seconds of its rate
-(experiments/runtime/netns.py's burst_bytes: tbf and htb need one): a message below it
-crosses faster than the rate there. On two racks at 1gbit a 64 KB tree took 2.2 ms where
-its rounds at the rate take 5.5."""
+(experiments/runtime/netns.py's BURST_S: tbf and htb need one): a message below it crosses
+faster than the rate there. With the 4 ms the links once held, on two racks at 1gbit a 64 KB
+tree took 2.2 ms where its rounds at the rate take 5.5."""
+EMULATED_BURST_MIN_BYTES = 72_000
+"""... and at least one of the kernel's largest packets (netns.py's BURST_MIN_BYTES)."""
 LOOPBACK_BYTES_S = 1.2e9
 """A link's bandwidth without an emulated network: psar bench's busbw on 2 ranks, 1.15 to 1.3
 GB/s from 4 MiB on this 2-core machine."""
@@ -101,11 +103,11 @@ def predict(algorithm: str, nbytes: float, world: int, alpha: float, bandwidth: 
     """The model's seconds for one all-reduce of nbytes on `world` ranks, in npieces pieces;
     alpha: a round's latency, per_message: a message's cost to each rank that sends or
     receives it; racks: the rack of each rank, uplink: their uplinks' bytes/s; burst_s: the
-    links' burst (plancost.Links)."""
+    links' burst (plancost.Links), at least EMULATED_BURST_MIN_BYTES where there is one."""
     if world == 1:
         return 0.0
     plan = plan_of(algorithm, racks or (0,) * world)
-    links = Links(bandwidth, racks, uplink, burst_s)
+    links = Links(bandwidth, racks, uplink, burst_s, EMULATED_BURST_MIN_BYTES)
     return predict_plan(plan, max(1, int(nbytes // npieces)), world, links, alpha, npieces, per_message)
 
 

@@ -36,7 +36,14 @@ class Links:
     uplink: float | None = None
     burst_s: float = 0.0
     """Seconds of its rate a link lets through at once after an idle spell (a token bucket's
-    burst: the emulated links' tbf and htb hold 4 ms; a real NIC or switch port none)."""
+    burst: the emulated links' tbf and htb hold 1 ms, auto.EMULATED_BURST_S; a real NIC or switch
+    port none)."""
+    burst_min: float = 0.0
+    """... and at least this many bytes, where it has a burst (auto.EMULATED_BURST_MIN_BYTES)."""
+
+    def burst(self, bandwidth: float) -> float:
+        """Bytes a link of `bandwidth` bytes/s lets through at once after an idle spell."""
+        return max(bandwidth * self.burst_s, self.burst_min) if self.burst_s > 0 else 0.0
 
     def loads(self, src: int, dst: int) -> list[tuple[tuple, float]]:
         """The links a message from src to dst crosses, with each one's bandwidth."""
@@ -115,11 +122,11 @@ def seconds(plans: list[list[Step]], links: Links, alpha: float, pieces: int = 1
             per_piece.setdefault(link, [0.0, bw])[0] += nbytes
         ready = {}  # each link's burst at the round's start, refilled while it waited
         for link, (_, bw) in load.items():
-            left, since = tokens.get(link, (bw * links.burst_s, clock))
-            ready[link] = min(bw * links.burst_s, left + bw * (clock - since))
+            left, since = tokens.get(link, (links.burst(bw), clock))
+            ready[link] = min(links.burst(bw), left + bw * (clock - since))
         took = max((max(0.0, nbytes - ready[link]) / bw for link, (nbytes, bw) in load.items()), default=0.0)
         for link, (nbytes, bw) in load.items():
-            tokens[link] = (max(0.0, min(bw * links.burst_s, ready[link] + bw * took) - nbytes), clock + took)
+            tokens[link] = (max(0.0, min(links.burst(bw), ready[link] + bw * took) - nbytes), clock + took)
         clock += took
     bottleneck = max((nbytes / bw for nbytes, bw in per_piece.values()), default=0.0)
     return total + clock + (pieces - 1) * bottleneck

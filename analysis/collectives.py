@@ -18,8 +18,9 @@ import matplotlib.pyplot as plt
 
 LINK_BOUND = 0.8
 """A row is link-bound where the model's link time is at least this share of its whole, and
-each rank's share of the tensor is above the links' burst (tbf lets a burst of 4 ms of the
-rate through at once after an idle spell: below it, a message beats its link's rate)."""
+each rank's share of the tensor is above the links' burst (tbf lets a burst of 1 ms of the
+rate through at once after an idle spell, experiments/runtime/netns.py's BURST_S: below it, a
+message beats its link's rate)."""
 
 SWEEP_COLUMNS = [("topology", "topology"), ("size", "size"), ("algorithm", "algorithm"), ("ran", "ran"),
                  ("time_ms", "time ms"), ("busbw_gbs", "busbw GB/s"), ("model_ms", "model ms"),

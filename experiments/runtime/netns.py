@@ -343,10 +343,31 @@ def _addr(index: int) -> str:
     return f"{SUBNET}.{index + 1}"
 
 
+BURST_S = 0.001
+"""What an emulated link lets through at once after an idle spell, in seconds of its rate (tbf
+and htb need a burst; a real NIC or switch port sends nothing faster than its rate): a message
+below it, after the link was idle, leaves faster than the rate. allreduce/auto.py's
+EMULATED_BURST_S prices it. With 4 ms, a step's small messages crossed the links much faster
+than their rate: mlp-mid with 256-wide layers (1.1 MB of gradients), 4 workers at 1gbit, 30
+steps, median step, alternated: ps-sync with 4 separate shards 12.9 and 14.6 ms with 4 ms, 21.5
+and 21.7 with 1 ms (psar predict's rate-exact schedule: 22.0); the ring 17.6 and 17.5 against
+21.1 and 20.5. So the burst, not the engine, made the parameter server 0.76x the ring's step
+there (1.03x with 1 ms). Bulk rates stay exact with 1 ms: mlp-mid (23 MB) on 2 workers at
+2gbit, the ring's median step 142.9 and 140.7 ms with 4 ms, 144.7 and 144.1 with 1 ms, 145.0
+and 145.0 with 0.5 ms (the link alone: 92.8)."""
+
+
+BURST_MIN_BYTES = 72_000
+"""... and at least one of the kernel's largest packets (a veth's GSO packet: 64 KiB and its
+segments' headers), which tbf would otherwise cut into frames in software: 8 workers of
+mlp-mid with 256-wide layers at 200mbit (1 ms is 25 KB there), 30 steps, took 126 and 130 ms
+a step against 92 and 92 with 4 ms (100 KB), the host spending 10 times as much time in soft
+interrupts."""
+
+
 def burst_bytes(bits: float) -> int:
-    """A burst of ~4 ms of traffic (at least a few MTUs): keeps tbf and htb exact at high rates.
-    A message below it, after the link was idle, leaves faster than the rate."""
-    return max(16_000, int(bits / 8 * 0.004))
+    """A burst of BURST_S of traffic at bits/s, at least BURST_MIN_BYTES."""
+    return max(BURST_MIN_BYTES, int(bits / 8 * BURST_S))
 
 
 def _interrupt(signum, frame):

@@ -116,6 +116,22 @@ def test_a_switch_port_queues_queue_ms_of_its_rate_past_its_burst():
     assert Network(("w0",), "1gbit", queue_ms=300.0).queue_bytes(3000, "100mbit") == 3_753_000
 
 
+@pytest.mark.timeout(10)
+def test_a_link_bursts_what_the_collectives_model_prices_and_never_below_a_few_mtus():
+    from allreduce.auto import EMULATED_BURST_MIN_BYTES, EMULATED_BURST_S
+    from allreduce.plancost import Links
+    from experiments.runtime.netns import BURST_MIN_BYTES, BURST_S, burst_bytes
+
+    # the model prices the burst the links hold
+    assert (BURST_S, BURST_MIN_BYTES) == (EMULATED_BURST_S, EMULATED_BURST_MIN_BYTES)
+    links = Links(1.0, burst_s=BURST_S, burst_min=BURST_MIN_BYTES)
+    for bits in (100e6, 200e6, 576e6, 1e9, 2e9, 20e9):
+        assert links.burst(bits / 8) == burst_bytes(bits)
+    assert burst_bytes(2e9) == 250_000  # 1 ms of 2gbit
+    assert burst_bytes(200e6) == 72_000  # 1 ms of 200mbit is 25 KB: one GSO packet at least
+    assert Links(1.0).burst(125e6) == 0.0  # a real link: none
+
+
 @pytest.mark.timeout(30)
 def test_a_run_without_a_network_takes_the_default_tcp_or_none_as_runs_recorded_it_before():
     """net.congestion shapes only an emulated network: without --net the default, and the ""
