@@ -43,8 +43,8 @@ EMULATED_BURST_S = 0.001
 (experiments/runtime/netns.py's BURST_S: tbf and htb need one): a message below it crosses
 faster than the rate there. With the 4 ms the links once held, on two racks at 1gbit a 64 KB
 tree took 2.2 ms where its rounds at the rate take 5.5."""
-EMULATED_BURST_MIN_BYTES = 72_000
-"""... and at least one of the kernel's largest packets (netns.py's BURST_MIN_BYTES)."""
+EMULATED_BURST_MIN_BYTES = 16_000
+"""... and at least a few frames (netns.py's BURST_MIN_BYTES)."""
 LOOPBACK_BYTES_S = 1.2e9
 """A link's bandwidth without an emulated network: psar bench's busbw on 2 ranks, 1.15 to 1.3
 GB/s from 4 MiB on this 2-core machine."""

@@ -214,6 +214,12 @@ class Network(Probes):
                          f"match ip dst {_addr(i)}/32 flowid {cid}")
         run("tc", "-n", host.netns, "-batch", "-", input="\n".join(lines) + "\n")  # tc names a failing line
 
+    def gso_bytes(self) -> int:
+        """The largest packet the hosts build: one that fits the burst of every link it may
+        cross (the hosts' and the uplinks'), gso_bytes."""
+        slowest = min(parse_rate(r) for r in (self.rate, self.uplink) if r) if self.rate else 0.0
+        return gso_bytes(slowest) if slowest else GSO_MAX_BYTES
+
     def queue_bytes(self, burst: int, rate: str = "") -> int:
         """tbf's limit: queue_ms of rate (the hosts' where "") past the burst, at least
         QUEUE_MIN_BYTES."""
@@ -283,6 +289,8 @@ class Network(Probes):
                 run("ip", "-n", self.bridge_ns, "link", "set", IFNAME, "netns", host.netns)
                 run("ip", "-n", self.bridge_ns, "link", "set", port, "master", switches[host.rack])
                 run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
+                if self.gso_bytes() < GSO_MAX_BYTES:  # no packet larger than a link's burst
+                    run("ip", "-n", host.netns, "link", "set", IFNAME, "gso_max_size", str(self.gso_bytes()))
                 run("ip", "-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
                 run("ip", "-n", host.netns, "link", "set", IFNAME, "up")
                 if self.rate:
@@ -345,24 +353,36 @@ def _addr(index: int) -> str:
 
 BURST_S = 0.001
 """What an emulated link lets through at once after an idle spell, in seconds of its rate (tbf
-and htb need a burst; a real NIC or switch port sends nothing faster than its rate): a message
-below it, after the link was idle, leaves faster than the rate. allreduce/auto.py's
-EMULATED_BURST_S prices it. With 4 ms, a step's small messages crossed the links much faster
-than their rate: mlp-mid with 256-wide layers (1.1 MB of gradients), 4 workers at 1gbit, 30
-steps, median step, alternated: ps-sync with 4 separate shards 12.9 and 14.6 ms with 4 ms, 21.5
-and 21.7 with 1 ms (psar predict's rate-exact schedule: 22.0); the ring 17.6 and 17.5 against
-21.1 and 20.5. So the burst, not the engine, made the parameter server 0.76x the ring's step
-there (1.03x with 1 ms). Bulk rates stay exact with 1 ms: mlp-mid (23 MB) on 2 workers at
-2gbit, the ring's median step 142.9 and 140.7 ms with 4 ms, 144.7 and 144.1 with 1 ms, 145.0
-and 145.0 with 0.5 ms (the link alone: 92.8)."""
+and htb need a burst; a real NIC or switch port sends nothing faster than its rate), at least
+BURST_MIN_BYTES: a message below it, after the link was idle, leaves faster than the rate.
+allreduce/auto.py's EMULATED_BURST_S prices it. With 4 ms, a step's small messages crossed
+the links much faster than their rate: mlp-mid with 256-wide layers (1.1 MB of gradients), 4
+workers at 1gbit, 30 steps, median step, alternated: ps-sync with 4 separate shards 12.9 and
+14.6 ms with 4 ms, 21.5 and 21.7 with 1 ms (psar predict's rate-exact schedule: 22.0); the
+ring 17.6 and 17.5 against 21.1 and 20.5. So the burst, not the engine, made the parameter
+server 0.78x the ring's step there (1.04x with 1 ms; medians of the two runs). Bulk rates stay
+exact with 1 ms: mlp-mid (23 MB) on 2 workers at 2gbit, the ring's median step 142.9 and
+140.7 ms with 4 ms, 144.7 and 144.1 with 1 ms, 145.0 and 145.0 with 0.5 ms (the link alone:
+92.8)."""
 
 
-BURST_MIN_BYTES = 72_000
-"""... and at least one of the kernel's largest packets (a veth's GSO packet: 64 KiB and its
-segments' headers), which tbf would otherwise cut into frames in software: 8 workers of
-mlp-mid with 256-wide layers at 200mbit (1 ms is 25 KB there), 30 steps, took 126 and 130 ms
-a step against 92 and 92 with 4 ms (100 KB), the host spending 10 times as much time in soft
-interrupts."""
+BURST_MIN_BYTES = 16_000
+"""... and at least this many bytes: a few frames."""
+GSO_MAX_BYTES = 65_536
+"""The largest packet a host's TCP builds by default (a veth's gso_max_size, 64 KiB). tbf cuts
+a packet larger than its burst into frames in software, at a cost: with 64 KiB packets and 1
+ms of 200mbit (25 KB), 8 workers of mlp-mid with 256-wide layers, 30 steps, took 126 and 130
+ms a step against 92 and 92 with 4 ms (100 KB), the host 10 times as long in soft interrupts.
+So where a link's burst is smaller, its hosts build packets that fit it (gso_bytes): those
+8 workers then took 103.9 and 103.4 ms, 2.5 times the soft interrupts of 64 KiB packets. Not
+smaller everywhere: with 15 KB packets at 1gbit the ps-sync run of BURST_S took 30.7 ms a
+step where 64 KiB ones took 21.5, and mlp-mid's ring at 2gbit 159 ms where they took 144."""
+
+
+def gso_bytes(bits: float) -> int:
+    """The largest packet for links of bits/s: one that fits their burst with its frames'
+    headers (a tenth of it for them), at most GSO_MAX_BYTES."""
+    return min(GSO_MAX_BYTES, int(burst_bytes(bits) * 0.9))
 
 
 def burst_bytes(bits: float) -> int:

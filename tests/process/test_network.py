@@ -293,7 +293,7 @@ def test_the_incast_probe_times_each_round_of_several_hosts_sending_into_one_por
     row = incast("reno", rate="100mbit", senders=2, nbytes=100_000, rounds=4, gap_s=0.02)
     assert row["congestion"] == "reno" and len(row["seconds"]) == 3  # the first round left out
     assert row["port_s"] == pytest.approx(2 * 100_000 * 8 / 100e6)
-    # Never much faster than the port: its burst lends 72 KB, about 6 ms at the rate (of the round's 16).
+    # Never much faster than the port: its burst lends 16 KB, about 1.3 ms at the rate (of the round's 16).
     assert 0.6 <= row["median_x"] <= row["slowest_tenth_x"] < 50
     assert 0 <= row["retransmitted"] < 1 and row["timeouts"] >= 0
     assert "reno" in format_incast_table([row])

@@ -106,8 +106,8 @@ def test_a_links_burst_lets_small_messages_through_and_barely_shortens_large_one
     big, bursting = predict("ring", 64 << 20, 4, 0.0, B, npieces=4), \
         predict("ring", 64 << 20, 4, 0.0, B, npieces=4, burst_s=0.004)
     assert 0.99 * big < bursting < big
-    # on two racks at 4:1, 32 KB: the tree's hops fit the uplinks' bursts (72 KB, more than 1 ms
-    # of 500mbit), its link rounds do not; at 256 KB halving-doubling's rounds are the shorter
+    # on two racks at 4:1, 32 KB: the tree's hops fit the uplinks' bursts (1 ms of 500mbit: 62.5
+    # KB), its link rounds do not; at 256 KB halving-doubling's rounds are the shorter
     racks = (0, 1, 0, 1)
     assert choose(32 << 10, 4, 0.0, B, racks, B / 2, crowded=2.0) == "tree"
     assert choose(256 << 10, 4, 0.0, B, racks, B / 2, crowded=2.0) == "halving-doubling"

@@ -128,8 +128,21 @@ def test_a_link_bursts_what_the_collectives_model_prices_and_never_below_a_few_m
     for bits in (100e6, 200e6, 576e6, 1e9, 2e9, 20e9):
         assert links.burst(bits / 8) == burst_bytes(bits)
     assert burst_bytes(2e9) == 250_000  # 1 ms of 2gbit
-    assert burst_bytes(200e6) == 72_000  # 1 ms of 200mbit is 25 KB: one GSO packet at least
+    assert burst_bytes(100e6) == 16_000  # 1 ms of 100mbit is 12.5 KB: a few frames at least
     assert Links(1.0).burst(125e6) == 0.0  # a real link: none
+
+
+@pytest.mark.timeout(10)
+def test_hosts_build_no_packet_larger_than_the_burst_of_a_link_it_may_cross():
+    from experiments.runtime.netns import GSO_MAX_BYTES, Network, burst_bytes, gso_bytes
+
+    for bits in (100e6, 200e6, 500e6, 1e9, 20e9):
+        assert gso_bytes(bits) <= min(GSO_MAX_BYTES, 0.9 * burst_bytes(bits))
+    assert gso_bytes(1e9) == GSO_MAX_BYTES  # 125 KB of burst: the kernel's own packets fit
+    assert Network(("w0",), "200mbit").gso_bytes() == 22_500
+    # the uplinks' burst (500mbit: 62.5 KB) is the smaller one here
+    assert Network(("w0", "w1"), "1gbit", racks=(0, 1), uplink="500mbit").gso_bytes() == 56_250
+    assert Network(("w0",), "").gso_bytes() == GSO_MAX_BYTES  # unshaped: the kernel's default
 
 
 @pytest.mark.timeout(30)
