@@ -339,6 +339,10 @@ class Network(Probes):
                 "hosts": {n: h.addr for n, h in self.hosts.items()},
                 "racks": racks, "rack_of": {n: h.rack for n, h in self.hosts.items()},
                 "uplink": self.uplink, "uplink_bits": parse_rate(self.uplink) if self.uplink else None,
+                # what a link lets through at once, and the largest packet a host builds (runs
+                # before these were recorded had 4 ms of the rate and 64 KiB)
+                "burst_bytes": burst_bytes(parse_rate(self.rate)) if self.rate else None,
+                "packet_bytes": self.gso_bytes(),
                 "made_with": ("network namespaces, a bridge" if racks == 1 else
                               "network namespaces, a bridge per rack joined to a core bridge by a veth pair"
                               + (" (tbf at the uplink rate each way)" if self.uplink else ""))

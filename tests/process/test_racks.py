@@ -99,7 +99,12 @@ def test_hosts_reach_each_other_across_racks_and_nothing_is_left():
         assert set(made) <= set(network._namespaces())
         net.check_tcp(6200)
         described = net.describe()
+        # every host builds packets that fit the smallest burst on its way (the uplinks' 16 KB)
+        for host in net.hosts.values():
+            link = json.loads(network.run("ip", "-n", host.netns, "-j", "-d", "link", "show", network.IFNAME).stdout)
+            assert link[0]["gso_max_size"] == 14_400
     assert (described["racks"], described["rack_of"], described["uplink"]) == (3, {"a": 0, "b": 1, "c": 2}, "5mbit")
+    assert (described["burst_bytes"], described["packet_bytes"]) == (16_000, 14_400)
     assert not [n for n in network._namespaces() if n.startswith(net.prefix)]
 
 
