@@ -145,6 +145,10 @@ class Run:
         return [r for r in records if r["step"] >= 1] or records
 
 
+LINKS_BUILT = ("burst_bytes", "packet_bytes")
+"""What summary.json's network records of how its emulated links were built: runs on links
+built otherwise (a burst of 4 ms of the rate and 64 KiB packets, before they were recorded)
+are not repeats of one configuration."""
 EMULATION_ONLY = ("net.congestion", "net.queue_ms")
 """Settings of an emulated network's hosts and ports: they change nothing in a run without one
 (net.rate ""), where settings() leaves them out (runs recorded before a default changed)."""
@@ -166,6 +170,9 @@ def settings(run: Run) -> dict[str, str]:
     if not (run.config.get("net") or {}).get("rate"):
         for key in EMULATION_ONLY:
             flat.pop(key, None)
+    else:  # the links as they were built, which no setting chooses ("-" in runs before they were recorded)
+        network = run.summary.get("network") or {}
+        flat |= {f"net.{key}": json.dumps(network[key]) for key in LINKS_BUILT if key in network}
     return flat
 
 

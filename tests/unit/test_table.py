@@ -147,6 +147,24 @@ def test_the_hosts_tcp_tells_runs_apart_only_on_an_emulated_network():
                                                         "ps-sync [net.congestion=cubic,reno]"}
 
 
+def test_runs_on_links_built_otherwise_are_never_one_row():
+    """summary.json's network records the links' burst and packets: runs on the 4 ms links
+    (which recorded neither) and on today's are two rows; repeats on today's links, one."""
+    net = {"net": {"rate": "1gbit"}}
+    built = {"network": {"burst_bytes": 125_000, "packet_bytes": 65_536}}
+    old = _configured("old", net, 100.0)
+    new = [_configured(name, net, rate) for name, rate in (("new", 110.0), ("again", 120.0))]
+    for run in new:
+        run.summary.update(built)
+    from analysis.results import distinctions
+
+    apart = distinctions([old, *new], lambda run: run.label)
+    assert apart == {Path("/runs/old"): "net.burst_bytes=-, net.packet_bytes=-",
+                     Path("/runs/new"): "net.burst_bytes=125000, net.packet_bytes=65536",
+                     Path("/runs/again"): "net.burst_bytes=125000, net.packet_bytes=65536"}
+    assert set(distinctions(new, lambda run: run.label).values()) == {""}
+
+
 def test_the_verdict_counts_shards_in_words():
     from analysis.verdict import _name
 
