@@ -38,11 +38,13 @@ class NetConfig:
     network.congestion says which ran. By default a loss-based one, as a cluster's Linux hosts
     run (cubic; reno where namespaces may not take cubic: at sub-millisecond round trips cubic
     grows its window as reno does, and cuts it to 0.7 on a loss where reno's goes to 0.5).
-    Flows that ignore loss (bbr) overflow a shallow port that several hosts send into: 4 hosts sending 270 KB each at once into one host's 100mbit port
-    (10 ms of queue), 30 rounds 50 ms apart, four runs each, alternated (`psar bench`'s
-    incast table): bbr sent 29 to 36% of its segments again, with 4 to 11 retransmission
-    timeouts a run, its slowest tenth of rounds 3.1 to 3.3x the port's time; reno 2.8 to
-    3.3%, 0 or 1 timeouts, 1.06 to 2.05x (the median round 1.00 to 1.01x under both)."""
+    Flows that ignore loss (bbr) overflow a shallow port that several hosts send into: 4 hosts
+    sending 270 KB each at once into one host's 100mbit port (10 ms of queue), 30 rounds 50 ms
+    apart, four runs each, alternated (`psar bench`'s incast table, on links with a burst of 1
+    ms of the rate): bbr sent 28 to 30% of its segments again, with 2 to 10 retransmission
+    timeouts a run, its slowest tenth of rounds 3.1 to 3.4x the port's time; reno 1.7 to 2.1%,
+    0 or 1 timeouts, 1.04 to 2.36x (the median round 1.03 to 1.04x under both). With the 4 ms
+    burst the links had before: bbr 29 to 36%, reno 2.8 to 3.3%."""
     placement: str = "colocated"
     """Parameter-server shards on the workers' hosts (shard i on worker i's host, as BytePS
     co-locates them), or "separate": a host of their own each (spare CPU machines)."""
