@@ -279,6 +279,7 @@ class Network(Probes):
         try:
             self._add_netns(self.bridge_ns)
             switches = self._switches()
+            packet = self.gso_bytes()
             for i, name in enumerate(self.names):
                 host = Host(name, f"{self.prefix}-{name}", _addr(i), self.racks[i] if self.racks else 0)
                 self._add_netns(host.netns)
@@ -289,8 +290,8 @@ class Network(Probes):
                 run("ip", "-n", self.bridge_ns, "link", "set", IFNAME, "netns", host.netns)
                 run("ip", "-n", self.bridge_ns, "link", "set", port, "master", switches[host.rack])
                 run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
-                if self.gso_bytes() < GSO_MAX_BYTES:  # no packet larger than a link's burst
-                    run("ip", "-n", host.netns, "link", "set", IFNAME, "gso_max_size", str(self.gso_bytes()))
+                if packet < GSO_MAX_BYTES:  # no packet larger than a link's burst
+                    run("ip", "-n", host.netns, "link", "set", IFNAME, "gso_max_size", str(packet))
                 run("ip", "-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", IFNAME)
                 run("ip", "-n", host.netns, "link", "set", IFNAME, "up")
                 if self.rate:

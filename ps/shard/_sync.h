@@ -88,6 +88,7 @@ typedef struct {
     PyObject *peer; /* borrowed from the Waiter, which the list holds */
     uint64_t worker, req;
     long long min_version, stale; /* min_version -1: none */
+    long long at;                 /* release_pulls: the version its keys are at, where it is asked */
     double since;
     Py_ssize_t nkeys;
     Py_ssize_t entries[MAX_KEYS_ON_STACK];
@@ -187,12 +188,12 @@ static int release_pulls(Path *self, PyObject *s, PyObject *readied, PyObject *u
                 goto done;
             }
         }
-        long long at = asked && p->min_version >= 0 ? version_of(self, updated, version_now, p->nkeys, p->entries) : 0;
-        if (at < 0) {
+        p->at = asked ? version_of(self, updated, version_now, p->nkeys, p->entries) : 0;
+        if (p->at < 0) {
             rc = -1;
             goto done;
         }
-        ready[i] = asked && at >= p->min_version;
+        ready[i] = asked && p->at >= p->min_version;
         found += ready[i];
     }
     PyObject *count = PyDict_GetItem(waits, s_count), *total = PyDict_GetItem(waits, s_total_s),
@@ -242,9 +243,8 @@ static int release_pulls(Path *self, PyObject *s, PyObject *readied, PyObject *u
         long long waited_us = (long long)((now - p->since) * 1e6); /* int(): toward zero, as C's cast */
         PyObject *views[MAX_KEYS_ON_STACK];
         if (!reply_views(self, snapshots, arrays, p->nkeys, p->entries, views)) goto done;
-        long long at = version_of(self, updated, version_now, p->nkeys, p->entries);
-        PyObject *frames = at < 0 ? NULL : reply_frames(self, p->worker, p->req, p->nkeys, p->entries, views, at,
-                                                         &waited_us, p->stale, counters);
+        PyObject *frames = reply_frames(self, p->worker, p->req, p->nkeys, p->entries, views, p->at, &waited_us,
+                                        p->stale, counters);
         PyObject *pair = frames ? PyTuple_Pack(2, p->peer, frames) : NULL;
         Py_XDECREF(frames);
         if (!pair || PyList_Append(replies, pair) < 0) {
